@@ -1,0 +1,390 @@
+"""The typed config tree: frozen dataclasses, YAML loading, `section.key=value` overrides, checks.
+
+Every knob has one home and one default here. The defaults are the `tiny` run that
+`python -m msjax.train` starts with no arguments; `configs/tiny.yaml` spells the same values out.
+Checks that need no devices live here; the device-count check is `check_device_count`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from msjax.errors import ConfigError
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+
+    vocab_size: int = 264  # 256 bytes + end-of-document, padded to a multiple of 8
+    num_layers: int = 4
+    embed_dim: int = 128
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int | None = None  # None: embed_dim // num_heads
+    mlp_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    tied_embeddings: bool = False
+    parallel_block: bool = False  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
+    attention_window: int | None = None  # sliding-window attention; None: full causal
+    remat: Literal["none", "full", "dots"] = "none"
+    compute_dtype: DType = "float32"  # parameters stay float32 (master copy)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.embed_dim // self.num_heads
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes, outermost first; -1 on one axis means "the rest of the devices"."""
+
+    data: int = 2
+    fsdp: int = 2
+    tensor: int = 2
+    sequence_parallel: bool = False  # shard activations between blocks along seq over `tensor`
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training corpus and how it is cut into sequences."""
+
+    source: Literal["stdlib"] = "stdlib"  # the running Python's standard library sources
+    seq_len: int = 128
+    eval_fraction: float = 0.01  # share of documents held out for validation
+    max_corpus_mib: int = 24  # read at most this much text (keeps start-up fast)
+    prefetch_batches: int = 2
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer, its learning-rate schedule and gradient clipping."""
+
+    name: Literal["adamw", "lamb"] = "adamw"
+    learning_rate: float = 3e-3
+    warmup_steps: int = 30
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    final_lr_fraction: float = 0.1  # the decay ends at learning_rate * final_lr_fraction
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # never applied to norms and biases
+    grad_clip_norm: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How long to train, on how much data per step, and how often to evaluate."""
+
+    steps: int = 300
+    global_batch: int = 32
+    eval_every: int = 100  # 0: never
+    eval_batches: int = 4
+    peak_tflops: float | None = None  # per device; None: known GPU table, or measured on CPU
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing (the Orbax manager's keys live here; no checkpoints are written yet)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Identity of a run: its name, its directory and its seed."""
+
+    name: str = "tiny"
+    dir: str | None = None  # None: runs/<name>-<UTC timestamp>
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole config tree of one msjax run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """The config from a YAML file (or the defaults) with `section.key=value` overrides applied."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        tree = _read_yaml(Path(path))
+    for override in overrides:
+        section, key, value = _parse_override(override)
+        tree.setdefault(section, {})[key] = value
+    config = config_from_dict(tree)
+    validate(config)
+    return config
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, checking every section, key and value type."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(tree).__name__}")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    built = {}
+    for section_name, values in tree.items():
+        if section_name not in sections:
+            raise ConfigError(_unknown("section", section_name, sections))
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section '{section_name}' must be a mapping of keys")
+        section_type = _hints(Config)[section_name]
+        built[section_name] = _build_section(section_name, section_type, values)
+    return Config(**built)
+
+
+def _build_section(section_name: str, section_type: type, values: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(section_type)}
+    hints = _hints(section_type)
+    checked = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(_unknown("key", f"{section_name}.{key}", fields, prefix=section_name))
+        checked[key] = _coerce(f"{section_name}.{key}", value, hints[key])
+    return section_type(**checked)
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Return value as the annotated type, or raise a ConfigError naming what is accepted."""
+    origin = get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(annotation)
+        is_null = value is None or (isinstance(value, str) and value.lower() in ("null", "none"))
+        if is_null and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(name, value, option)
+            except ConfigError as error:
+                errors.append(error)
+        raise errors[0]
+    if origin is Literal:
+        choices = get_args(annotation)
+        if value in choices:
+            return value
+        raise ConfigError(f"{name}={value!r} is not accepted; choose one of {', '.join(choices)}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}={value!r} must be a boolean (true or false)")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "3e-4" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}={value!r} must be a string")
+    raise TypeError(f"unsupported config annotation {annotation!r} for {name}")
+
+
+def validate(config: Config) -> None:
+    """Check every combination that can be checked without devices; raise ConfigError if bad."""
+    model, mesh, train, data = config.model, config.mesh, config.train, config.data
+    positive = {
+        "model.vocab_size": model.vocab_size,
+        "model.num_layers": model.num_layers,
+        "model.embed_dim": model.embed_dim,
+        "model.num_heads": model.num_heads,
+        "model.num_kv_heads": model.num_kv_heads,
+        "model.mlp_dim": model.mlp_dim,
+        "data.seq_len": data.seq_len,
+        "data.max_corpus_mib": data.max_corpus_mib,
+        "train.steps": train.steps,
+        "train.global_batch": train.global_batch,
+        "train.eval_batches": train.eval_batches,
+        "optim.learning_rate": config.optim.learning_rate,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name}={value} must be positive")
+    if model.head_dim is not None and model.head_dim <= 0:
+        raise ConfigError(f"model.head_dim={model.head_dim} must be positive (or null)")
+    if model.head_dim is None and model.embed_dim % model.num_heads:
+        raise ConfigError(
+            f"model.embed_dim={model.embed_dim} is not divisible by model.num_heads="
+            f"{model.num_heads}; set model.head_dim or change one of them"
+        )
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={model.num_heads} must be a multiple of "
+            f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)"
+        )
+    if model.attention_window is not None and model.attention_window <= 0:
+        raise ConfigError(f"model.attention_window={model.attention_window} must be positive")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={train.eval_every} must be 0 (never) or positive")
+    if config.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
+    if train.peak_tflops is not None and train.peak_tflops <= 0:
+        raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
+
+    sizes = mesh.axis_sizes()
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
+    _check_divisible_by_mesh(config, sizes)
+
+
+def _check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:
+    """Checks against mesh axes whose sizes are known (an axis of -1 is checked later)."""
+    model, mesh = config.model, config.mesh
+    data_parallel = sizes["data"] * sizes["fsdp"]
+    if sizes["data"] > 0 and sizes["fsdp"] > 0 and config.train.global_batch % data_parallel:
+        raise ConfigError(
+            f"train.global_batch={config.train.global_batch} is not divisible by the "
+            f"data-parallel size mesh.data x mesh.fsdp = {data_parallel}"
+        )
+    tensor = sizes["tensor"]
+    if tensor > 0:
+        if model.num_heads % tensor:
+            raise ConfigError(
+                f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
+            )
+        if model.mlp_dim % tensor:
+            raise ConfigError(
+                f"model.mlp_dim={model.mlp_dim} is not divisible by mesh.tensor={tensor}"
+            )
+        if model.vocab_size % tensor:
+            raise ConfigError(
+                f"model.vocab_size={model.vocab_size} is not divisible by mesh.tensor={tensor}; "
+                "pad the vocabulary to a multiple of it"
+            )
+        if mesh.sequence_parallel and config.data.seq_len % tensor:
+            raise ConfigError(
+                f"data.seq_len={config.data.seq_len} is not divisible by mesh.tensor={tensor}, "
+                "which mesh.sequence_parallel=true needs"
+            )
+    if sizes["fsdp"] > 0 and model.embed_dim % sizes["fsdp"]:
+        raise ConfigError(
+            f"model.embed_dim={model.embed_dim} is not divisible by mesh.fsdp={sizes['fsdp']}"
+        )
+
+
+def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+    """Mesh axis sizes with -1 filled in; ConfigError if they cannot cover device_count exactly."""
+    sizes = mesh.axis_sizes()
+    known = 1
+    for size in sizes.values():
+        if size != -1:
+            known *= size
+    shape_text = " x ".join(f"{axis} {size}" for axis, size in sizes.items())
+    if -1 in sizes.values():
+        if device_count % known:
+            raise ConfigError(
+                f"mesh ({shape_text}) cannot fill {device_count} devices: "
+                f"{device_count} is not divisible by {known}"
+            )
+        sizes = {
+            axis: device_count // known if size == -1 else size for axis, size in sizes.items()
+        }
+    elif known != device_count:
+        raise ConfigError(
+            f"mesh ({shape_text}) has {known} devices but {device_count} are available; "
+            "make mesh.data x mesh.fsdp x mesh.tensor equal the device count or set one axis to -1"
+        )
+    return sizes
+
+
+def check_device_count(config: Config, device_count: int) -> Config:
+    """The config with -1 mesh axes resolved for device_count; ConfigError if it does not fit."""
+    sizes = resolve_mesh_shape(config.mesh, device_count)
+    resolved = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
+    _check_divisible_by_mesh(resolved, sizes)
+    return resolved
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return tree
+
+
+def _parse_override(override: str) -> tuple[str, str, Any]:
+    name, equals, text = override.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not equals or not dot or not section or not key or "." in key:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    sections = {f.name for f in dataclasses.fields(Config)}
+    if section not in sections:
+        raise ConfigError(_unknown("section", section, sections))
+    return section, key, value
+
+
+def _unknown(kind: str, name: str, valid: typing.Iterable[str], prefix: str = "") -> str:
+    candidates = [f"{prefix}.{v}" if prefix else v for v in valid]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(sorted(candidates))}"
+    return f"unknown config {kind} '{name}'{hint}"
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, globalns=globals())
+
+
+def save_config(config: Config, run_dir: Path) -> Path:
+    """Write the resolved config into the run directory as YAML (and JSON for tools)."""
+    path = run_dir / "config.yaml"
+    path.write_text(config.to_yaml())
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    return path

@@ -1,0 +1,1 @@
+"""Training data: the byte tokenizer, the embedded stdlib corpus and the Grain batch pipeline."""

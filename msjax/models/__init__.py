@@ -1,0 +1,1 @@
+"""Flax NNX model code: math and logical axis names only, never meshes."""

@@ -1,0 +1,186 @@
+"""The Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, scanned layers.
+
+Parameters carry logical axis names (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`,
+`layers`); activations are hinted with `constrain`. Nothing here knows about meshes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from msjax.config import ModelConfig
+from msjax.models.attention import dot_product_attention, rotary_embedding
+from msjax.models.logical import constrain
+
+RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and an optional sliding window."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        embed, head_dim = config.embed_dim, config.resolved_head_dim
+        heads, kv_heads = config.num_heads, config.num_kv_heads
+        init = nnx.initializers.normal(config.init_std)
+        out_init = nnx.initializers.normal(config.init_std / (2 * config.num_layers) ** 0.5)
+        self.query = _param(rngs, init, (embed, heads, head_dim), ("embed", "heads", "head_dim"))
+        self.key = _param(
+            rngs, init, (embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim")
+        )
+        self.value = _param(
+            rngs, init, (embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim")
+        )
+        self.out = _param(rngs, out_init, (heads, head_dim, embed), ("heads", "head_dim", "embed"))
+        self.config = config
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+    ) -> jax.Array:
+        dtype = x.dtype
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        query = jnp.einsum("bse,ehd->bshd", x, self.query[...].astype(dtype))
+        key = jnp.einsum("bse,ehd->bshd", x, self.key[...].astype(dtype))
+        value = jnp.einsum("bse,ehd->bshd", x, self.value[...].astype(dtype))
+        query = constrain(query, ("batch", "seq", "heads", "head_dim"))
+        key = constrain(key, ("batch", "seq", "kv_heads", "head_dim"))
+        value = constrain(value, ("batch", "seq", "kv_heads", "head_dim"))
+        query = rotary_embedding(query, positions, self.config.rope_theta)
+        key = rotary_embedding(key, positions, self.config.rope_theta)
+        attended = dot_product_attention(
+            query, key, value, window=self.config.attention_window, segment_ids=segment_ids
+        )  # [batch, seq, heads, head_dim]
+        attended = constrain(attended, ("batch", "seq", "heads", "head_dim"))
+        return jnp.einsum("bshd,hde->bse", attended, self.out[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        embed, hidden = config.embed_dim, config.mlp_dim
+        init = nnx.initializers.normal(config.init_std)
+        out_init = nnx.initializers.normal(config.init_std / (2 * config.num_layers) ** 0.5)
+        self.gate = _param(rngs, init, (embed, hidden), ("embed", "mlp"))
+        self.up = _param(rngs, init, (embed, hidden), ("embed", "mlp"))
+        self.down = _param(rngs, out_init, (hidden, embed), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = x.dtype
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        gate = jnp.einsum("bse,em->bsm", x, self.gate[...].astype(dtype))
+        up = jnp.einsum("bse,em->bsm", x, self.up[...].astype(dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
+        return jnp.einsum("bsm,me->bse", hidden, self.down[...].astype(dtype))
+
+
+class Block(nnx.Module):
+    """One decoder layer, sequential (pre-norm) or parallel (MegaScale §3.1)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.attention_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs)
+        self.attention = Attention(config, rngs)
+        if not config.parallel_block:
+            self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs)
+        self.mlp = MLP(config, rngs)
+        self.parallel = config.parallel_block
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+    ) -> jax.Array:
+        if self.parallel:
+            # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x)); one norm feeds both branches.
+            normed = self.attention_norm(x)
+            x = x + self.attention(normed, positions, segment_ids) + self.mlp(normed)
+        else:
+            x = x + self.attention(self.attention_norm(x), positions, segment_ids)
+            x = constrain(x, RESIDUAL)
+            x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, RESIDUAL)
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only language model; `layers` are stacked and run by `nnx.scan`."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        embed_init = nnx.initializers.normal(config.init_std)
+        self.embedding = _param(
+            rngs, embed_init, (config.vocab_size, config.embed_dim), ("vocab", "embed")
+        )
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs: nnx.Rngs) -> Block:
+            return Block(config, rngs)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs)
+        if not config.tied_embeddings:
+            self.unembedding = _param(
+                rngs, embed_init, (config.embed_dim, config.vocab_size), ("embed", "vocab")
+            )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """tokens: [batch, seq] int -> logits [batch, seq, vocab] in float32."""
+        config = self.config
+        dtype = jnp.dtype(config.compute_dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        # The table is gathered whole along embed (as FSDP does for every weight) and stays
+        # split along vocab, so the lookup is a local gather plus a sum over `tensor`.
+        table = constrain(self.embedding[...].astype(dtype), ("vocab", "act_embed"))
+        x = jnp.take(table, tokens, axis=0)  # [batch, seq, embed]
+        x = constrain(x, RESIDUAL)
+
+        def layer(block: Block, x: jax.Array) -> jax.Array:
+            return block(x, positions, segment_ids)
+
+        if config.remat != "none":
+            layer = nnx.remat(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+
+        @nnx.scan(
+            in_axes=(nnx.Carry, 0),
+            out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: "layers"},
+        )
+        def run_layers(x: jax.Array, block: Block) -> jax.Array:
+            return layer(block, x)
+
+        x = run_layers(x, self.layers)
+        x = self.final_norm(x)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        unembedding = self.embedding[...].T if config.tied_embeddings else self.unembedding[...]
+        logits = jnp.einsum(
+            "bse,ev->bsv", x, unembedding.astype(dtype), preferred_element_type=jnp.float32
+        )
+        return constrain(logits, ("batch", "seq", "vocab"))

@@ -1,0 +1,1 @@
+"""Parallelism applied from outside the model: meshes, logical-axis rules, shardings."""

@@ -1,0 +1,171 @@
+"""The compiled train and eval steps, and the train state created already sharded.
+
+Everything here is pure: a step maps (state, batch) to (state, metrics) as one `jax.jit` program
+with explicit input and output shardings and a donated state. The loop that feeds it lives in
+`msjax.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from msjax.config import Config
+from msjax.models.transformer import Transformer
+from msjax.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
+from msjax.parallel.rules import (
+    activation_placement,
+    logical_axes_of,
+    logical_axis_rules,
+    shardings_for,
+)
+
+Batch = dict[str, jax.Array]  # inputs, targets, positions, segment_ids: [batch, seq] int32
+Params = dict[str, Any]  # a pure nested dict of float32 arrays
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TrainState:
+    """What one training step reads and writes."""
+
+    step: jax.Array  # int32 scalar: the number of updates applied so far
+    params: Params
+    opt_state: optax.OptState
+
+
+def cross_entropy_loss(logits: jax.Array, batch: Batch) -> jax.Array:
+    """Mean next-token cross-entropy over real tokens (segment id 0 marks padding)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    weights = (batch["segment_ids"] != 0).astype(jnp.float32)
+    return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+@dataclass
+class TrainProgram:
+    """The model's structure, the shardings of every array, and the compiled steps of one run."""
+
+    config: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State
+    logical_axes: Any
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    train_step: Any = None  # jitted (state, batch) -> (state, metrics)
+    eval_step: Any = None  # jitted (params, batch) -> loss
+
+    def model(self, params: Params) -> Transformer:
+        """A model object bound to params (usable inside jitted code)."""
+        state = jax.tree.map(lambda leaf: leaf, self.abstract_params)  # fresh containers
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def loss(self, params: Params, batch: Batch) -> jax.Array:
+        rules = logical_axis_rules(self.config)
+        with activation_placement(self.mesh, rules):
+            logits = self.model(params)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        return cross_entropy_loss(logits, batch)
+
+    def init_state(self) -> TrainState:
+        """Parameters and optimizer state created directly in their shards."""
+        seed = self.config.run.seed
+
+        def init() -> TrainState:
+            model = Transformer(self.config.model, nnx.Rngs(params=seed))
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+        with nnx.use_eager_sharding(False):
+            return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, without allocating it."""
+        shapes = jax.eval_shape(self.init_state)
+        return jax.tree.map(
+            lambda shape, sharding: jax.ShapeDtypeStruct(
+                shape.shape, shape.dtype, sharding=sharding
+            ),
+            shapes,
+            self.state_shardings,
+        )
+
+
+def build_program(config: Config, mesh: Mesh) -> TrainProgram:
+    """Shardings for state and batches, the optimizer, and the jitted train and eval steps."""
+    rules = logical_axis_rules(config)
+
+    def create() -> Transformer:
+        return Transformer(config.model, nnx.Rngs(params=config.run.seed))
+
+    with nnx.use_eager_sharding(False):
+        abstract_model = nnx.eval_shape(create)
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    logical_axes = logical_axes_of(abstract_params)
+    param_shardings = shardings_for(logical_axes, mesh, rules)
+
+    schedule = learning_rate_schedule(config.optim, config.train.steps)
+    optimizer = make_optimizer(config.optim, config.train.steps, weight_decay_mask(logical_axes))
+    abstract_pure = nnx.to_pure_dict(abstract_params)
+    opt_shapes = jax.eval_shape(optimizer.init, abstract_pure)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        opt_shapes,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    state_shardings = TrainState(replicated, param_shardings, opt_shardings)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(rules["batch"], None))
+
+    program = TrainProgram(
+        config=config,
+        mesh=mesh,
+        graphdef=graphdef,
+        abstract_params=abstract_params,
+        logical_axes=logical_axes,
+        optimizer=optimizer,
+        schedule=schedule,
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+    )
+    batch_shardings = {
+        key: batch_sharding for key in ("inputs", "targets", "positions", "segment_ids")
+    }
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads = jax.value_and_grad(program.loss)(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "lr": schedule(state.step),
+        }
+        new_state = dataclasses.replace(
+            state, step=state.step + 1, params=params, opt_state=opt_state
+        )
+        return new_state, metrics
+
+    program.train_step = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    program.eval_step = jax.jit(
+        program.loss,
+        in_shardings=(param_shardings, batch_shardings),
+        out_shardings=replicated,
+    )
+    return program
