@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -139,7 +140,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         tree = _read_yaml(Path(path))
     for override in overrides:
         section, key, value = _parse_override(override)
-        tree.setdefault(section, {})[key] = value
+        if tree.get(section) is None:
+            tree[section] = {}  # a section left empty in the file, or not there at all
+        if not isinstance(tree[section], dict):
+            raise ConfigError(f"config section '{section}' must be a mapping of keys")
+        tree[section][key] = value
     config = config_from_dict(tree)
     validate(config)
     return config
@@ -223,6 +228,10 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
 def validate(config: Config) -> None:
     """Check every combination that can be checked without devices; raise ConfigError if bad."""
     model, mesh, train, data = config.model, config.mesh, config.train, config.data
+    for section in dataclasses.fields(config):
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
     positive = {
         "model.vocab_size": model.vocab_size,
         "model.num_layers": model.num_layers,
@@ -238,7 +247,7 @@ def validate(config: Config) -> None:
         "optim.learning_rate": config.optim.learning_rate,
     }
     for name, value in positive.items():
-        if value <= 0:
+        if not value > 0:  # also catches NaN
             raise ConfigError(f"{name}={value} must be positive")
     if model.head_dim is not None and model.head_dim <= 0:
         raise ConfigError(f"model.head_dim={model.head_dim} must be positive (or null)")
@@ -260,7 +269,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.eval_every={train.eval_every} must be 0 (never) or positive")
     if config.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
-    if train.peak_tflops is not None and train.peak_tflops <= 0:
+    if train.peak_tflops is not None and not train.peak_tflops > 0:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
 
     sizes = mesh.axis_sizes()
@@ -310,6 +319,8 @@ def _check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:
 def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     """Mesh axis sizes with -1 filled in; ConfigError if they cannot cover device_count exactly."""
     sizes = mesh.axis_sizes()
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
     known = 1
     for size in sizes.values():
         if size != -1:

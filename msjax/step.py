@@ -149,7 +149,7 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
         }
         new_state = dataclasses.replace(

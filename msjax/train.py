@@ -67,14 +67,15 @@ def default_run_dir(config: Config) -> Path:
     return Path("runs") / f"{config.run.name}-{stamp}"
 
 
-def prepare_run_dir(config: Config) -> Path:
-    """The run directory, created; refuses one that already holds a run."""
+def choose_run_dir(config: Config) -> Path:
+    """The run directory to use; refuses one that already holds a run. Creates nothing."""
     run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
     if (run_dir / "metrics.jsonl").exists():
         raise MsjaxError(
             f"run.dir={run_dir} already holds a run (metrics.jsonl); choose another run.dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise MsjaxError(f"run.dir={run_dir} exists and is not a directory")
     return run_dir
 
 
@@ -91,6 +92,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     from msjax.step import build_program
 
     started = time.perf_counter()
+    run_dir = choose_run_dir(config)
     configure_cpu_devices(config)
     config = check_device_count(config, jax.device_count())
     mesh = build_mesh(config.mesh)
@@ -119,8 +121,8 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     tokens_per_step = config.train.global_batch * config.data.seq_len
 
     is_writer = jax.process_index() == 0
-    run_dir = prepare_run_dir(config) if is_writer else Path(config.run.dir or "")
     if is_writer:
+        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())

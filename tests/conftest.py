@@ -1,5 +1,15 @@
-"""Shared pytest setup: 8 simulated CPU devices, set before anything imports jax."""
+"""Shared pytest setup, applied before anything imports jax.
+
+- 8 simulated CPU devices, so every mesh of the test suite fits.
+- XLA's CPU backend at optimisation level 0: tests run few steps, and this cuts compile time
+  about threefold without changing what is computed beyond float rounding (each test compares
+  programs compiled the same way).
+"""
 
 import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
