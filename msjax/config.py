@@ -94,7 +94,7 @@ class TrainConfig:
     """How long to train, on how much data per step, and how often to evaluate."""
 
     steps: int = 300
-    global_batch: int = 32
+    global_batch: int = 16
     eval_every: int = 100  # 0: never
     eval_batches: int = 4
     peak_tflops: float | None = None  # per device; None: known GPU table, or measured on CPU
@@ -255,6 +255,11 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"model.embed_dim={model.embed_dim} is not divisible by model.num_heads="
             f"{model.num_heads}; set model.head_dim or change one of them"
+        )
+    if model.resolved_head_dim % 2:
+        raise ConfigError(
+            f"the head dimension {model.resolved_head_dim} (model.embed_dim / model.num_heads, "
+            "or model.head_dim) must be even for rotary embeddings"
         )
     if model.num_heads % model.num_kv_heads:
         raise ConfigError(

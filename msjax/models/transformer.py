@@ -127,6 +127,12 @@ class Transformer(nnx.Module):
     """Decoder-only language model; `layers` are stacked and run by `nnx.scan`."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        # Parameters carry logical names only; where they live is decided outside the model
+        # (msjax.parallel creates them inside a jit with explicit output shardings).
+        with nnx.use_eager_sharding(False):
+            self._build(config, rngs)
+
+    def _build(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.config = config
         embed_init = nnx.initializers.normal(config.init_std)
         self.embedding = _param(

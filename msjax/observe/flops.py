@@ -43,10 +43,11 @@ def count_params(model: ModelConfig) -> ParamCounts:
         + heads * head_dim * embed  # o [heads, head_dim, embed]
     )
     mlp = 3 * embed * model.mlp_dim  # gate, up [embed, mlp]; down [mlp, embed]
-    block_norms = 2 * embed  # before attention and before the MLP
+    # before attention and before the MLP; the parallel block feeds both from one norm
+    block_norms = (1 if model.parallel_block else 2) * embed
     table = model.vocab_size * embed  # [vocab, embed]
     output = 0 if model.tied_embeddings else embed * model.vocab_size  # [embed, vocab]
-    matmul = model.num_layers * (attention + mlp) + table
+    matmul = model.num_layers * (attention + mlp) + model.vocab_size * embed  # + unembedding
     norms = model.num_layers * block_norms + embed  # + the final norm
     return ParamCounts(
         total=table + output + model.num_layers * (attention + mlp) + norms,
