@@ -102,7 +102,15 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpointing (the Orbax manager's keys live here; no checkpoints are written yet)."""
+    """Asynchronous Orbax checkpoints in RUN_DIR/checkpoints, and where to resume from."""
+
+    enabled: bool = True
+    every_steps: int = 100  # 0: no periodic saves by step count
+    every_minutes: float | None = None  # also save when this much time passed since the last
+    max_to_keep: int = 3
+    keep_every_steps: int | None = None  # checkpoints at multiples of this are never deleted
+    resume_from: str | None = None  # a checkpoints dir or run dir, optionally /STEP
+    on_save_error: Literal["continue", "stop"] = "continue"
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,7 @@ class RunConfig:
     name: str = "tiny"
     dir: str | None = None  # None: runs/<name>-<UTC timestamp>
     seed: int = 0
+    overwrite: bool = False  # start afresh in a run dir of another config (its files kept aside)
 
 
 @dataclass(frozen=True)
@@ -270,6 +279,17 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.attention_window={model.attention_window} must be positive")
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    checkpoint = config.checkpoint
+    if checkpoint.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps={checkpoint.every_steps} must be >= 0")
+    if checkpoint.every_minutes is not None and not checkpoint.every_minutes > 0:
+        raise ConfigError(f"checkpoint.every_minutes={checkpoint.every_minutes} must be positive")
+    if checkpoint.max_to_keep < 1:
+        raise ConfigError(f"checkpoint.max_to_keep={checkpoint.max_to_keep} must be at least 1")
+    if checkpoint.keep_every_steps is not None and checkpoint.keep_every_steps < 1:
+        raise ConfigError(
+            f"checkpoint.keep_every_steps={checkpoint.keep_every_steps} must be positive (or null)"
+        )
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every={train.eval_every} must be 0 (never) or positive")
     if config.optim.warmup_steps < 0:

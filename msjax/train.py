@@ -8,15 +8,23 @@ never stalls the devices to log.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from msjax.config import Config, check_device_count, load_config, save_config
+from msjax import __version__
+from msjax.config import (
+    Config,
+    check_device_count,
+    config_from_dict,
+    load_config,
+    save_config,
+)
 from msjax.errors import MsjaxError
 
 
@@ -62,69 +70,83 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def default_run_dir(config: Config) -> Path:
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{config.run.name}-{stamp}"
+class StopSignal:
+    """SIGTERM / SIGINT (preemption): finish the current step, save, and leave cleanly."""
 
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
 
-def choose_run_dir(config: Config) -> Path:
-    """The run directory to use; refuses one that already holds a run. Creates nothing."""
-    run_dir = Path(config.run.dir) if config.run.dir else default_run_dir(config)
-    if (run_dir / "metrics.jsonl").exists():
-        raise MsjaxError(
-            f"run.dir={run_dir} already holds a run (metrics.jsonl); choose another run.dir"
-        )
-    if run_dir.exists() and not run_dir.is_dir():
-        raise MsjaxError(f"run.dir={run_dir} exists and is not a directory")
-    return run_dir
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: the user insists
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def train(config: Config, progress_stream: Any = None) -> TrainResult:
-    """Train as configured; every check that can fail runs before anything is written."""
+    """Train as configured, resuming the run in run.dir if there is one.
+
+    Every check that can fail on user input runs before anything is written.
+    """
     import jax
 
+    from msjax.checkpoint.manager import Checkpointer, checkpoint_dir, parse_resume_source
     from msjax.data.pipeline import TokenBatches, eval_batches, sharded_batches
     from msjax.data.stdlib_corpus import load_corpus
     from msjax.data.tokenizer import ByteTokenizer
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
     from msjax.observe.metrics import MetricsWriter, ProgressLine
     from msjax.parallel.mesh import build_mesh, configure_cpu_devices
+    from msjax.run_dir import create_run_dir, differences, plan_run_dir
     from msjax.step import build_program
 
     started = time.perf_counter()
-    run_dir = choose_run_dir(config)
+    plan = plan_run_dir(config)
+    run_dir = plan.path
+    resume_source = None
+    if config.checkpoint.resume_from:
+        resume_source = parse_resume_source(config.checkpoint.resume_from)
     configure_cpu_devices(config)
     config = check_device_count(config, jax.device_count())
     mesh = build_mesh(config.mesh)
+    if config.model.vocab_size < ByteTokenizer.vocab_size:
+        raise MsjaxError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the byte tokenizer's "
+            f"{ByteTokenizer.vocab_size} tokens"
+        )
     corpus = load_corpus(config.data)
     train_batches = TokenBatches(
         corpus.train_tokens, config.data.seq_len, config.train.global_batch, config.run.seed
     )
-    validation = (
-        eval_batches(
+    validation = []
+    if config.train.eval_every:
+        validation = eval_batches(
             corpus.eval_tokens,
             config.data.seq_len,
             config.train.global_batch,
             config.train.eval_batches,
-        )
-        if config.train.eval_every
-        else []
-    )
-    tokenizer_vocab = ByteTokenizer.vocab_size
-    if config.model.vocab_size < tokenizer_vocab:
-        raise MsjaxError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the byte tokenizer's "
-            f"{tokenizer_vocab} tokens"
         )
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     step_flops = flops_per_step(config)
     tokens_per_step = config.train.global_batch * config.data.seq_len
 
     is_writer = jax.process_index() == 0
-    if is_writer:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
+    if is_writer:
+        aside = create_run_dir(plan)
+        if aside is not None:
+            progress.message(f"run.overwrite=true: the earlier run in {run_dir} moved to {aside}")
+        save_config(config, run_dir)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
@@ -132,31 +154,58 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     )
 
     program = build_program(config, mesh)
-    state = program.init_state()
+    abstract_state = program.abstract_state()
+    checkpointer = Checkpointer(checkpoint_dir(run_dir), config.checkpoint)
+    state = None
+    if resume_source is not None:
+        source_dir, source_step = resume_source
+        source = Checkpointer(source_dir, config.checkpoint, read_only=True)
+        restored = source.restore_newest_valid(abstract_state, progress.message, source_step)
+        if restored is None:
+            raise MsjaxError(f"checkpoint.resume_from: no valid checkpoint in {source_dir}")
+    else:
+        restored = checkpointer.restore_newest_valid(abstract_state, progress.message)
+    if restored is not None:
+        saved = config_from_dict(restored.meta["config"])
+        if saved.model != config.model:
+            changed = [line for line in differences(saved, config) if line.startswith("model.")]
+            raise MsjaxError(
+                f"checkpoint {restored.path} holds another model ({'; '.join(changed)}); "
+                "resume with the model config it was saved with"
+            )
+        state = restored.state
+        progress.message(f"resumed from {restored.path} (step {restored.step})")
+    else:
+        state = program.init_state()
+    start_step = int(jax.device_get(state.step))
+    progress.start_step = start_step
+    progress.started = time.perf_counter()
+
     compile_started = time.perf_counter()
     abstract_batch = {
         key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=program.batch_sharding)
         for key, value in train_batches.global_batch_at(0).items()
     }
-    train_step = program.train_step.lower(program.abstract_state(), abstract_batch).compile()
+    train_step = program.train_step.lower(abstract_state, abstract_batch).compile()
     progress.message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
     validation = [jax.device_put(batch, program.batch_sharding) for batch in validation]
+    metrics = MetricsWriter(run_dir / "metrics.jsonl") if is_writer else None
+    if restored is not None and metrics is not None:
+        metrics.write({"step": start_step, "event": "resume", "checkpoint": str(restored.path)})
+
+    last_record: dict[str, Any] = {}
+    eval_loss = None
+    last_done = time.perf_counter()
 
     def evaluate(step: int) -> float:
         nonlocal last_done
         losses = [program.eval_step(state.params, batch) for batch in validation]
-        eval_loss = float(sum(jax.device_get(losses)) / len(losses))
-        if is_writer:
-            metrics.write({"step": step, "eval_loss": eval_loss})
-        progress.message(f"step {step + 1}: eval loss {eval_loss:.4f}")
+        loss = float(sum(jax.device_get(losses)) / len(losses))
+        if metrics is not None:
+            metrics.write({"step": step, "eval_loss": loss})
+        progress.message(f"step {step + 1}: eval loss {loss:.4f}")
         last_done = time.perf_counter()  # evaluation time is not the next step's time
-        return eval_loss
-
-    metrics = MetricsWriter(run_dir / "metrics.jsonl") if is_writer else None
-    last_record: dict[str, Any] = {}
-    eval_loss = None
-    pending = None  # (step, device metrics, data_wait_s) of the step in flight
-    last_done = time.perf_counter()
+        return loss
 
     def finish(step: int, device_metrics: Any, data_wait_s: float) -> None:
         nonlocal last_done, last_record
@@ -174,39 +223,96 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             "mfu": mfu(step_flops, step_time_s, jax.device_count(), peak_tflops),
             "data_wait_s": data_wait_s,
         }
-        if is_writer:
+        if metrics is not None:
             metrics.write(record)
         progress.update(record)
         last_record = record
 
-    with sharded_batches(
-        train_batches, program.batch_sharding, 0, config.data.prefetch_batches
-    ) as batches:
-        for step in range(config.train.steps):
+    def save(step: int) -> None:
+        """Start a checkpoint of `state` after `step` updates; failures per on_save_error."""
+        nonlocal last_done
+        meta = {
+            "config": config.to_dict(),
+            "data": {"next_step": step, "samples_seen": step * config.train.global_batch},
+            "seed": config.run.seed,
+            "msjax_version": __version__,
+        }
+        try:
+            checkpointer.save(step, state, meta)
+        except Exception as error:
+            report_save_error(step, error)
+        last_done = time.perf_counter()  # the save's pause is reported on its own
+
+    def report_save_error(step: int, error: Exception) -> None:
+        message = (
+            f"checkpoint save at step {step} failed ({type(error).__name__}: {error}); "
+            "earlier checkpoints are untouched"
+        )
+        if config.checkpoint.on_save_error == "stop":
+            raise MsjaxError(message + "; stopping (checkpoint.on_save_error=stop)") from None
+        progress.message("warning: " + message + "; training continues")
+
+    pending = None  # (step, device metrics, data_wait_s) of the step in flight
+    stopped_by = None
+    with (
+        StopSignal() as stop,
+        sharded_batches(
+            train_batches, program.batch_sharding, start_step, config.data.prefetch_batches
+        ) as batches,
+    ):
+        for step in range(start_step, config.train.steps):
             batch, data_wait_s = next(batches)
             state, device_metrics = train_step(state, batch)
             if pending is not None:
                 finish(*pending)
             pending = (step, device_metrics, data_wait_s)
             every = config.train.eval_every
-            if every and (step + 1) % every == 0 and step + 1 < config.train.steps:
+            wants_eval = every and (step + 1) % every == 0 and step + 1 < config.train.steps
+            if wants_eval or checkpointer.due(step + 1) or stop.received:
                 finish(*pending)
                 pending = None
+            if wants_eval:
                 eval_loss = evaluate(step)
+            if stop.received:
+                stopped_by = stop.received
+                break
+            if checkpointer.due(step + 1) and step + 1 < config.train.steps:
+                save(step + 1)
         if pending is not None:
             finish(*pending)
-    if config.train.eval_every:
-        eval_loss = evaluate(config.train.steps - 1)
+    final_step = int(jax.device_get(state.step))
+    saved_already = checkpointer.last_saved_step == final_step
+    if config.checkpoint.enabled and final_step > start_step and not saved_already:
+        save(final_step)
+    try:
+        checkpointer.wait()
+    except Exception as error:
+        report_save_error(final_step, error)
+    checkpointer.close()
+    if stopped_by is not None:
+        progress.message(
+            f"stopped by {stopped_by} after step {final_step}; checkpoint in "
+            f"{checkpoint_dir(run_dir) / str(final_step)}; rerun the same command to resume"
+        )
+    elif config.train.eval_every and final_step > start_step:
+        eval_loss = evaluate(final_step - 1)
     wall_s = time.perf_counter() - started
     if metrics is not None:
         metrics.close()
-    progress.message(
-        f"done: {config.train.steps} steps in {wall_s:.0f} s; loss {last_record['loss']:.4f}"
-        + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else "")
-    )
-    progress.message(f"outputs in {run_dir}: config.yaml, metrics.jsonl")
+    if last_record:
+        progress.message(
+            f"done: steps {start_step}-{final_step} in {wall_s:.0f} s; "
+            f"loss {last_record['loss']:.4f}"
+            + (f", eval loss {eval_loss:.4f}" if eval_loss is not None else "")
+        )
+    else:
+        progress.message(f"nothing to do: the run is already at step {final_step}")
+    outputs = "config.yaml, metrics.jsonl" + (", checkpoints/" if config.checkpoint.enabled else "")
+    progress.message(f"outputs in {run_dir}: {outputs}")
     progress.close()
-    return TrainResult(run_dir, config.train.steps, last_record["loss"], eval_loss, wall_s)
+    return TrainResult(
+        run_dir, final_step, last_record.get("loss", float("nan")), eval_loss, wall_s
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,15 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 class ProgressLine:
     """A compact live line on a terminal; elsewhere (CI, files) one line every few seconds."""
 
-    def __init__(self, total_steps: int, stream: IO[str] | None = None, every_s: float = 10.0):
+    def __init__(
+        self,
+        total_steps: int,
+        stream: IO[str] | None = None,
+        every_s: float = 10.0,
+        start_step: int = 0,
+    ):
         self.total_steps = total_steps
+        self.start_step = start_step
         self.stream = stream if stream is not None else sys.stdout
         self.live = self.stream.isatty()
         self.every_s = every_s
@@ -45,7 +52,8 @@ class ProgressLine:
     def update(self, record: dict[str, Any]) -> None:
         step = record["step"] + 1
         elapsed = time.perf_counter() - self.started
-        eta_s = elapsed / step * (self.total_steps - step) if step else 0.0
+        done = step - self.start_step
+        eta_s = elapsed / done * (self.total_steps - step) if done > 0 else 0.0
         text = (
             f"step {step}/{self.total_steps}  loss {record['loss']:.3f}  "
             f"{record['tokens_per_s']:,.0f} tok/s  mfu {100 * record['mfu']:.1f}%  "

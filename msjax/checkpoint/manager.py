@@ -1,0 +1,195 @@
+"""Asynchronous Orbax checkpoints of the train state, restored onto any mesh, checked on restore.
+
+A checkpoint is a step directory holding `state` (parameters, optimizer state, step; arrays
+only) and `meta` (JSON: the resolved config, the data position, the seed, fingerprints of every
+array). No pickle anywhere: restoring reads arrays and JSON, never code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from msjax.checkpoint.fingerprint import fingerprints
+from msjax.config import CheckpointConfig
+from msjax.errors import MsjaxError
+
+FORMAT_VERSION = 1
+COMMIT_MARKER = "_CHECKPOINT_METADATA"  # Orbax writes it last, when a step is finalized
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint read back and verified."""
+
+    step: int
+    state: Any
+    meta: dict[str, Any]
+    path: Path
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def parse_resume_source(source: str) -> tuple[Path, int | None]:
+    """`PATH` or `PATH/STEP`, where PATH is a run dir or its checkpoints dir."""
+    path = Path(source)
+    step = None
+    if path.name.isdigit() and not (path / "checkpoints").is_dir():
+        path, step = path.parent, int(path.name)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not path.is_dir():
+        raise MsjaxError(f"checkpoint.resume_from={source}: no checkpoint directory at {path}")
+    return path, step
+
+
+def committed_steps(directory: Path) -> list[int]:
+    """Steps whose directory Orbax finalized, oldest first (a killed save leaves none)."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(entry.name)
+        for entry in directory.iterdir()
+        if entry.is_dir() and entry.name.isdigit() and (entry / COMMIT_MARKER).exists()
+    )
+
+
+def uncommitted_entries(directory: Path) -> list[str]:
+    """Names of step directories that were started but never finalized."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        entry.name
+        for entry in directory.iterdir()
+        if entry.is_dir()
+        and entry.name.split(".")[0].isdigit()
+        and not (entry / COMMIT_MARKER).exists()
+    )
+
+
+class Checkpointer:
+    """Saves every so many steps or minutes, asynchronously; restores the newest valid step."""
+
+    def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
+        self.directory = directory
+        self.options = options
+        self._manager = ocp.CheckpointManager(
+            directory.absolute(),
+            item_names=("state", "meta"),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=options.max_to_keep,
+                keep_period=options.keep_every_steps,
+                enable_async_checkpointing=True,
+                create=not read_only,
+                read_only=read_only,
+            ),
+        )
+        self._last_save_time = time.monotonic()
+        self.last_saved_step: int | None = None
+        self.save_blocked_s: list[float] = []  # how long each save() held up the loop
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic save falls after `step` updates."""
+        if not self.options.enabled:
+            return False
+        by_steps = self.options.every_steps and step % self.options.every_steps == 0
+        minutes = self.options.every_minutes
+        by_time = minutes is not None and time.monotonic() - self._last_save_time >= 60 * minutes
+        return bool(by_steps or by_time)
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Start an asynchronous save; returns once the arrays are copied off the devices.
+
+        Raises what Orbax raises (a failed earlier save surfaces here or in `wait`).
+        """
+        started = time.perf_counter()
+        meta = {
+            **meta,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "saved_at_unix_s": time.time(),
+            "fingerprints": fingerprints(state),
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+        self.save_blocked_s.append(time.perf_counter() - started)
+        self._last_save_time = time.monotonic()
+        self.last_saved_step = step
+
+    def wait(self) -> None:
+        """Block until every started save is finalized on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def restore(self, step: int, abstract_state: Any) -> Restored:
+        """One step, placed as abstract_state's shardings say; MsjaxError if it is not valid."""
+        path = self.directory / str(step)
+        if not (path / COMMIT_MARKER).exists():
+            raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as error:  # Orbax and TensorStore raise many types for bad files
+            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            raise MsjaxError(f"checkpoint {path} could not be read: {reason}") from None
+        meta = dict(restored.meta)
+        expected = meta.get("fingerprints", {})
+        actual = fingerprints(restored.state)
+        if expected != actual:
+            differing = sorted(key for key in actual if expected.get(key) != actual[key])
+            raise MsjaxError(
+                f"checkpoint {path} is corrupted: {len(differing)} arrays do not match their "
+                f"fingerprints (first: {differing[0] if differing else 'missing fingerprints'})"
+            )
+        return Restored(step=step, state=restored.state, meta=meta, path=path)
+
+    def restore_newest_valid(
+        self,
+        abstract_state: Any,
+        warn: Callable[[str], None],
+        at_most: int | None = None,
+    ) -> Restored | None:
+        """The newest checkpoint (<= at_most) that reads back intact; warns for each skipped."""
+        for name in uncommitted_entries(self.directory):
+            warn(f"skipped checkpoint {self.directory / name}: the save never finished")
+        for step in reversed(committed_steps(self.directory)):
+            if at_most is not None and step > at_most:
+                continue
+            try:
+                return self.restore(step, abstract_state)
+            except MsjaxError as error:
+                warn(f"skipped {error}")
+        return None
+
+    def metadata(self, step: int) -> dict[str, Any]:
+        """The meta JSON of one step, without reading any array."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(restored.meta)
+
+
+def host_local_state(tree: Any) -> Any:
+    """Abstract state of plain host arrays, for reading a checkpoint without a mesh."""
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree
+    )
