@@ -2,7 +2,7 @@
 
 Orbax notices a truncated file (the read fails) but restores flipped bytes silently. Each array's
 fingerprint is a position-weighted sum of its raw bits modulo 2**32: exact integer arithmetic,
-so it is the same however the array is sharded, on device or in numpy.
+so it is the same however the array is sharded.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant; odd, so every position counts
 
@@ -35,21 +34,21 @@ def _fingerprints(tree: Any) -> Any:
     return jax.tree.map(_array_fingerprint, tree)
 
 
+def leaf_name(path: tuple[Any, ...]) -> str:
+    """A leaf's path as `params/layers/mlp/gate`, the same for dicts, lists and dataclasses."""
+    parts = []
+    for key in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                parts.append(str(getattr(key, attribute)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
 def fingerprints(tree: Any) -> dict[str, int]:
     """{path: fingerprint} for every array leaf of tree (computed where the arrays live)."""
     values = jax.device_get(_fingerprints(tree))
     leaves = jax.tree_util.tree_flatten_with_path(values)[0]
-    return {jax.tree_util.keystr(path): int(value) for path, value in leaves}
-
-
-def numpy_fingerprints(tree: Any) -> dict[str, int]:
-    """The same fingerprints for host arrays, without compiling anything."""
-    result = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        array = np.asarray(leaf)
-        unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[array.dtype.itemsize]
-        bits = np.ascontiguousarray(array).view(unsigned).reshape(-1).astype(np.uint64)
-        positions = np.arange(bits.shape[0], dtype=np.uint64)
-        weights = (positions * _MULTIPLIER + 1) % 2**32
-        result[jax.tree_util.keystr(path)] = int(np.sum((bits * weights) % 2**32) % 2**32)
-    return result
+    return {leaf_name(path): int(value) for path, value in leaves}

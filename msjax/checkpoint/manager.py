@@ -83,7 +83,10 @@ class Checkpointer:
         self.options = options
         self._manager = ocp.CheckpointManager(
             directory.absolute(),
-            item_names=("state", "meta"),
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=options.max_to_keep,
                 keep_period=options.keep_every_steps,
@@ -152,14 +155,7 @@ class Checkpointer:
             reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
             raise MsjaxError(f"checkpoint {path} could not be read: {reason}") from None
         meta = dict(restored.meta)
-        expected = meta.get("fingerprints", {})
-        actual = fingerprints(restored.state)
-        if expected != actual:
-            differing = sorted(key for key in actual if expected.get(key) != actual[key])
-            raise MsjaxError(
-                f"checkpoint {path} is corrupted: {len(differing)} arrays do not match their "
-                f"fingerprints (first: {differing[0] if differing else 'missing fingerprints'})"
-            )
+        _check_fingerprints(path, meta, fingerprints(restored.state))
         return Restored(step=step, state=restored.state, meta=meta, path=path)
 
     def restore_newest_valid(
@@ -180,16 +176,31 @@ class Checkpointer:
                 warn(f"skipped {error}")
         return None
 
+    def array_metadata(self, step: int) -> Any:
+        """The saved state's tree of arrays (shapes and dtypes), without reading them."""
+        return self._manager.item_metadata(step)["state"]
+
+    def verify_on_host(self, step: int) -> None:
+        """Read every array of a step onto one local device and check its fingerprint."""
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+            self.array_metadata(step),
+        )
+        self.restore(step, abstract)
+
     def metadata(self, step: int) -> dict[str, Any]:
         """The meta JSON of one step, without reading any array."""
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored.meta)
 
 
-def host_local_state(tree: Any) -> Any:
-    """Abstract state of plain host arrays, for reading a checkpoint without a mesh."""
-    device = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree
-    )
+def _check_fingerprints(path: Path, meta: dict[str, Any], actual: dict[str, int]) -> None:
+    expected = meta.get("fingerprints", {})
+    if expected != actual:
+        differing = sorted(key for key in actual if expected.get(key) != actual[key])
+        first = differing[0] if differing else "the list of arrays differs"
+        raise MsjaxError(
+            f"checkpoint {path} is corrupted: {len(differing)} arrays do not match their "
+            f"fingerprints (first: {first})"
+        )
