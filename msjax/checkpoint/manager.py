@@ -21,7 +21,10 @@ from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
 
 FORMAT_VERSION = 1
-COMMIT_MARKER = "_CHECKPOINT_METADATA"  # Orbax writes it last, when a step is finalized
+# Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` when the
+# save is finalized; a finalized step directory also holds this metadata file.
+COMMIT_MARKER = "_CHECKPOINT_METADATA"
+TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,10 @@ def uncommitted_entries(directory: Path) -> list[str]:
         entry.name
         for entry in directory.iterdir()
         if entry.is_dir()
-        and entry.name.split(".")[0].isdigit()
-        and not (entry / COMMIT_MARKER).exists()
+        and (
+            (TMP_MARKER in entry.name and entry.name.split(".")[0].isdigit())
+            or (entry.name.isdigit() and not (entry / COMMIT_MARKER).exists())
+        )
     )
 
 
