@@ -241,6 +241,10 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             checkpointer.save(step, state, meta)
         except Exception as error:
             report_save_error(step, error)
+        else:
+            if metrics is not None:
+                blocked_s = checkpointer.save_blocked_s[-1]
+                metrics.write({"step": step, "checkpoint_save_blocked_s": blocked_s})
         last_done = time.perf_counter()  # the save's pause is reported on its own
 
     def report_save_error(step: int, error: Exception) -> None:

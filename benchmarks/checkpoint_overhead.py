@@ -1,0 +1,112 @@
+"""What checkpointing costs the training loop: msjax.train with saves every 5 steps vs none.
+
+Runs `configs/small.yaml` (smaller batch) on one CPU device, in this process:
+(a) how long each `save()` holds up the loop, as a fraction of a step;
+(b) tokens/s with a save every 5 steps against no saves (target >= 0.95), counting the time
+    saves hold the loop;
+(c) save throughput (start to finalized on disk) and restore throughput, in MB/s.
+
+    python benchmarks/checkpoint_overhead.py [--steps 16] [--global-batch 1] [--seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["JAX_NUM_CPU_DEVICES"] = "1"
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+
+from msjax.checkpoint.manager import Checkpointer  # noqa: E402
+from msjax.config import load_config  # noqa: E402
+from msjax.observe.metrics import read_metrics  # noqa: E402
+from msjax.parallel.mesh import build_mesh  # noqa: E402
+from msjax.step import build_program  # noqa: E402
+from msjax.train import train  # noqa: E402
+
+WARMUP_STEPS = 2
+
+
+def loop_throughput(overrides: list[str]) -> tuple[float, list[float], float]:
+    """(tokens/s counting save pauses, each save's pause in s, median step time in s)."""
+    with tempfile.TemporaryDirectory() as root:
+        run_dir = Path(root) / "run"
+        config = load_config(REPO / "configs" / "small.yaml", [*overrides, f"run.dir={run_dir}"])
+        with open(os.devnull, "w") as quiet:
+            train(config, progress_stream=quiet)
+        records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r][WARMUP_STEPS:]
+    first_measured = steps[0]["step"]
+    pauses = [
+        r["checkpoint_save_blocked_s"]
+        for r in records
+        if "checkpoint_save_blocked_s" in r and first_measured < r["step"] <= steps[-1]["step"]
+    ]
+    elapsed = sum(r["step_time_s"] for r in steps) + sum(pauses)
+    tokens = len(steps) * config.train.global_batch * config.data.seq_len
+    step_times = sorted(r["step_time_s"] for r in steps)
+    return tokens / elapsed, pauses, step_times[len(step_times) // 2]
+
+
+def save_restore_mb_per_s(overrides: list[str]) -> tuple[float, float, float]:
+    """(state MB, save MB/s until finalized, restore MB/s) for one checkpoint of the state."""
+    config = load_config(REPO / "configs" / "small.yaml", overrides)
+    program = build_program(config, build_mesh(config.mesh))
+    state = program.init_state()
+    state_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 1e6
+    with tempfile.TemporaryDirectory() as root:
+        checkpointer = Checkpointer(Path(root), config.checkpoint)
+        started = time.perf_counter()
+        checkpointer.save(1, state, {"config": config.to_dict()})
+        checkpointer.wait()
+        save_s = time.perf_counter() - started
+        started = time.perf_counter()
+        restored = checkpointer.restore(1, program.abstract_state())
+        jax.block_until_ready(restored.state)
+        restore_s = time.perf_counter() - started
+        checkpointer.close()
+    return state_mb, state_mb / save_s, state_mb / restore_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--global-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    base = [
+        f"train.steps={args.steps}",
+        f"train.global_batch={args.global_batch}",
+        f"data.seq_len={args.seq_len}",
+        "train.eval_every=0",
+        "mesh.data=-1",
+    ]
+    print(
+        f"configs/small.yaml on 1 {jax.devices()[0].platform} device, batch {args.global_batch} "
+        f"x seq {args.seq_len}, {args.steps} steps ({WARMUP_STEPS} left out)"
+    )
+    without, _, _ = loop_throughput([*base, "checkpoint.enabled=false"])
+    with_saves, pauses, step_s = loop_throughput([*base, "checkpoint.every_steps=5"])
+    state_mb, save_rate, restore_rate = save_restore_mb_per_s(base)
+    mean_pause = sum(pauses) / max(len(pauses), 1)
+    print(f"{'no checkpoints':<40} {without:10,.1f} tokens/s")
+    print(f"{'a save every 5 steps (async)':<40} {with_saves:10,.1f} tokens/s")
+    print(f"{'ratio (with saves / without)':<40} {with_saves / without:10.3f}   (target >= 0.95)")
+    print(
+        f"{'save() holds the loop':<40} {mean_pause:10.3f} s per save "
+        f"= {mean_pause / step_s:.2f} of a {step_s:.2f} s step ({len(pauses)} saves)"
+    )
+    print(f"{'state size':<40} {state_mb:10,.1f} MB")
+    print(f"{'save, start to finalized on disk':<40} {save_rate:10,.1f} MB/s")
+    print(f"{'restore onto the mesh':<40} {restore_rate:10,.1f} MB/s")
+
+
+if __name__ == "__main__":
+    main()
