@@ -1,0 +1,119 @@
+"""Collectives in a compiled XLA program: how many run per step and how many bytes they produce.
+
+Read from `compiled.as_text()` (optimised, partitioned HLO of one device). An op inside a `while`
+body (the scanned layers) runs once per trip, so it is counted `known_trip_count` times. Bytes are
+the sizes of each op's results, as the brief for issue 8 asks; bytes on the wire depend on the
+algorithm and group size (see `msjax.parallel.planning` for ring estimates).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}  # fmt: skip
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\("
+)
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[(?P<dims>[\d,]*)\]")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
+
+
+@dataclass(frozen=True)
+class CollectiveStats:
+    """One kind of collective in one step of a compiled program."""
+
+    kind: str
+    ops: int  # instructions in the program text
+    executions: int  # runs per step (an op in a loop body counts once per trip)
+    result_bytes: int  # per step: sum over executions of the results' sizes
+
+
+def _array_bytes(shape_text: str) -> list[int]:
+    sizes = []
+    for match in _ARRAY.finditer(shape_text):
+        dtype = match["dtype"]
+        if dtype not in _DTYPE_BYTES:
+            continue
+        dims = [int(dim) for dim in match["dims"].split(",") if dim]
+        sizes.append(math.prod(dims) * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def _result_bytes(shape_text: str, is_async_start: bool) -> int:
+    """Bytes of an op's results; an async `-start` returns (operands..., results..., context)."""
+    sizes = _array_bytes(shape_text)
+    if is_async_start and shape_text.lstrip().startswith("("):
+        sizes = [size for size in sizes if size > 4]  # drop u32[] / s32[] context scalars
+        if len(sizes) >= 2 and len(sizes) % 2 == 0:
+            sizes = sizes[len(sizes) // 2 :]
+    return sum(sizes)
+
+
+def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
+    """Per kind in KINDS (all present, zero when absent): ops, executions and bytes per step."""
+    computation = None
+    entry = None
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    found: dict[str, list[tuple[str, int]]] = defaultdict(list)  # computation -> (kind, bytes)
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t")):
+            header = _HEADER.match(line)
+            if header:
+                computation = header["name"]
+                if line.startswith("ENTRY"):
+                    entry = computation
+            continue
+        if computation is None:
+            continue
+        trips = _TRIP_COUNT.search(line)
+        factor = int(trips["n"]) if trips and " while(" in line else 1
+        for callee in _CALLEE.finditer(line):
+            calls[computation].append((callee["name"], factor))
+        branches = _BRANCHES.search(line)
+        if branches:
+            for name in branches["names"].split(","):
+                calls[computation].append((name.strip().lstrip("%"), 1))
+        op = _INSTRUCTION.match(line)
+        if op:
+            found[computation].append(
+                (op["op"], _result_bytes(op["shape"], op["start"] is not None))
+            )
+
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if depth > 64:  # HLO call graphs are acyclic; this only guards against a bad parse
+            return
+        runs[name] += times
+        for callee, factor in calls.get(name, ()):
+            visit(callee, times * factor, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    ops: dict[str, int] = defaultdict(int)
+    executions: dict[str, int] = defaultdict(int)
+    result_bytes: dict[str, int] = defaultdict(int)
+    for name, collectives in found.items():
+        for kind, size in collectives:
+            ops[kind] += 1
+            executions[kind] += runs.get(name, 0)
+            result_bytes[kind] += runs.get(name, 0) * size
+    return {
+        kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind])
+        for kind in KINDS
+    }

@@ -1,0 +1,90 @@
+"""Which meshes can run a config: parsing `data,fsdp,tensor` triples and enumerating factorisations.
+
+A mesh is rejected here, before any compile, when its sizes do not multiply to the device count or
+when the config's divisibility checks (`msjax.config.check_device_count`) fail for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from msjax.config import Config, check_device_count, resolve_mesh_shape
+from msjax.errors import ConfigError, MsjaxError
+
+
+@dataclass(frozen=True, order=True)
+class MeshShape:
+    """Sizes of the mesh axes `data`, `fsdp`, `tensor` (outermost first)."""
+
+    data: int
+    fsdp: int
+    tensor: int
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+    def __str__(self) -> str:
+        return f"{self.data},{self.fsdp},{self.tensor}"
+
+
+def parse_mesh(text: str) -> MeshShape:
+    """`"2,2,2"` -> MeshShape(2, 2, 2); MsjaxError naming the text if it is not three sizes."""
+    parts = text.strip().split(",")
+    try:
+        sizes = [int(part) for part in parts]
+    except ValueError:
+        sizes = []
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise MsjaxError(
+            f"mesh {text!r} is not three positive sizes data,fsdp,tensor (e.g. 2,2,2) or 'auto'"
+        )
+    return MeshShape(*sizes)
+
+
+def factorisations(device_count: int) -> list[MeshShape]:
+    """Every (data, fsdp, tensor) whose product is device_count, most data-parallel first."""
+    divisors = [size for size in range(1, device_count + 1) if device_count % size == 0]
+    meshes = [
+        MeshShape(data, fsdp, device_count // (data * fsdp))
+        for data in divisors
+        for fsdp in divisors
+        if device_count % (data * fsdp) == 0
+    ]
+    return sorted(meshes, reverse=True)
+
+
+def config_for_mesh(config: Config, mesh: MeshShape) -> Config:
+    """The config with its mesh replaced by `mesh`; ConfigError naming the mesh if it cannot run."""
+    replaced = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **mesh.sizes()))
+    try:
+        return check_device_count(replaced, mesh.devices)
+    except ConfigError as error:
+        raise ConfigError(f"mesh {mesh} (data,fsdp,tensor): {error}") from None
+
+
+def valid_meshes(config: Config, device_count: int) -> list[MeshShape]:
+    """The factorisations of device_count that pass the config's checks."""
+    valid = []
+    for mesh in factorisations(device_count):
+        try:
+            config_for_mesh(config, mesh)
+        except ConfigError:
+            continue
+        valid.append(mesh)
+    return valid
+
+
+def mesh_of_config(config: Config, device_count: int) -> MeshShape | None:
+    """The config's own mesh on device_count devices (-1 filled in), or None if it cannot run."""
+    try:
+        filled = resolve_mesh_shape(config.mesh, device_count)
+        mesh = MeshShape(**filled)
+        config_for_mesh(config, mesh)
+    except ConfigError:
+        return None
+    return mesh

@@ -1,0 +1,343 @@
+"""The analytical per-device memory and communication of one train step on a mesh, with no devices.
+
+State (parameters, optimizer moments) is exact: every array's shard shape from the logical-axis
+rules. Activations and temporaries are closed-form counts of what the model keeps for the backward
+pass under each `model.remat` policy, calibrated against XLA's buffer assignment (the coefficients
+below; `tests/test_plan.py` holds them to 10% of XLA's memory analysis). Communication is the bytes
+one device sends per step with ring collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from msjax.config import Config, ModelConfig, OptimConfig
+from msjax.models.transformer import Transformer
+from msjax.optim import make_optimizer, weight_decay_mask
+from msjax.parallel.candidates import MeshShape, config_for_mesh
+from msjax.parallel.rules import logical_axes_of, logical_axis_rules, logical_to_spec
+
+LogicalAxes = tuple[str | None, ...]
+F32_BYTES = 4
+INT32_BYTES = 4
+BATCH_ARRAYS = 4  # inputs, targets, positions, segment_ids
+STEP_BYTES = 4  # the train state's int32 step counter, counted with the optimizer state
+
+
+@dataclass(frozen=True)
+class _Axes:
+    """Logical axes as one opaque pytree leaf (a bare tuple would be flattened)."""
+
+    names: LogicalAxes
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """One state array: its global shape, bytes per element and logical axis names."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    axes: LogicalAxes  # () for arrays that are replicated (step counters)
+    stacked: bool  # has a "layers" axis: lives inside the scanned blocks
+
+
+@functools.cache
+def state_layout(
+    model: ModelConfig, optim: OptimConfig, steps: int
+) -> tuple[tuple[ArrayLayout, ...], tuple[ArrayLayout, ...]]:
+    """(parameters, optimizer state) of a model, from abstract shapes only (nothing allocated)."""
+    with nnx.use_eager_sharding(False):
+        abstract_model = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(params=0)))
+    _, abstract_params = nnx.split(abstract_model, nnx.Param)
+    logical_axes = logical_axes_of(abstract_params)
+    pure = nnx.to_pure_dict(abstract_params)
+    optimizer = make_optimizer(optim, steps, weight_decay_mask(logical_axes))
+    opt_shapes = jax.eval_shape(optimizer.init, pure)
+    wrapped = jax.tree.map(_Axes, logical_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
+    opt_axes = optax.tree_map_params(
+        optimizer,
+        lambda _, axes: axes,
+        opt_shapes,
+        wrapped,
+        transform_non_params=lambda _: _Axes(()),
+        is_leaf=lambda leaf: isinstance(leaf, _Axes),
+    )
+
+    def layouts(shapes: Any, axes: Any) -> tuple[ArrayLayout, ...]:
+        shape_leaves = jax.tree.leaves(shapes)
+        axes_leaves = jax.tree.leaves(axes, is_leaf=lambda leaf: isinstance(leaf, _Axes))
+        return tuple(
+            ArrayLayout(
+                tuple(leaf.shape),
+                np.dtype(leaf.dtype).itemsize,
+                names.names,
+                "layers" in names.names,
+            )
+            for leaf, names in zip(shape_leaves, axes_leaves, strict=True)
+        )
+
+    return layouts(pure, wrapped), layouts(opt_shapes, opt_axes)
+
+
+def _shard_elements(array: ArrayLayout, rules: dict[str, Any], sizes: dict[str, int]) -> int:
+    """Elements of one device's shard; uneven splits are padded up, as GSPMD does."""
+    if not array.axes:
+        return math.prod(array.shape)
+    spec = logical_to_spec(array.axes, rules)
+    elements = 1
+    for dim, mesh_axes in zip(array.shape, tuple(spec) + (None,) * len(array.shape), strict=False):
+        names = (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ())
+        elements *= -(-dim // math.prod(sizes[name] for name in names))
+    return elements
+
+
+@dataclass(frozen=True)
+class LocalDims:
+    """The per-device sizes that activations are made of."""
+
+    batch: int  # sequences per device: global_batch / (data x fsdp)
+    seq: int
+    embed: int  # activations keep the whole embedding (`act_embed` is not split)
+    heads: int  # query heads per device (split over tensor)
+    kv_heads: int  # kv heads a device's query heads read
+    kv_heads_weights: int  # kv heads in a device's k/v weights: all unless tensor divides them
+    head_dim: int
+    mlp: int
+    vocab: int
+    layers: int
+    act_bytes: int  # bytes per element of the compute dtype
+    residual_split: int  # `tensor` when the residual stream is sequence-parallel, else 1
+    parallel_block: bool
+    fused_attention: bool  # a flash-attention kernel: no [seq, seq] scores are kept
+
+
+def attention_is_fused(model: ModelConfig, platform: str) -> bool:
+    """Whether attention runs as a kernel on `platform` (as msjax.ops decides for `auto`)."""
+    impl = getattr(model, "attention_impl", "xla")  # older configs: always the XLA reference
+    if impl == "auto":
+        return platform == "gpu"
+    return impl in ("pallas", "cudnn")
+
+
+def local_dims(config: Config, mesh: MeshShape, platform: str = "gpu") -> LocalDims:
+    model, tensor = config.model, mesh.tensor
+    return LocalDims(
+        batch=config.train.global_batch // (mesh.data * mesh.fsdp),
+        seq=config.data.seq_len,
+        embed=model.embed_dim,
+        heads=-(-model.num_heads // tensor),
+        kv_heads=-(-model.num_kv_heads // tensor),
+        kv_heads_weights=(
+            model.num_kv_heads // tensor if model.num_kv_heads % tensor == 0 else model.num_kv_heads
+        ),
+        head_dim=model.resolved_head_dim,
+        mlp=-(-model.mlp_dim // tensor),
+        vocab=-(-model.vocab_size // tensor),
+        layers=model.num_layers,
+        act_bytes=np.dtype(model.compute_dtype).itemsize,
+        residual_split=tensor if config.mesh.sequence_parallel else 1,
+        parallel_block=model.parallel_block,
+        fused_attention=attention_is_fused(model, platform),
+    )
+
+
+# What one layer keeps from its forward pass for its backward pass (remat "none"), read off XLA's
+# buffer assignment of the scanned layer: the attention scores and their softmax ([batch, heads,
+# seq, seq]; scores in float32), six [batch, seq, mlp] (gate, up, silu and its pieces), six
+# [batch, seq, embed] (inputs and outputs of the two norms and the two residual adds), q and the
+# attended values, k and v. Under "dots" the matmul outputs without batch dimensions (q, k, v,
+# attention output, gate, up, down) and the layer input; under "full" the layer input only.
+SAVED_MLP = 6
+SAVED_EMBED = 6
+SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residual add
+# Buffers alive while the last layer runs backward, besides what is saved: multiples of one
+# float32 score tensor, one [batch, seq, mlp] and one [batch, seq, embed] tensor. Fitted to XLA's
+# temporaries for the tiny and small configs on five to ten meshes per remat policy.
+WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
+LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
+# After the backward pass the optimizer holds the gradients and the updates: two float32 copies
+# of the parameter shards. On a mesh without fsdp and with short activations this is the peak.
+OPTIMIZER_PHASE_COPIES = 2
+
+
+def _saved_per_layer(dims: LocalDims, remat: str) -> float:
+    """Bytes one layer keeps from its forward pass until its backward pass."""
+    b, s, act = dims.batch, dims.seq, dims.act_bytes
+    stream = b * s * dims.embed * act
+    layer_input = stream / dims.residual_split
+    if remat == "full":
+        return layer_input
+    mlp = b * s * dims.mlp * act
+    if remat == "dots":
+        # The k and v projections are whole on every device when tensor does not split kv heads.
+        qkv = b * s * (dims.heads + 2 * dims.kv_heads_weights) * dims.head_dim * act
+        return layer_input + qkv + 2 * mlp + 2 * stream
+    if dims.fused_attention:  # the kernel keeps its output's float32 log-sum-exp per query
+        scores = b * dims.heads * s * F32_BYTES
+    else:  # float32 scores, their softmax in the compute dtype
+        scores = b * dims.heads * s * s * (F32_BYTES + act)
+    heads = b * s * 2 * (dims.heads + dims.kv_heads) * dims.head_dim * act
+    embed = SAVED_EMBED_PARALLEL_BLOCK if dims.parallel_block else SAVED_EMBED
+    return scores + SAVED_MLP * mlp + embed * layer_input + heads
+
+
+def _working_set(dims: LocalDims, remat: str) -> float:
+    """Bytes of the buffers alive while the last layer runs backward, besides saved activations."""
+    b, s, act = dims.batch, dims.seq, dims.act_bytes
+    scores, mlp, embed = WORKING_MULTIPLES[remat]
+    attention = b * dims.heads * s * s * F32_BYTES
+    if dims.fused_attention:  # blocks of scores stay on chip; dq, dk, dv are written out
+        scores = 1
+        attention = b * s * (dims.heads + 2 * dims.kv_heads) * dims.head_dim * act
+    return (
+        scores * attention
+        + mlp * b * s * dims.mlp * act
+        + embed * b * s * dims.embed * act
+        + (LOSS_BUFFERS - 1) * b * s * dims.vocab * F32_BYTES
+    )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of one train step, by what holds them.
+
+    The peak is the state and batch plus the larger of two phases: the backward pass (gradients,
+    saved activations, working buffers) and the optimizer update (gradients and updates).
+    """
+
+    params_bytes: int
+    optimizer_bytes: int  # moments, counters and the step
+    batch_bytes: int
+    gradients_bytes: int
+    activations_bytes: int  # saved by the forward pass for the backward pass
+    working_bytes: int  # one layer's backward buffers, gathered weights, loss buffers
+    update_bytes: int  # the optimizer phase's temporaries
+
+    @property
+    def state_bytes(self) -> int:
+        return self.params_bytes + self.optimizer_bytes
+
+    @property
+    def backward_bytes(self) -> int:
+        return self.gradients_bytes + self.activations_bytes + self.working_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.batch_bytes + max(self.backward_bytes, self.update_bytes)
+
+
+@dataclass(frozen=True)
+class _StateBytes:
+    params: int
+    optimizer: int
+    layer_gathered: int  # one layer's parameters as gathered over fsdp (still split by tensor)
+    fsdp_gathered: int  # all parameters as gathered over fsdp
+
+
+def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
+    config = config_for_mesh(config, mesh)
+    rules = logical_axis_rules(config)
+    sizes = mesh.sizes()
+    params, opt_state = state_layout(config.model, config.optim, config.train.steps)
+    unsharded = dict(sizes, fsdp=1)
+    layer_gathered = sum(
+        _shard_elements(array, rules, unsharded) * array.itemsize
+        for array in params
+        if array.stacked
+    )
+    return _StateBytes(
+        params=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in params),
+        optimizer=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in opt_state)
+        + STEP_BYTES,
+        layer_gathered=layer_gathered // config.model.num_layers,
+        fsdp_gathered=sum(_shard_elements(a, rules, unsharded) * a.itemsize for a in params),
+    )
+
+
+def estimate_memory(config: Config, mesh: MeshShape, platform: str = "gpu") -> MemoryEstimate:
+    """Per-device memory of the train step of `config` on `mesh` (ConfigError if it cannot run).
+
+    `platform` (gpu, cpu, tpu) decides what `model.attention_impl=auto` runs: on GPUs a
+    flash-attention kernel that keeps no [seq, seq] scores, elsewhere the XLA reference.
+    """
+    config = config_for_mesh(config, mesh)
+    state = _state_bytes(config, mesh)
+    dims = local_dims(config, mesh, platform)
+    remat = config.model.remat
+    b, s = dims.batch, dims.seq
+    # Outside the layers: the embedding output, the final norm's input and output, the softmax.
+    head = 3 * b * s * dims.embed * dims.act_bytes + b * s * dims.vocab * F32_BYTES
+    # With fsdp one layer's weights at a time are gathered whole (still split by tensor).
+    gathered = state.layer_gathered if mesh.fsdp > 1 else 0
+    return MemoryEstimate(
+        params_bytes=state.params,
+        optimizer_bytes=state.optimizer,
+        batch_bytes=BATCH_ARRAYS * b * s * INT32_BYTES,
+        gradients_bytes=state.params,  # float32, sharded like the parameters
+        activations_bytes=round(dims.layers * _saved_per_layer(dims, remat) + head),
+        working_bytes=round(_working_set(dims, remat) + gathered),
+        update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
+    )
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """Bytes one device sends per step over each mesh axis (ring collectives)."""
+
+    tensor_bytes: int  # Megatron all-reduces of activations
+    fsdp_bytes: int  # weight all-gathers and gradient reduce-scatters
+    data_bytes: int  # gradient all-reduce across replicas
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensor_bytes + self.fsdp_bytes + self.data_bytes
+
+    def by_axis(self) -> dict[str, int]:
+        return {"tensor": self.tensor_bytes, "fsdp": self.fsdp_bytes, "data": self.data_bytes}
+
+
+def ring_all_reduce_bytes(size_bytes: float, group: int) -> float:
+    """Bytes one member sends in a ring all-reduce of size_bytes (reduce-scatter + all-gather)."""
+    return 2.0 * (group - 1) / group * size_bytes
+
+
+def ring_all_gather_bytes(gathered_bytes: float, group: int) -> float:
+    """Bytes one member sends to gather gathered_bytes (also a reduce-scatter of that size)."""
+    return (group - 1) / group * gathered_bytes
+
+
+def forward_passes(remat: str) -> int:
+    """How often a layer's forward matmuls run per step: twice under full recomputation."""
+    return 2 if remat == "full" else 1
+
+
+def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
+    """Per-device bytes sent per step over each axis of `mesh` (ConfigError if it cannot run)."""
+    config = config_for_mesh(config, mesh)
+    dims = local_dims(config, mesh)
+    passes = forward_passes(config.model.remat)
+    tensor_bytes = 0.0
+    if mesh.tensor > 1:
+        stream = dims.batch * dims.seq * dims.embed * dims.act_bytes
+        # Per layer: attention output and MLP output all-reduced in every forward pass, and the
+        # gradients into the q/k/v and gate/up inputs in the backward pass; plus the
+        # vocab-split embedding lookup and the gradient of the unembedding's input.
+        per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream, mesh.tensor)
+        tensor_bytes = dims.layers * per_layer + 2 * ring_all_reduce_bytes(stream, mesh.tensor)
+    state = _state_bytes(config, mesh)
+    fsdp_bytes = 0.0
+    if mesh.fsdp > 1:
+        # Weights gathered for every forward pass and again for the backward pass (XLA does not
+        # keep them), gradients reduce-scattered once. Weights travel in float32.
+        gathers = passes + 1
+        fsdp_bytes = (gathers + 1) * ring_all_gather_bytes(state.fsdp_gathered, mesh.fsdp)
+    data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
+    return CommEstimate(round(tensor_bytes), round(fsdp_bytes), round(data_bytes))

@@ -1,0 +1,142 @@
+"""The dry run: the analytical memory model against XLA, the 175B plan, the Table 2 prediction.
+
+XLA's side compiles on the eight simulated devices; the tiny programs are the ones
+`tests/test_sweep.py` runs (compiles are cached per process, so each is built once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+
+from msjax.config import ModelConfig, load_config
+from msjax.parallel.aot import compile_step
+from msjax.parallel.candidates import MeshShape, config_for_mesh, parse_mesh, valid_meshes
+from msjax.parallel.mesh import MESH_AXES
+from msjax.parallel.planning import estimate_communication, estimate_memory
+from msjax.parallel.prediction import MEGASCALE_TABLE2, Hardware, compare_with_table2
+from msjax.plan import main
+from msjax.step import build_program
+
+TINY = load_config("configs/tiny.yaml", ["train.global_batch=8"])
+SMALL = load_config("configs/small.yaml", ["train.global_batch=8"])
+MEGASCALE = load_config("configs/megascale_175b.yaml")
+TINY_MESHES = ["1,1,1", "8,1,1", "4,2,1", "2,4,1", "2,2,2"]  # as in test_sweep
+SMALL_MESHES = ["8,1,1", "2,4,1", "2,2,2", "1,2,4"]  # 12 heads: no tensor 8
+
+
+def _model_over_xla(config, mesh_text: str) -> float:
+    mesh = parse_mesh(mesh_text)
+    xla = compile_step(config, mesh).memory
+    assert xla is not None and xla.total_bytes > 0
+    return estimate_memory(config, mesh, platform="cpu").total_bytes / xla.total_bytes
+
+
+@pytest.mark.parametrize("mesh", TINY_MESHES)
+def test_memory_model_is_within_10_percent_of_xla_for_tiny(mesh):
+    assert _model_over_xla(TINY, mesh) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("mesh", SMALL_MESHES)
+def test_memory_model_is_within_10_percent_of_xla_for_small(mesh):
+    assert _model_over_xla(SMALL, mesh) == pytest.approx(1.0, abs=0.10)
+
+
+def test_state_bytes_equal_jax_shardings_for_175b_on_an_abstract_12288_device_mesh():
+    mesh = MeshShape(192, 8, 8)
+    config = config_for_mesh(MEGASCALE, mesh)
+    sizes = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
+    abstract = AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    state = build_program(config, abstract).abstract_state()  # no devices needed
+    jax_bytes = sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(state)
+    )
+    assert estimate_memory(MEGASCALE, mesh).state_bytes == jax_bytes
+    assert jax_bytes == pytest.approx(175e9 * 12 / 64, rel=0.02)  # float32 params + 2 moments
+
+
+def test_175b_plan_fits_the_papers_shape_in_80_gib_and_lowers_without_devices(capsys):
+    argv = ["--config", "configs/megascale_175b.yaml", "--devices", "12288", "--memory-gib", "80"]
+    assert main([*argv, "--top", "5", "--lower"]) == 0
+    printed = capsys.readouterr().out
+    own = next(line for line in printed.splitlines() if line.strip().startswith("192,8,8*"))
+    assert " yes " in own
+    assert "recommended: 192,8,8" in printed  # the config's mesh, with 10% headroom
+    lowered = next(line for line in printed.splitlines() if line.startswith("lowered"))
+    assert "abstract 12288-device mesh" in lowered
+    assert "put 30.653 GiB" in lowered and "(the model: 30.653 GiB)" in lowered
+
+
+def test_175b_memory_falls_as_fsdp_grows():
+    totals = [
+        estimate_memory(MEGASCALE, MeshShape(12288 // (8 * fsdp), fsdp, 8)).total_bytes
+        for fsdp in (8, 16, 32, 64)
+    ]
+    assert totals == sorted(totals, reverse=True)
+    assert totals[0] < 80 * 2**30
+
+
+def test_flash_attention_on_gpus_keeps_no_score_matrices():
+    if "attention_impl" not in {field.name for field in dataclasses.fields(ModelConfig)}:
+        pytest.skip("this msjax has no attention kernels")
+    mesh = MeshShape(2, 2, 2)
+    reference = estimate_memory(TINY, mesh, platform="cpu")
+    kernel = estimate_memory(TINY, mesh, platform="gpu")
+    batch, heads, seq = 8 // 4, 8 // 2, 128  # per device on data 2 x fsdp 2 x tensor 2
+    scores = TINY.model.num_layers * 2 * batch * heads * seq * seq * 4  # scores and softmax
+    assert reference.activations_bytes - kernel.activations_bytes > 0.95 * scores
+    forced = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, attention_impl="xla"))
+    assert estimate_memory(forced, mesh, platform="gpu") == reference
+
+
+def test_communication_volume_follows_the_axes():
+    tiny = estimate_communication(TINY, MeshShape(1, 1, 1))
+    assert tiny.total_bytes == 0
+    data_only = estimate_communication(TINY, MeshShape(8, 1, 1))
+    assert data_only.data_bytes > 0 and data_only.fsdp_bytes == data_only.tensor_bytes == 0
+    mixed = estimate_communication(TINY, MeshShape(2, 2, 2))
+    assert min(mixed.by_axis().values()) > 0
+
+
+def test_prediction_sits_beside_megascale_table2(capsys):
+    comparisons = compare_with_table2(MEGASCALE, Hardware())
+    assert [c.row.gpus for c in comparisons] == [row.gpus for row in MEGASCALE_TABLE2]
+    for comparison in comparisons:
+        paper = comparison.paper_layout
+        assert paper.serial_s >= paper.overlapped_s > 0
+        assert 0.3 < paper.mfu(paper.serial_s) <= paper.mfu(paper.overlapped_s) < 0.7
+    first_four = [c.paper_layout.serial_s for c in comparisons[:4]]  # batch 768, more GPUs
+    assert first_four == sorted(first_four, reverse=True)
+    assert main(["--config", "configs/megascale_175b.yaml", "--predict"]) == 0
+    printed = capsys.readouterr().out
+    assert "12288   6144 |   8.6s  41.2%   6.3s  55.2%" in printed
+    assert "agreement:" in printed
+
+
+def test_candidate_meshes_pass_the_config_checks():
+    meshes = valid_meshes(TINY, 8)
+    assert MeshShape(2, 2, 2) in meshes and MeshShape(1, 1, 8) in meshes
+    assert all(mesh.devices == 8 for mesh in meshes)
+    assert MeshShape(1, 1, 8) not in valid_meshes(SMALL, 8)  # 12 heads do not split 8 ways
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--devices", "7"], "no mesh of 7 devices"),
+        (["--devices", "128", "--xla"], "drop --xla"),
+        (["--devices", "8", "--memory-gib", "0"], "--memory-gib=0"),
+        ([], "--devices is required"),
+    ],
+)
+def test_impossible_plans_are_rejected_with_one_line(argv, named, capsys):
+    assert main(["--config", "configs/tiny.yaml", *argv]) == 2
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(error_lines) == 1
+    assert error_lines[0].startswith("msjax.plan: error:")
+    assert named in error_lines[0]
