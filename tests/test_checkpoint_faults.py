@@ -231,7 +231,7 @@ def test_sigterm_finishes_the_current_step_saves_it_and_exits_zero(sigterm_runs)
     assert (checkpoint / COMMIT_MARKER).exists()
     events = [i for i, record in enumerate(runs.records) if "event" in record]
     first_part = runs.records[: events[0]] if events else runs.records
-    assert [record["step"] for record in first_part] == list(range(step))
+    assert [record["step"] for record in first_part if "loss" in record] == list(range(step))
 
 
 def test_rerun_after_sigterm_resumes_at_the_saved_step(sigterm_runs):

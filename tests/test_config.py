@@ -346,17 +346,22 @@ def test_print_config_in_a_real_process_exits_0_and_creates_no_run_directory(tmp
 # --- an existing run directory -------------------------------------------------------------------
 
 
-def test_a_run_dir_that_already_holds_a_run_is_refused_and_left_untouched(
+def test_a_run_dir_holding_a_run_of_another_config_is_refused_and_left_untouched(
     capsys, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    other = load_config(None, [*SMALL_RUN, "model.num_layers=2", f"run.dir={run_dir}"])
+    (run_dir / "config.yaml").write_text(other.to_yaml())
     metrics = run_dir / "metrics.jsonl"
     original = b'{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.25}\n'
     metrics.write_bytes(original)
     code, out, err = run_main(capsys, *SMALL_RUN, f"run.dir={run_dir}")
-    assert_one_line_user_error(code, out, err, f"run.dir={run_dir}", "already holds a run")
+    assert_one_line_user_error(
+        code, out, err, f"run.dir={run_dir}", "holds a run of another config", "num_layers"
+    )
     assert metrics.read_bytes() == original
-    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]  # no config.yaml
+    assert (run_dir / "config.yaml").read_text() == other.to_yaml()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
