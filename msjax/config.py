@@ -43,6 +43,10 @@ class ModelConfig:
     attention_window: int | None = None  # sliding-window attention; None: full causal
     remat: Literal["none", "full", "dots"] = "none"
     compute_dtype: DType = "float32"  # parameters stay float32 (master copy)
+    # msjax.ops: auto = the Pallas kernel on GPU, the XLA reference elsewhere; pallas off GPU
+    # runs the kernels in the Pallas interpreter (slow; for tests); cudnn needs a GPU.
+    attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+    norm_impl: Literal["auto", "xla", "pallas"] = "auto"
 
     @property
     def resolved_head_dim(self) -> int:

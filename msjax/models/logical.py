@@ -2,7 +2,8 @@
 
 A model calls `constrain(x, ("batch", "seq", "act_embed"))`. With no placement installed (a plain
 CPU run, a unit test) it returns x unchanged; `msjax.parallel.rules.activation_placement` installs
-one that maps the names to mesh axes and constrains the sharding.
+one that maps the names to mesh axes and constrains the sharding. Kernels that must run per
+shard (Pallas calls under `shard_map`) read the mesh from `kernel_mesh()`, installed alongside.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -37,3 +40,31 @@ def use_placement(placement: Placement | None) -> Iterator[None]:
         yield
     finally:
         _placement.reset(token)
+
+
+@dataclass(frozen=True)
+class KernelMesh:
+    """What an op needs to run a kernel per shard: the mesh and the logical-axis mapping."""
+
+    mesh: Any  # a jax.sharding.Mesh; models never look inside
+    spec: Callable[[LogicalAxes], Any]  # logical axis names -> PartitionSpec
+
+
+_kernel_mesh: contextvars.ContextVar[KernelMesh | None] = contextvars.ContextVar(
+    "msjax_kernel_mesh", default=None
+)
+
+
+def kernel_mesh() -> KernelMesh | None:
+    """The mesh installed for per-shard kernels while tracing, or None (run them whole)."""
+    return _kernel_mesh.get()
+
+
+@contextlib.contextmanager
+def use_kernel_mesh(mesh: KernelMesh | None) -> Iterator[None]:
+    """Install the mesh per-shard kernels run on while tracing model code inside this block."""
+    token = _kernel_mesh.set(mesh)
+    try:
+        yield
+    finally:
+        _kernel_mesh.reset(token)

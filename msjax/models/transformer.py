@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from msjax import ops
 from msjax.config import ModelConfig
-from msjax.models.attention import dot_product_attention, rotary_embedding
+from msjax.models.attention import rotary_embedding
 from msjax.models.logical import constrain
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
@@ -22,16 +23,19 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) 
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, computed in float32."""
+    """x / rms(x) * scale, computed in float32 (msjax.ops: the XLA reference or a kernel)."""
 
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, impl: str = "auto"):
         self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
         self.eps = eps
+        self.impl = impl
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return ops.rms_norm(x, self.scale[...], eps=self.eps, impl=self.impl)
+
+    def add_and_normalize(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x + residual, its norm), fused into one pass by the kernel."""
+        return ops.add_rms_norm(x, residual, self.scale[...], eps=self.eps, impl=self.impl)
 
 
 class Attention(nnx.Module):
@@ -65,8 +69,13 @@ class Attention(nnx.Module):
         value = constrain(value, ("batch", "seq", "kv_heads", "head_dim"))
         query = rotary_embedding(query, positions, self.config.rope_theta)
         key = rotary_embedding(key, positions, self.config.rope_theta)
-        attended = dot_product_attention(
-            query, key, value, window=self.config.attention_window, segment_ids=segment_ids
+        attended = ops.attention(
+            query,
+            key,
+            value,
+            window=self.config.attention_window,
+            segment_ids=segment_ids,
+            impl=self.config.attention_impl,
         )  # [batch, seq, heads, head_dim]
         attended = constrain(attended, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bshd,hde->bse", attended, self.out[...].astype(dtype))
@@ -96,10 +105,10 @@ class Block(nnx.Module):
     """One decoder layer, sequential (pre-norm) or parallel (MegaScale §3.1)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.attention_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs)
+        self.attention_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         self.attention = Attention(config, rngs)
         if not config.parallel_block:
-            self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs)
+            self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         self.mlp = MLP(config, rngs)
         self.parallel = config.parallel_block
 
@@ -111,9 +120,10 @@ class Block(nnx.Module):
             normed = self.attention_norm(x)
             x = x + self.attention(normed, positions, segment_ids) + self.mlp(normed)
         else:
-            x = x + self.attention(self.attention_norm(x), positions, segment_ids)
+            attended = self.attention(self.attention_norm(x), positions, segment_ids)
+            x, normed = self.mlp_norm.add_and_normalize(x, attended)  # x + attn, LN(x + attn)
             x = constrain(x, RESIDUAL)
-            x = x + self.mlp(self.mlp_norm(x))
+            x = x + self.mlp(normed)
         return constrain(x, RESIDUAL)
 
 
@@ -145,7 +155,7 @@ class Transformer(nnx.Module):
             return Block(config, rngs)
 
         self.layers = make_layers(rngs)
-        self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs)
+        self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         if not config.tied_embeddings:
             self.unembedding = _param(
                 rngs, embed_init, (config.embed_dim, config.vocab_size), ("embed", "vocab")

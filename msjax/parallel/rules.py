@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from msjax.config import Config
-from msjax.models.logical import LogicalAxes, use_placement
+from msjax.models.logical import KernelMesh, LogicalAxes, use_kernel_mesh, use_placement
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = dict[str, MeshAxes]
@@ -75,14 +75,16 @@ def shardings_for(logical_axes: Any, mesh: Mesh, rules: Rules) -> Any:
 
 @contextmanager
 def activation_placement(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """While tracing model code: turn logical activation hints into sharding constraints."""
+    """While tracing model code: turn logical activation hints into sharding constraints, and
+    give per-shard kernels (msjax.ops) the mesh and rules to build their shard_map from."""
 
     def place(x: jax.Array, axes: LogicalAxes) -> jax.Array:
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(mesh, logical_to_spec(axes, rules))
         )
 
-    with use_placement(place):
+    kernels = KernelMesh(mesh, lambda axes: logical_to_spec(axes, rules))
+    with use_placement(place), use_kernel_mesh(kernels):
         yield
 
 

@@ -1,0 +1,479 @@
+"""Check and time every Pallas kernel against its baselines, side by side, on one GPU.
+
+Attention (forward + backward, bf16, GQA 4:1): our flash kernel vs the XLA reference, JAX's own
+Pallas `mha` (kv heads repeated for it; it has no window) and cuDNN, over seq 1k/4k/16k, head
+dim 64/128, window none/1k/4k. RMSNorm (alone and fused with the residual add) vs XLA and JAX's
+Pallas `rms_norm`, as a share of measured copy bandwidth. Fused cross-entropy vs XLA, with the
+compiled temp memory of each. Every kernel is first checked against its reference.
+
+    python benchmarks/kernels_gpu.py [--smoke] [--max-seconds 270]
+
+Without a GPU the script runs its smoke form: tiny shapes in the Pallas interpreter, checks
+only (the times are the interpreter's and mean nothing). TFLOP/s count useful matmul FLOPs:
+attention forward 4 x visible (query, key) pairs x head_dim per head, backward twice that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental.pallas.ops.gpu import attention as jax_attention  # noqa: E402
+from jax.experimental.pallas.ops.gpu import rms_norm as jax_rms_norm  # noqa: E402
+
+from pallas_kernels import cross_entropy as ce  # noqa: E402
+from pallas_kernels import flash_attention as fa  # noqa: E402
+from pallas_kernels import rms_norm as rn  # noqa: E402
+
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max error / max |reference|, forward and grads
+Row = dict[str, object]
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable, *args, repeats: int) -> float:
+    """Median wall time of one call, after a compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - started)
+    return 1e3 * float(np.median(times))
+
+
+def relative_error(actual, expected) -> float:
+    """Max |actual - expected| over max |expected| (at least 1), over every leaf."""
+    worst = 0.0
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if not np.isfinite(got).all():
+            return float("inf")
+        worst = max(
+            worst, float(np.max(np.abs(got - want))) / max(1.0, float(np.max(np.abs(want))))
+        )
+    return worst
+
+
+def forward_and_backward(fn: Callable) -> Callable:
+    """jit of (output, gradients of <output, cotangent> wrt the float arguments)."""
+
+    def run(args, cotangent):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(cotangent)
+
+    return jax.jit(run)
+
+
+def normal(shape, dtype, seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+
+
+def visible_pairs(seq: int, window: int | None) -> int:
+    reach = np.minimum(np.arange(seq) + 1, window or seq)
+    return int(reach.sum())
+
+
+def attention_impls(window, segment_ids, interpret: bool, on_gpu: bool) -> dict[str, Callable]:
+    def ours(q, k, v):
+        return fa.flash_attention(
+            q, k, v, window=window, segment_ids=segment_ids, interpret=interpret
+        )
+
+    def xla(q, k, v):
+        return fa.reference(q, k, v, window=window, segment_ids=segment_ids)
+
+    impls = {"pallas (ours)": ours, "xla": xla}
+    if window is None:
+
+        def jax_mha(q, k, v):
+            group = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            return jax_attention.mha(
+                q,
+                k,
+                v,
+                segment_ids,
+                sm_scale=q.shape[-1] ** -0.5,
+                causal=True,
+                interpret=interpret,
+            )
+
+        impls["jax pallas mha"] = jax_mha
+    if on_gpu:
+
+        def cudnn(q, k, v):
+            mask = None
+            if segment_ids is not None:
+                mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+            return jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                is_causal=True,
+                implementation="cudnn",
+                local_window_size=None if window is None else (window - 1, 0),
+            )
+
+        impls["cudnn"] = cudnn
+    return impls
+
+
+def check_attention(shape, window, with_segments, dtype, interpret, on_gpu, repeats) -> list[Row]:
+    """Every attention implementation against the float32 XLA reference, forward and grads."""
+    batch, seq, heads, kv_heads, head_dim = shape
+    q = normal((batch, seq, heads, head_dim), dtype, 0)
+    k = normal((batch, seq, kv_heads, head_dim), dtype, 1)
+    v = normal((batch, seq, kv_heads, head_dim), dtype, 2)
+    cotangent = normal(q.shape, dtype, 3)
+    segment_ids = None
+    if with_segments:
+        segment_ids = jnp.asarray(np.repeat([np.arange(seq) * 3 // seq + 1], batch, axis=0))
+    as32 = [x.astype(jnp.float32) for x in (q, k, v, cotangent)]
+    expected = forward_and_backward(
+        lambda q, k, v: fa.reference(q, k, v, window=window, segment_ids=segment_ids)
+    )(tuple(as32[:3]), as32[3])
+    rows = []
+    for name, impl in attention_impls(window, segment_ids, interpret, on_gpu).items():
+        if name == "cudnn" and dtype == jnp.float32:
+            continue  # cuDNN flash attention takes 16-bit inputs only
+        step = forward_and_backward(impl)
+        got = step((q, k, v), cotangent)
+        rows.append(
+            {
+                "kernel": "flash_attention",
+                "check": f"{shape} window={window} segments={with_segments}",
+                "impl": name,
+                "dtype": jnp.dtype(dtype).name,
+                "max_error": relative_error(got, expected),
+                "tolerance": TOLERANCE[jnp.dtype(dtype).name],
+                "ms": time_ms(step, (q, k, v), cotangent, repeats=repeats),
+            }
+        )
+    return rows
+
+
+def time_attention(shape, window, interpret, on_gpu, repeats) -> list[Row]:
+    batch, seq, heads, kv_heads, head_dim = shape
+    dtype = jnp.bfloat16
+    q = normal((batch, seq, heads, head_dim), dtype, 0)
+    k = normal((batch, seq, kv_heads, head_dim), dtype, 1)
+    v = normal((batch, seq, kv_heads, head_dim), dtype, 2)
+    cotangent = normal(q.shape, dtype, 3)
+    flops = 3 * 4 * batch * heads * head_dim * visible_pairs(seq, window)  # forward + backward
+    rows = []
+    for name, impl in attention_impls(window, None, interpret, on_gpu).items():
+        try:
+            ms = time_ms(forward_and_backward(impl), (q, k, v), cotangent, repeats=repeats)
+        except Exception as error:
+            rows.append(_failed("flash_attention", shape, window, name, error))
+            continue
+        rows.append(
+            {
+                "kernel": "flash_attention",
+                "case": f"seq={seq} d={head_dim} window={window}",
+                "impl": name,
+                "ms": ms,
+                "rate": f"{flops / ms / 1e9:.1f} TFLOP/s",
+            }
+        )
+    return _with_speedups(rows)
+
+
+def _failed(kernel, shape, window, name, error) -> Row:
+    return {
+        "kernel": kernel,
+        "case": f"{shape} window={window}",
+        "impl": name,
+        "ms": float("nan"),
+        "rate": f"failed: {type(error).__name__}",
+    }
+
+
+def _with_speedups(rows: list[Row]) -> list[Row]:
+    """Speed-up of our kernel over each baseline (baseline ms / our ms) on the baseline's row."""
+    ours = next((row["ms"] for row in rows if row["impl"].endswith("(ours)")), float("nan"))
+    for row in rows:
+        row["ours_vs_this"] = row["ms"] / ours if ours == ours and ours > 0 else float("nan")
+    return rows
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------
+
+
+def check_norms(shape, dtype, interpret, repeats) -> list[Row]:
+    x, residual = normal(shape, dtype, 0), normal(shape, dtype, 1)
+    scale = 1.0 + 0.1 * normal(shape[-1:], jnp.float32, 2)
+    cotangent = normal(shape, dtype, 3)
+    rows = []
+    cases = {
+        "rms_norm": (
+            functools.partial(rn.rms_norm, eps=1e-5, interpret=interpret),
+            rn.reference,
+            (x, scale),
+            cotangent,
+        ),
+        "add_rms_norm": (
+            functools.partial(rn.add_rms_norm, eps=1e-5, interpret=interpret),
+            rn.reference_add,
+            (x, residual, scale),
+            (cotangent, cotangent),
+        ),
+    }
+    for kernel, (ours, reference, args, ct) in cases.items():
+        as32 = jax.tree.map(lambda a: a.astype(jnp.float32), (args, ct))
+        expected = forward_and_backward(reference)(*as32)
+        step = forward_and_backward(ours)
+        got = step(args, ct)
+        rows.append(
+            {
+                "kernel": kernel,
+                "check": f"{shape}",
+                "impl": "pallas (ours)",
+                "dtype": jnp.dtype(dtype).name,
+                "max_error": relative_error(got, expected),
+                "tolerance": TOLERANCE[jnp.dtype(dtype).name],
+                "ms": time_ms(step, args, ct, repeats=repeats),
+            }
+        )
+    return rows
+
+
+def copy_bandwidth_gbps(shape, repeats) -> float:
+    """Measured memory bandwidth: XLA reading and writing a bf16 array of this shape."""
+    x = normal(shape, jnp.bfloat16, 0)
+    ms = time_ms(jax.jit(lambda x: x * 2), x, repeats=repeats)
+    return 2 * x.nbytes / ms / 1e6
+
+
+def time_norms(shape, interpret, repeats, bandwidth_gbps) -> list[Row]:
+    x, residual = normal(shape, jnp.bfloat16, 0), normal(shape, jnp.bfloat16, 1)
+    scale = jnp.ones(shape[-1:], jnp.float32)
+    zeros = jnp.zeros(shape[-1:], jnp.float32)
+    rows = []
+    cases = {
+        # case: (arguments, bytes read + written, {impl: function})
+        "rms_norm forward": (
+            (x, scale),
+            2 * x.nbytes,
+            {
+                "pallas (ours)": functools.partial(rn.rms_norm, interpret=interpret),
+                "xla": rn.reference,
+                "jax pallas rms_norm": lambda x, s: jax_rms_norm.rms_norm(
+                    x, s, zeros, interpret=interpret
+                ),
+            },
+        ),
+        "add_rms_norm forward": (
+            (x, residual, scale),
+            4 * x.nbytes,
+            {
+                "pallas (ours)": functools.partial(rn.add_rms_norm, interpret=interpret),
+                "xla": rn.reference_add,
+            },
+        ),
+    }
+    for case, (arguments, moved, impls) in cases.items():
+        case_rows = []
+        for name, fn in impls.items():
+            try:
+                ms = time_ms(jax.jit(fn), *arguments, repeats=repeats)
+            except Exception as error:
+                case_rows.append(_failed(case, shape, None, name, error))
+                continue
+            gbps = moved / ms / 1e6
+            case_rows.append(
+                {
+                    "kernel": case,
+                    "case": f"{shape}",
+                    "impl": name,
+                    "ms": ms,
+                    "rate": f"{gbps:.0f} GB/s = {100 * gbps / bandwidth_gbps:.0f}% of copy",
+                }
+            )
+        rows.extend(_with_speedups(case_rows))
+    return rows
+
+
+# ---- cross-entropy ------------------------------------------------------------------------------
+
+
+def check_cross_entropy(tokens, embed, vocab, dtype, interpret, block_sizes, repeats) -> list[Row]:
+    hidden = normal((tokens, embed), dtype, 0)
+    unembedding = (0.1 * normal((embed, vocab), jnp.float32, 1)).astype(dtype)
+    labels = jnp.asarray(np.random.default_rng(2).integers(0, vocab, tokens))
+    cotangent = normal((tokens,), jnp.float32, 3)
+
+    def ours(h, w):
+        return ce.cross_entropy(h, w, labels, block_sizes=block_sizes, interpret=interpret)
+
+    def reference(h, w):
+        return ce.reference(h, w, labels)
+
+    as32 = (hidden.astype(jnp.float32), unembedding.astype(jnp.float32))
+    expected = forward_and_backward(reference)(as32, cotangent)
+    step = forward_and_backward(ours)
+    got = step((hidden, unembedding), cotangent)
+    return [
+        {
+            "kernel": "cross_entropy",
+            "check": f"tokens={tokens} embed={embed} vocab={vocab}",
+            "impl": "pallas (ours)",
+            "dtype": jnp.dtype(dtype).name,
+            "max_error": relative_error(got, expected),
+            "tolerance": TOLERANCE[jnp.dtype(dtype).name],
+            "ms": time_ms(step, (hidden, unembedding), cotangent, repeats=repeats),
+        }
+    ]
+
+
+def time_cross_entropy(tokens, embed, vocab, interpret, repeats) -> list[Row]:
+    hidden = normal((tokens, embed), jnp.bfloat16, 0)
+    unembedding = (0.02 * normal((embed, vocab), jnp.float32, 1)).astype(jnp.bfloat16)
+    labels = jnp.asarray(np.random.default_rng(2).integers(0, vocab, tokens))
+    cotangent = jnp.ones((tokens,), jnp.float32)
+    impls = {
+        "pallas (ours)": lambda h, w: ce.cross_entropy(h, w, labels, interpret=interpret),
+        "xla": lambda h, w: ce.reference(h, w, labels),
+    }
+    rows = []
+    for name, impl in impls.items():
+        step = forward_and_backward(impl)
+        try:
+            compiled = step.lower((hidden, unembedding), cotangent).compile()
+            analysis = compiled.memory_analysis()
+            temp_mib = getattr(analysis, "temp_size_in_bytes", 0) / 2**20 if analysis else 0
+            ms = time_ms(compiled, (hidden, unembedding), cotangent, repeats=repeats)
+        except Exception as error:
+            rows.append(_failed("cross_entropy", (tokens, embed, vocab), None, name, error))
+            continue
+        flops = 4 * 2 * tokens * embed * vocab  # forward, recomputed logits, dhidden, dunembed
+        rows.append(
+            {
+                "kernel": "cross_entropy",
+                "case": f"tokens={tokens} embed={embed} vocab={vocab}",
+                "impl": name,
+                "ms": ms,
+                "rate": f"{flops / ms / 1e9:.1f} TFLOP/s, temp {temp_mib:.0f} MiB",
+            }
+        )
+    return _with_speedups(rows)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+
+def print_checks(rows: list[Row]) -> None:
+    """Correctness (forward and gradients vs the float32 reference) and fwd+bwd time."""
+    print(f"{'check':<62} {'impl':<16} {'dtype':<9} {'error':>9} {'tol':>7} ok  {'ms':>9}")
+    for row in rows:
+        ok = "yes" if row["max_error"] <= row["tolerance"] else "NO "
+        label = f"{row['kernel']} {row['check']}"
+        print(
+            f"{label:<62} {row['impl']:<16} {row['dtype']:<9} {row['max_error']:>9.2e} "
+            f"{row['tolerance']:>7.0e} {ok} {row['ms']:>9.2f}"
+        )
+
+
+def print_timings(rows: list[Row]) -> None:
+    print(f"{'kernel':<22} {'case':<36} {'impl':<20} {'ms':>9}  {'ours x':>7}  rate")
+    for row in rows:
+        print(
+            f"{row['kernel']:<22} {row['case']:<36} {row['impl']:<20} {row['ms']:>9.3f}  "
+            f"{row['ours_vs_this']:>7.2f}  {row['rate']}"
+        )
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; forced without GPU")
+    parser.add_argument("--max-seconds", type=float, default=270.0, help="stop timing after")
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    smoke = args.smoke or not on_gpu
+    interpret = not on_gpu
+    started = time.perf_counter()
+    print(f"devices: {jax.devices()}; {'smoke form' if smoke else 'full sweep'}")
+
+    if smoke:  # one check per kernel, float32; the interpreter compiles slowly
+        attention_checks = [((1, 64, 4, 2, 16), None, True, (jnp.float32,))]  # mha: seq % 32
+        norm_shapes, norm_dtypes = [(2, 8, 48)], (jnp.float32,)
+        ce_shape, ce_blocks, ce_dtypes = (
+            (24, 32, 100),
+            ce.BlockSizes(16, 32, 16, 64),
+            (jnp.float32,),
+        )
+        attention_timings = []
+        repeats = 1
+    else:
+        both = (jnp.float32, jnp.bfloat16)
+        attention_checks = [
+            ((2, 2048, 16, 4, 128), None, True, both),
+            ((2, 2048, 16, 4, 64), 512, True, both),
+        ]
+        norm_shapes, norm_dtypes = [(8, 2048, 4096)], both
+        ce_shape, ce_blocks, ce_dtypes = (4096, 2048, 32768), ce.BlockSizes(), both
+        attention_timings = []
+        for seq in (1024, 4096, 16384):
+            for head_dim in (64, 128):
+                heads = 2048 // head_dim  # embed 2048, GQA 4:1, 16k tokens a step
+                for window in (None, 1024, 4096):
+                    if window is None or window < seq:
+                        attention_timings.append(
+                            ((16384 // seq, seq, heads, heads // 4, head_dim), window)
+                        )
+        repeats = 5
+
+    checks: list[Row] = []
+    for shape, window, segments, dtypes in attention_checks:
+        for dtype in dtypes:
+            checks += check_attention(shape, window, segments, dtype, interpret, on_gpu, repeats)
+    for shape in norm_shapes:
+        for dtype in norm_dtypes:
+            checks += check_norms(shape, dtype, interpret, repeats)
+    tokens, embed, vocab = ce_shape
+    for dtype in ce_dtypes:
+        checks += check_cross_entropy(tokens, embed, vocab, dtype, interpret, ce_blocks, repeats)
+    print_checks(checks)
+    if smoke:
+        print(f"total {time.perf_counter() - started:.0f} s")
+        if not on_gpu:
+            print("no GPU: the ms above are the Pallas interpreter's, not kernel speeds")
+        return checks
+
+    timings: list[Row] = []
+    bandwidth = copy_bandwidth_gbps(norm_shapes[0], repeats)
+    print(f"measured copy bandwidth: {bandwidth:.0f} GB/s")
+    for shape in norm_shapes:
+        timings += time_norms(shape, interpret, repeats, bandwidth)
+    for shape, window in attention_timings:
+        if time.perf_counter() - started > args.max_seconds:
+            print(f"time budget spent: skipped attention {shape} window={window}")
+            continue
+        timings += time_attention(shape, window, interpret, on_gpu, repeats)
+    if time.perf_counter() - started <= args.max_seconds:
+        timings += time_cross_entropy(tokens, embed, vocab, interpret, repeats)
+    print_timings(timings)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return checks
+
+
+if __name__ == "__main__":
+    failed = [row for row in main() if not row["max_error"] <= row["tolerance"]]
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,31 @@
+"""Which implementation an op runs: `auto` resolves by backend; impossible choices are errors."""
+
+from __future__ import annotations
+
+import jax
+
+from msjax.errors import ConfigError
+
+
+def resolve_impl(impl: str, key: str, choices: tuple[str, ...]) -> str:
+    """`auto` -> `pallas` on GPU and `xla` elsewhere; `cudnn` off GPU is a ConfigError.
+
+    key names the config knob (`model.attention_impl`) so the message points at the fix.
+    """
+    if impl not in ("auto", *choices):
+        raise ConfigError(
+            f"{key}={impl!r} is not accepted; choose one of auto, {', '.join(choices)}"
+        )
+    backend = jax.default_backend()
+    if impl == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    if impl == "cudnn" and backend != "gpu":
+        raise ConfigError(
+            f"{key}=cudnn needs a GPU, but this run's backend is {backend}; use auto, xla or pallas"
+        )
+    return impl
+
+
+def interpret_kernels() -> bool:
+    """Pallas kernels run in the interpreter (slow, exact) everywhere but on a GPU."""
+    return jax.default_backend() != "gpu"

@@ -1,0 +1,589 @@
+"""Pallas kernels against their plain-JAX references, in the Pallas interpreter on CPU.
+
+Every comparison covers the forward and all gradients. Tolerances, as a fraction of the largest
+expected magnitude: float32 1e-5 (only summation order differs); bfloat16 2e-2 (inputs are
+rounded to bfloat16 once, and kernel and reference are both held against a float32 reference
+on those rounded inputs). The interpreter fills every output with NaN before a kernel runs
+(checked below), so an element a kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import pallas as pl
+from jax.sharding import NamedSharding, PartitionSpec
+
+from msjax import ops
+from msjax.config import MeshConfig, config_from_dict
+from msjax.errors import ConfigError
+from msjax.parallel.mesh import build_mesh
+from msjax.parallel.rules import activation_placement
+from pallas_kernels import cross_entropy as ce
+from pallas_kernels import flash_attention as fa
+from pallas_kernels import rms_norm as rn
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+FEW = settings(max_examples=5, deadline=None, derandomize=True)
+
+
+def normal(shape: tuple[int, ...], seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def assert_close(actual: jax.Array, expected: jax.Array, dtype, what: str) -> None:
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert actual.shape == expected.shape, what
+    assert np.isfinite(actual).all(), f"{what}: non-finite (unwritten?) elements"
+    bound = TOLERANCE[dtype] * max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+    error = float(np.max(np.abs(actual - expected), initial=0.0))
+    assert error <= bound, f"{what}: max error {error:.3g} > {bound:.3g}"
+
+
+def value_and_vjp(fn, args, cotangent):
+    """fn(*args) and the gradient of <fn(*args), cotangent> wrt every arg, in one jit."""
+
+    def run(args, cotangent):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(cotangent)
+
+    return jax.jit(run)(args, cotangent)
+
+
+def rounded(x: jax.Array, dtype) -> jax.Array:
+    return x.astype(dtype).astype(jnp.float32)
+
+
+# ---- 0. the poison the whole file relies on -----------------------------------------------------
+
+
+def test_interpreter_fills_outputs_with_nan_so_unwritten_elements_show():
+    def write_first_half(x_ref, out_ref):
+        out_ref[:4] = x_ref[:4]
+
+    out = pl.pallas_call(
+        write_first_half, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True
+    )(jnp.ones(8))
+    np.testing.assert_array_equal(out[:4], 1.0)
+    assert np.isnan(np.asarray(out[4:])).all()
+
+
+# ---- 1. flash attention against the reference ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    batch: int
+    seq: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    window: int | None
+    segments: str  # none | packed (sorted, like packed documents) | scattered (any order)
+    blocks: fa.BlockSizes
+    seed: int
+
+    def inputs(self):
+        heads = self.kv_heads * self.group
+        query = normal((self.batch, self.seq, heads, self.head_dim), self.seed)
+        key = normal((self.batch, self.seq, self.kv_heads, self.head_dim), self.seed + 1)
+        value = normal((self.batch, self.seq, self.kv_heads, self.head_dim), self.seed + 2)
+        cotangent = normal(query.shape, self.seed + 3)
+        rng = np.random.default_rng(self.seed)
+        segment_ids = {
+            "none": None,
+            "packed": np.sort(rng.integers(1, 4, (self.batch, self.seq)), axis=1),
+            "scattered": rng.integers(0, 3, (self.batch, self.seq)),
+        }[self.segments]
+        return (query, key, value), cotangent, segment_ids
+
+
+def check_attention_matches_reference(case: AttentionCase, dtype) -> None:
+    (query, key, value), cotangent, segment_ids = case.inputs()
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    args = tuple(rounded(x, dtype) for x in (query, key, value))
+    cotangent = rounded(cotangent, dtype)
+
+    def kernel(q, k, v):
+        return fa.flash_attention(
+            q, k, v, window=case.window, segment_ids=segment_ids, block_sizes=case.blocks
+        )
+
+    def reference(q, k, v):
+        return fa.reference(q, k, v, window=case.window, segment_ids=segment_ids)
+
+    out, grads = value_and_vjp(
+        kernel, tuple(x.astype(dtype) for x in args), cotangent.astype(dtype)
+    )
+    expected_out, expected_grads = value_and_vjp(reference, args, cotangent)
+    assert out.dtype == dtype
+    assert_close(out, expected_out, dtype, f"output of {case}")
+    for name, grad, expected in zip("qkv", grads, expected_grads, strict=True):
+        assert grad.dtype == dtype
+        assert_close(grad, expected, dtype, f"d{name} of {case}")
+
+
+@st.composite
+def attention_cases(draw) -> AttentionCase:
+    seq = draw(st.integers(1, 40))
+    return AttentionCase(
+        batch=draw(st.integers(1, 2)),
+        seq=seq,
+        kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 2, 8])),
+        head_dim=draw(st.sampled_from([4, 8, 16, 24])),
+        window=draw(st.one_of(st.none(), st.integers(1, seq + 2))),
+        segments=draw(st.sampled_from(["none", "packed", "scattered"])),
+        blocks=fa.BlockSizes(*(draw(st.sampled_from([8, 16])) for _ in range(4))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@FEW
+@given(case=attention_cases())
+def test_flash_attention_float32_matches_reference_forward_and_gradients(case):
+    check_attention_matches_reference(case, jnp.float32)
+
+
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(case=attention_cases())
+def test_flash_attention_bfloat16_matches_reference_forward_and_gradients(case):
+    check_attention_matches_reference(case, jnp.bfloat16)
+
+
+# Window one short of, equal to and one past the 8-wide blocks; documents that change on a block
+# edge (row 0, at 16) and inside a block (row 1, at 9); GQA groups 1, 2 and 8.
+EDGE_SEGMENTS = np.array([[1] * 16 + [2] * 16, [1] * 9 + [2] * 23])
+
+
+@pytest.mark.parametrize(("group", "window"), [(1, 8), (2, 9), (8, 7)])
+def test_flash_attention_matches_reference_at_window_and_document_edges(group, window):
+    case = AttentionCase(
+        batch=2,
+        seq=32,
+        kv_heads=1,
+        group=group,
+        head_dim=8,
+        window=window,
+        segments="none",
+        blocks=fa.BlockSizes(8, 8, 8, 8),
+        seed=group,
+    )
+    (query, key, value), cotangent, _ = case.inputs()
+    segment_ids = jnp.asarray(EDGE_SEGMENTS)
+
+    def kernel(q, k, v):
+        return fa.flash_attention(
+            q, k, v, window=window, segment_ids=segment_ids, block_sizes=case.blocks
+        )
+
+    def reference(q, k, v):
+        return fa.reference(q, k, v, window=window, segment_ids=segment_ids)
+
+    out, grads = value_and_vjp(kernel, (query, key, value), cotangent)
+    expected_out, expected_grads = value_and_vjp(reference, (query, key, value), cotangent)
+    assert_close(out, expected_out, jnp.float32, "output")
+    for name, grad, expected in zip("qkv", grads, expected_grads, strict=True):
+        assert_close(grad, expected, jnp.float32, f"d{name}")
+
+
+def test_key_blocks_outside_the_window_are_never_read():
+    # seq 64 in blocks of 8, window 8: query block i reads key blocks i-1 and i only. NaN in
+    # key block 0 reaches query blocks 0 and 1 through 0 * NaN if read, even if masked; so
+    # finite outputs (and dq) from query block 2 on prove the loops skip it.
+    blocks = fa.BlockSizes(8, 8, 8, 8)
+    query, key, value = normal((1, 64, 2, 8), 0), normal((1, 64, 1, 8), 1), normal((1, 64, 1, 8), 2)
+    poisoned_key = key.at[:, :8].set(jnp.nan)
+    poisoned_value = value.at[:, :8].set(jnp.nan)
+    cotangent = normal(query.shape, 3)
+
+    def kernel(q, k, v):
+        return fa.flash_attention(q, k, v, window=8, block_sizes=blocks)
+
+    out, (dq, _, _) = value_and_vjp(kernel, (query, poisoned_key, poisoned_value), cotangent)
+    expected_out, (expected_dq, _, _) = value_and_vjp(
+        lambda q, k, v: fa.reference(q, k, v, window=8), (query, key, value), cotangent
+    )
+    assert_close(out[:, 16:], expected_out[:, 16:], jnp.float32, "output past the poison")
+    assert_close(dq[:, 16:], expected_dq[:, 16:], jnp.float32, "dq past the poison")
+    assert np.isnan(np.asarray(out[:, :8])).all()  # the poison is real where it is visible
+
+
+def test_query_blocks_outside_the_window_are_never_read_for_key_gradients():
+    # Key block 0 is seen by queries 0..14 only; NaN gradients flowing into queries 16.. would
+    # reach dk, dv of keys 0..7 if the dK/dV kernel visited their blocks.
+    blocks = fa.BlockSizes(8, 8, 8, 8)
+    query, key, value = normal((1, 64, 2, 8), 4), normal((1, 64, 1, 8), 5), normal((1, 64, 1, 8), 6)
+    cotangent = normal(query.shape, 7)
+    poisoned = cotangent.at[:, 16:].set(jnp.nan)
+
+    def kernel(q, k, v):
+        return fa.flash_attention(q, k, v, window=8, block_sizes=blocks)
+
+    _, (_, dk, dv) = value_and_vjp(kernel, (query, key, value), poisoned)
+    _, (_, expected_dk, expected_dv) = value_and_vjp(
+        lambda q, k, v: fa.reference(q, k, v, window=8), (query, key, value), cotangent
+    )
+    assert_close(dk[:, :8], expected_dk[:, :8], jnp.float32, "dk of key block 0")
+    assert_close(dv[:, :8], expected_dv[:, :8], jnp.float32, "dv of key block 0")
+    assert np.isnan(np.asarray(dv[:, 16:])).all()
+
+
+def pallas_calls(jaxpr) -> list:
+    """Every pallas_call equation in a jaxpr, nested jaxprs (custom_vjp, jit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(pallas_calls(inner))
+    return found
+
+
+def test_grouped_query_kernels_read_kv_heads_in_place_without_repeating_them():
+    query, key, value = (
+        normal((1, 16, 8, 16), 0),
+        normal((1, 16, 2, 16), 1),
+        normal((1, 16, 2, 16), 2),
+    )
+
+    def loss(q, k, v):
+        return jnp.sum(fa.flash_attention(q, k, v, block_sizes=fa.BlockSizes(8, 8, 8, 8)))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(query, key, value).jaxpr
+    calls = pallas_calls(jaxpr)
+    assert [eqn.params["name"] for eqn in calls] == [
+        "flash_attention_forward",
+        "flash_attention_dkv",
+        "flash_attention_dq",
+    ]
+    for eqn in calls:
+        shapes = [tuple(var.aval.shape) for var in eqn.invars]
+        assert shapes[1] == shapes[2] == (1, 16, 2, 16), (eqn.params["name"], shapes)
+
+
+def test_flash_attention_rejects_kv_heads_that_do_not_divide_query_heads():
+    with pytest.raises(ValueError, match="kv heads dividing"):
+        fa.flash_attention(
+            normal((1, 8, 3, 8), 0), normal((1, 8, 2, 8), 1), normal((1, 8, 2, 8), 2)
+        )
+
+
+# ---- 2. RMSNorm, alone and fused with the residual add ------------------------------------------
+
+
+@st.composite
+def norm_cases(draw):
+    leading = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=2)))
+    dim = draw(st.sampled_from([3, 8, 24, 33, 64, 96]))  # dim 1: ill-conditioned dx
+    return {
+        "shape": (*leading, dim),
+        "dtype": draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
+        "fused": draw(st.booleans()),
+        "block_rows": draw(st.sampled_from([None, 1, 2, 4])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def check_norm_matches_reference(shape, dtype, fused, block_rows, seed) -> None:
+    x, residual = rounded(normal(shape, seed), dtype), rounded(normal(shape, seed + 1), dtype)
+    scale = 1.0 + 0.5 * normal(shape[-1:], seed + 2)
+    cotangent = rounded(normal(shape, seed + 3), dtype)
+    if fused:
+        args = (x, residual, scale)
+        cotangent = (cotangent, rounded(normal(shape, seed + 4), dtype))
+
+        def kernel(x, residual, scale):
+            return rn.add_rms_norm(x, residual, scale, eps=1e-5, block_rows=block_rows)
+
+        reference = rn.reference_add
+    else:
+        args = (x, scale)
+
+        def kernel(x, scale):
+            return rn.rms_norm(x, scale, eps=1e-5, block_rows=block_rows)
+
+        reference = rn.reference
+    low = tuple(a.astype(dtype) if a.ndim == len(shape) else a for a in args)
+    out, grads = value_and_vjp(kernel, low, jax.tree.map(lambda c: c.astype(dtype), cotangent))
+    expected_out, expected_grads = value_and_vjp(reference, args, cotangent)
+    for i, (got, expected) in enumerate(
+        zip(jax.tree.leaves(out), jax.tree.leaves(expected_out), strict=True)
+    ):
+        assert got.dtype == dtype
+        assert_close(got, expected, dtype, f"output {i} of {shape} {dtype.__name__}")
+    for i, (got, expected) in enumerate(zip(grads, expected_grads, strict=True)):
+        assert_close(got, expected, dtype, f"gradient {i} of {shape} {dtype.__name__}")
+
+
+@FEW
+@given(case=norm_cases())
+def test_rms_norm_matches_reference_forward_and_gradients(case):
+    check_norm_matches_reference(**case)
+
+
+def test_rms_norm_backward_walking_many_row_blocks_per_program_matches_reference():
+    # 4100 rows of one-row blocks: each backward program walks 8 blocks; the last is partial.
+    check_norm_matches_reference((4100, 8), jnp.float32, True, 1, seed=11)
+
+
+# ---- 3. fused unembedding + cross-entropy -------------------------------------------------------
+
+
+@st.composite
+def cross_entropy_cases(draw):
+    return {
+        "tokens": draw(st.integers(1, 40)),
+        "embed": draw(st.sampled_from([8, 24, 40])),
+        "vocab": draw(st.integers(1, 300)),
+        "dtype": draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
+        "blocks": ce.BlockSizes(
+            block_tokens=draw(st.sampled_from([8, 16])),
+            block_vocab=draw(st.sampled_from([8, 32])),
+            block_embed=draw(st.sampled_from([8, 16])),
+            backward_chunk=draw(st.sampled_from([32, 64, 8192])),
+        ),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def cross_entropy_inputs(tokens, embed, vocab, dtype, seed):
+    hidden = rounded(normal((tokens, embed), seed), dtype)
+    unembedding = rounded(0.3 * normal((embed, vocab), seed + 1), dtype)
+    labels = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, tokens), jnp.int32)
+    return hidden, unembedding, labels, normal((tokens,), seed + 2)
+
+
+def check_cross_entropy_matches_reference(case) -> None:
+    dtype, blocks = case["dtype"], case["blocks"]
+    hidden, unembedding, labels, cotangent = cross_entropy_inputs(
+        case["tokens"], case["embed"], case["vocab"], dtype, case["seed"]
+    )
+
+    def kernel(h, w):
+        return ce.cross_entropy(h, w, labels, block_sizes=blocks)
+
+    out, grads = value_and_vjp(kernel, (hidden.astype(dtype), unembedding.astype(dtype)), cotangent)
+    expected_out, expected_grads = value_and_vjp(
+        lambda h, w: ce.reference(h, w, labels), (hidden, unembedding), cotangent
+    )
+    assert out.dtype == jnp.float32
+    assert_close(out, expected_out, dtype, f"losses of {case}")
+    for name, grad, expected in zip(("hidden", "unembedding"), grads, expected_grads, strict=True):
+        assert grad.dtype == dtype
+        assert_close(grad, expected, dtype, f"d{name} of {case}")
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(case=cross_entropy_cases())
+def test_cross_entropy_matches_reference_forward_and_gradients(case):
+    check_cross_entropy_matches_reference(case)
+
+
+def test_cross_entropy_merges_vocab_splits_of_several_tiles_each():
+    # 16 token blocks want 32 vocab splits of the 38 tiles: 19 splits of 2 tiles, one partial.
+    blocks = ce.BlockSizes(block_tokens=8, block_vocab=8, block_embed=8, backward_chunk=64)
+    case = {"tokens": 128, "embed": 8, "vocab": 300, "dtype": jnp.float32, "blocks": blocks}
+    check_cross_entropy_matches_reference({**case, "seed": 5})
+
+
+def test_cross_entropy_never_holds_logits_for_all_tokens_and_the_whole_vocab():
+    tokens, embed, vocab, chunk = 24, 16, 256, 64
+    hidden, unembedding, labels, _ = cross_entropy_inputs(tokens, embed, vocab, jnp.float32, 0)
+    blocks = ce.BlockSizes(8, 32, 8, backward_chunk=chunk)
+
+    def loss(h, w):
+        return jnp.sum(ce.cross_entropy(h, w, labels, block_sizes=blocks))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hidden, unembedding).jaxpr
+    shapes = set(outside_kernel_shapes(jaxpr))
+    assert (tokens, chunk) in shapes  # one backward chunk of d_logits at a time
+    assert not any(tokens in shape and vocab in shape for shape in shapes), sorted(shapes)
+
+
+def outside_kernel_shapes(jaxpr):
+    """Shapes of every value the XLA program (not a kernel's tiles) holds, nested jaxprs too."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield tuple(var.aval.shape)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from outside_kernel_shapes(inner)
+
+
+# ---- 4. the kernels lower to Triton for a Hopper GPU (no GPU needed) ----------------------------
+
+
+def lower_for_gpu(fn, *args) -> str:
+    """StableHLO for CUDA, the Pallas kernels lowered through Triton for an H200 (sm_90)."""
+
+    def lower() -> str:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=h200)
+    ):
+        return lower()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_attention_forward_and_backward_lower_to_triton(head_dim):
+    q = jax.ShapeDtypeStruct((2, 1024, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, head_dim), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((2, 1024), jnp.int32)
+
+    def loss(q, k, v, segment_ids):
+        out = fa.flash_attention(q, k, v, window=256, segment_ids=segment_ids, interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dK/dV, dQ
+
+
+def test_rms_norm_forward_and_backward_lower_to_triton():
+    x = jax.ShapeDtypeStruct((4, 1000, 5120), jnp.bfloat16)
+    scale = jax.ShapeDtypeStruct((5120,), jnp.float32)
+
+    def loss(x, residual, scale):
+        total, normed = rn.add_rms_norm(x, residual, scale, interpret=False)
+        alone = rn.rms_norm(x, scale, interpret=False)
+        return jnp.sum(total.astype(jnp.float32) + normed + alone)
+
+    text = lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), x, x, scale)
+    assert text.count("__gpu$xla.gpu.triton") == 4  # two forwards, two backwards
+
+
+def test_cross_entropy_forward_and_backward_lower_to_triton():
+    hidden = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)
+    unembedding = jax.ShapeDtypeStruct((2048, 32768), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((8192,), jnp.int32)
+
+    def loss(hidden, unembedding, labels):
+        return jnp.sum(ce.cross_entropy(hidden, unembedding, labels, interpret=False))
+
+    text = lower_for_gpu(jax.grad(loss, argnums=(0, 1)), hidden, unembedding, labels)
+    assert text.count("__gpu$xla.gpu.triton") == 2  # forward, d_logits (inside the chunk loop)
+
+
+# ---- 5. dispatch and config --------------------------------------------------------------------
+
+
+def test_auto_picks_the_xla_reference_off_gpu_and_cudnn_there_is_a_one_line_error():
+    assert jax.default_backend() == "cpu"
+    assert ops.resolve_impl("auto", "model.attention_impl", ("xla", "pallas", "cudnn")) == "xla"
+    query, key = normal((1, 4, 2, 8), 0), normal((1, 4, 1, 8), 1)
+    with pytest.raises(ConfigError, match=r"model.attention_impl=cudnn needs a GPU") as error:
+        ops.attention(query, key, key, impl="cudnn")
+    assert "\n" not in str(error.value)
+
+
+def test_model_config_accepts_the_impl_keys_and_names_the_choices_for_a_bad_one():
+    config = config_from_dict({"model": {"attention_impl": "pallas", "norm_impl": "xla"}})
+    assert (config.model.attention_impl, config.model.norm_impl) == ("pallas", "xla")
+    with pytest.raises(ConfigError, match="auto, xla, pallas, cudnn"):
+        config_from_dict({"model": {"attention_impl": "flash"}})
+    with pytest.raises(ConfigError, match="auto, xla, pallas"):
+        config_from_dict({"model": {"norm_impl": "cudnn"}})
+
+
+def test_pallas_dispatch_off_gpu_runs_the_interpreted_kernel_not_the_reference():
+    query, key, value = normal((1, 8, 2, 8), 0), normal((1, 8, 1, 8), 1), normal((1, 8, 1, 8), 2)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: ops.attention(q, k, v, impl="pallas"))(query, key, value)
+    assert len(pallas_calls(jaxpr.jaxpr)) == 1
+    assert not pallas_calls(jax.make_jaxpr(ops.attention)(query, key, value).jaxpr)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tensor"),
+    [(8, 2, 4), (6, 3, 2)],
+    ids=["kv-head-shared-by-shards", "groups-straddle-shards"],
+)
+def test_sharded_kernel_with_kv_heads_unsplit_matches_reference(heads, kv_heads, tensor):
+    # kv heads not divisible by `tensor` stay whole while query heads are split: each shard
+    # must pick the kv heads of its own query heads.
+    mesh = build_mesh(MeshConfig(data=8 // tensor, fsdp=1, tensor=tensor), jax.devices()[:8])
+    rules = {"batch": ("data", "fsdp"), "heads": "tensor", "kv_heads": None}
+    batch = 8 // tensor
+    query, key, value = (
+        normal((batch, 16, heads, 8), 0),
+        normal((batch, 16, kv_heads, 8), 1),
+        normal((batch, 16, kv_heads, 8), 2),
+    )
+    segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 11], batch, axis=0))
+    cotangent = normal(query.shape, 3)
+
+    def sharded(q, k, v):
+        with activation_placement(mesh, rules):
+            return ops.attention(q, k, v, window=6, segment_ids=segment_ids, impl="pallas")
+
+    heads_split = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    kv_whole = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, None, None))
+    args = (
+        jax.device_put(query, heads_split),
+        jax.device_put(key, kv_whole),
+        jax.device_put(value, kv_whole),
+    )
+    out, grads = value_and_vjp(sharded, args, cotangent)
+    expected_out, expected_grads = value_and_vjp(
+        lambda q, k, v: fa.reference(q, k, v, window=6, segment_ids=segment_ids),
+        (query, key, value),
+        cotangent,
+    )
+    assert_close(out, expected_out, jnp.float32, "output")
+    for name, grad, expected in zip("qkv", grads, expected_grads, strict=True):
+        assert_close(grad, expected, jnp.float32, f"d{name}")
+
+
+# ---- 6. the sharded train step -----------------------------------------------------------------
+
+
+def test_tiny_model_trains_five_steps_with_pallas_kernels_like_xla_on_a_2x2x2_mesh():
+    from test_parallel import small_config, train_losses
+
+    def losses(impl: str) -> list[float]:
+        config = small_config(2, 2, 2)
+        model = dataclasses.replace(
+            config.model, attention_impl=impl, norm_impl=impl, attention_window=12
+        )
+        return train_losses(dataclasses.replace(config, model=model))
+
+    xla, pallas = losses("xla"), losses("pallas")
+    np.testing.assert_allclose(pallas, xla, rtol=1e-5)
+    assert all(b != a for a, b in itertools.pairwise(xla))  # the model really trains
+
+
+# ---- 7. the GPU benchmark's CPU smoke form -----------------------------------------------------
+
+
+def test_gpu_benchmark_smoke_form_checks_every_kernel_and_prints_its_table(capsys):
+    path = Path(__file__).parents[1] / "benchmarks" / "kernels_gpu.py"
+    spec = importlib.util.spec_from_file_location("kernels_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--smoke"])
+    printed = capsys.readouterr().out
+    kernels = {"flash_attention", "rms_norm", "add_rms_norm", "cross_entropy"}
+    assert {row["kernel"] for row in rows} == kernels
+    assert "jax pallas mha" in {row["impl"] for row in rows}
+    assert all(row["max_error"] <= row["tolerance"] for row in rows)
+    for row in rows:
+        assert row["kernel"] in printed
