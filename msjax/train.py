@@ -106,6 +106,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     from msjax.data.tokenizer import ByteTokenizer
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
     from msjax.observe.metrics import MetricsWriter, ProgressLine
+    from msjax.ops import resolve_impl
     from msjax.parallel.mesh import build_mesh, configure_cpu_devices
     from msjax.run_dir import create_run_dir, differences, plan_run_dir
     from msjax.step import build_program
@@ -118,6 +119,8 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         resume_source = parse_resume_source(config.checkpoint.resume_from)
     configure_cpu_devices(config)
     config = check_device_count(config, jax.device_count())
+    resolve_impl(config.model.attention_impl, "model.attention_impl", ("xla", "pallas", "cudnn"))
+    resolve_impl(config.model.norm_impl, "model.norm_impl", ("xla", "pallas"))
     mesh = build_mesh(config.mesh)
     if config.model.vocab_size < ByteTokenizer.vocab_size:
         raise MsjaxError(

@@ -292,6 +292,7 @@ USER_ERRORS = {
     "malformed_override": (["train.steps"], ["'train.steps'", "section.key=value"]),
     "invalid_yaml_file": (["--config", "{tmp}/broken.yaml"], ["broken.yaml", "not valid YAML"]),
     "yaml_file_not_a_mapping": (["--config", "{tmp}/list.yaml"], ["list.yaml", "mapping"]),
+    "cudnn_without_gpu": (["model.attention_impl=cudnn"], ["attention_impl=cudnn needs a GPU"]),
 }
 
 
