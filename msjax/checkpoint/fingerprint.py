@@ -23,10 +23,19 @@ def _bits_u32(x: jax.Array) -> jax.Array:
     return bits.reshape(-1).astype(jnp.uint32)
 
 
+_ROWS = 64  # the flat bits are summed as rows, which XLA's CPU backend reduces in parallel
+
+
 def _array_fingerprint(x: jax.Array) -> jax.Array:
     bits = _bits_u32(x)
-    weights = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(_MULTIPLIER) + 1
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
+    pad = (-bits.shape[0]) % _ROWS  # zeros add nothing to the sum
+    bits = jnp.pad(bits, (0, pad)).reshape(_ROWS, -1)  # [rows, columns]
+    flat_index = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 0) * jnp.uint32(
+        bits.shape[1]
+    ) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 1)
+    weights = flat_index * jnp.uint32(_MULTIPLIER) + 1
+    row_sums = jnp.sum(bits * weights, axis=1, dtype=jnp.uint32)
+    return jnp.sum(row_sums, dtype=jnp.uint32)
 
 
 @jax.jit
