@@ -6,9 +6,9 @@ Counting only: no devices are touched, so MFU needs the device count and peak gi
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
+from msjax.cli import user_error
 from msjax.config import load_config
 from msjax.errors import MsjaxError
 from msjax.observe.flops import count_params, flops_per_step, flops_per_token, mfu
@@ -102,9 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_intermixed_args(argv)
         print("\n".join(report(args)))
     except MsjaxError as error:
-        message = " ".join(str(error).split())
-        print(f"{_PROG}: error: {message}", file=sys.stderr)
-        return 2
+        return user_error(_PROG, error)
     return 0
 
 

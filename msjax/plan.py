@@ -21,8 +21,9 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
+from msjax.cli import user_error
 from msjax.config import Config, load_config
-from msjax.errors import ConfigError, MsjaxError
+from msjax.errors import MsjaxError
 from msjax.observe.flops import count_params
 from msjax.parallel.aot import abstract_batch, compile_step
 from msjax.parallel.candidates import MeshShape, config_for_mesh, mesh_of_config, valid_meshes
@@ -460,10 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_intermixed_args(argv)
         run_plan(args)
-    except (MsjaxError, ConfigError) as error:
-        message = " ".join(str(error).split())
-        print(f"{_PROG}: error: {message}", file=sys.stderr)
-        return 2
+    except MsjaxError as error:
+        return user_error(_PROG, error)
     return 0
 
 

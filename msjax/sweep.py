@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from msjax.cli import user_error
 from msjax.config import Config, load_config
 from msjax.errors import ConfigError, MsjaxError
 from msjax.parallel.aot import compile_step
@@ -379,9 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_intermixed_args(argv)
         run_sweep(args)
     except MsjaxError as error:
-        message = " ".join(str(error).split())
-        print(f"{_PROG}: error: {message}", file=sys.stderr)
-        return 2
+        return user_error(_PROG, error)
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax import __version__
+from msjax.cli import user_error
 from msjax.config import (
     Config,
     check_device_count,
@@ -62,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         train(config)
     except MsjaxError as error:
-        print(f"msjax.train: error: {error}", file=sys.stderr)
-        return 2
+        return user_error("msjax.train", error)
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
         return 130

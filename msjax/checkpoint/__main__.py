@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
+from msjax.cli import user_error
 from msjax.errors import MsjaxError
 
 
@@ -123,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             lines = inspect_checkpoint(args.path)
     except MsjaxError as error:
-        print(f"msjax.checkpoint: error: {error}", file=sys.stderr)
-        return 2
+        return user_error("msjax.checkpoint", error)
     print("\n".join(lines))
     return 0
 

@@ -1,0 +1,14 @@
+"""What every msjax command does with a user mistake: one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+
+from msjax.errors import MsjaxError
+
+
+def user_error(prog: str, error: MsjaxError) -> int:
+    """Print `prog: error: message` as one line on stderr; return the exit code 2."""
+    message = " ".join(str(error).split())
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
