@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from msjax.errors import MsjaxError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are user mistakes like any other: one line, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise MsjaxError(message)
 
 
 def user_error(prog: str, error: MsjaxError) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from msjax.cli import user_error
+from msjax.cli import ArgumentParser, user_error
 from msjax.config import load_config
 from msjax.errors import MsjaxError
 from msjax.observe.flops import count_params, flops_per_step, flops_per_token, mfu
@@ -16,13 +16,8 @@ from msjax.observe.flops import count_params, flops_per_step, flops_per_token, m
 _PROG = "msjax.flops"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise MsjaxError(message)  # one line on stderr, like every other user mistake
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Parameters, training FLOPs per token and per step, and MFU of a step time.",
     )

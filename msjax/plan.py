@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
-from msjax.cli import user_error
+from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.errors import MsjaxError
 from msjax.observe.flops import count_params
@@ -49,14 +49,9 @@ MAX_XLA_DEVICES = 64  # --xla simulates this many CPU devices at most
 HEADROOM = 0.9  # recommend meshes that leave 10% free: the model is held to 10% of XLA
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise MsjaxError(message)  # one line on stderr, like every other user mistake
-
-
 def _parser() -> argparse.ArgumentParser:
     defaults = Hardware()
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Per-device memory, communication and predicted step time of every mesh "
         "that can run a config on N devices, without the devices.",

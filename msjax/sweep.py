@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from msjax.cli import user_error
+from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.errors import ConfigError, MsjaxError
 from msjax.parallel.aot import compile_step
@@ -38,13 +38,8 @@ GIB = 2**30
 DEFAULT_CPU_DEVICES = 8  # simulated for `--meshes auto` when the config's mesh has a -1 axis
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise MsjaxError(message)  # one line on stderr, like every other user mistake
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Compile and run the train step on several meshes; compare memory, "
         "collectives and speed.",
