@@ -67,13 +67,31 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """The training corpus and how it is cut into sequences."""
+class SourceConfig:
+    """One corpus of the training mixture: `stdlib`, text files, or pre-tokenized token files."""
 
-    source: Literal["stdlib"] = "stdlib"  # the running Python's standard library sources
+    # `stdlib` (the running Python's standard library sources), or a path or glob of .txt,
+    # .jsonl, .jsonl.gz or .parquet text files, or of .bin / .npy pre-tokenized token files.
+    path: str = "stdlib"
+    weight: float = 1.0  # relative share of this source's sequences in every stretch of batches
+    text_field: str = "text"  # the field holding the text in .jsonl and .parquet records
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # element type of .bin token files
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training corpus, its tokenizer, and how it is packed into sequences and fed."""
+
+    # One source or a weighted mixture; in YAML a list of paths or {path, weight, ...} mappings,
+    # on the command line e.g. data.sources='[{path: a/*.jsonl.gz, weight: 3}, stdlib]'.
+    sources: tuple[SourceConfig, ...] = (SourceConfig(),)
+    tokenizer: str = "byte"  # byte, or a SentencePiece .model or Hugging Face tokenizer.json file
+    cache_dir: str | None = None  # tokenized corpora; None: $MSJAX_CACHE_DIR or ~/.cache/msjax
     seq_len: int = 128
+    cross_document_attention: bool = False  # false: tokens attend within their own document only
     eval_fraction: float = 0.01  # share of documents held out for validation
-    max_corpus_mib: int = 24  # read at most this much text (keeps start-up fast)
+    max_corpus_mib: int = 24  # stdlib source: read at most this much text (keeps start-up fast)
+    num_workers: int = 0  # Grain worker processes preparing batches; 0: a thread in the trainer
     prefetch_batches: int = 2
 
 
@@ -140,7 +158,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return _lists_for_tuples(dataclasses.asdict(self))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -192,9 +210,38 @@ def _build_section(section_name: str, section_type: type, values: dict[str, Any]
     return section_type(**checked)
 
 
+def _lists_for_tuples(tree: Any) -> Any:
+    """The tree with tuples as lists, so YAML and JSON write them as plain sequences."""
+    if isinstance(tree, dict):
+        return {key: _lists_for_tuples(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_lists_for_tuples(value) for value in tree]
+    return tree
+
+
+def _coerce_sources(name: str, value: Any) -> tuple[SourceConfig, ...]:
+    """A source list from a path, a {path, weight, ...} mapping, or a list of either."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ConfigError(f"{name} is empty; give at least one source (e.g. stdlib)")
+    sources = []
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            item = {"path": item}
+        if not isinstance(item, dict):
+            raise ConfigError(
+                f"{name}[{index}]={item!r} must be a path or a mapping with keys "
+                + ", ".join(f.name for f in dataclasses.fields(SourceConfig))
+            )
+        sources.append(_build_section(f"{name}[{index}]", SourceConfig, item))
+    return tuple(sources)
+
+
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
     """Return value as the annotated type, or raise a ConfigError naming what is accepted."""
     origin = get_origin(annotation)
+    if annotation == tuple[SourceConfig, ...]:
+        return _coerce_sources(name, value)
     if origin in (typing.Union, types.UnionType):
         options = get_args(annotation)
         is_null = value is None or (isinstance(value, str) and value.lower() in ("null", "none"))
@@ -245,6 +292,15 @@ def validate(config: Config) -> None:
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
+    for index, source in enumerate(data.sources):
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(f"data.sources[{index}].weight={source.weight} must be positive")
+        if not source.path.strip():
+            raise ConfigError(f"data.sources[{index}].path is empty; give a path, glob or stdlib")
+    if data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
+    if data.prefetch_batches < 0:
+        raise ConfigError(f"data.prefetch_batches={data.prefetch_batches} must be >= 0")
     positive = {
         "model.vocab_size": model.vocab_size,
         "model.num_layers": model.num_layers,
