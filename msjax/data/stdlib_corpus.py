@@ -2,6 +2,7 @@
 
 It exists on every machine without a download. Library modules come first and tests fill the rest
 of the `data.max_corpus_mib` budget; ~`data.eval_fraction` of documents are held out by path hash.
+`sources.py` tokenizes the same documents, split the same way, with any tokenizer.
 """
 
 from __future__ import annotations
@@ -49,24 +50,14 @@ class Corpus:
 
 def load_corpus(data: DataConfig) -> Corpus:
     """Read stdlib sources up to data.max_corpus_mib MiB and split them into train and eval."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    budget_bytes = data.max_corpus_mib * 2**20
+    root, selected = select_stdlib_documents(data.max_corpus_mib)
     documents: dict[str, list[tuple[str, bytes]]] = {"train": [], "eval": []}
-    total_bytes = 0
     fingerprint = 0
-    for relative_path in stdlib_source_paths(root):
+    for relative_path, _ in selected:
         content = (root / relative_path).read_bytes()
-        if total_bytes + len(content) > budget_bytes:
-            break  # whole documents only: the budget is an upper bound
-        total_bytes += len(content)
         fingerprint = zlib.crc32(content, fingerprint)
         split = "eval" if is_eval_document(relative_path, data.eval_fraction) else "train"
         documents[split].append((relative_path, content))
-    if not documents["train"] and not documents["eval"]:
-        raise MsjaxError(
-            f"no stdlib sources fit in data.max_corpus_mib={data.max_corpus_mib} under {root}; "
-            "raise data.max_corpus_mib"
-        )
     train, evaluation = documents["train"], documents["eval"]
     facts = CorpusFacts(
         root=str(root),
@@ -84,6 +75,26 @@ def load_corpus(data: DataConfig) -> Corpus:
         eval_documents=tuple(path for path, _ in evaluation),
         facts=facts,
     )
+
+
+def select_stdlib_documents(max_corpus_mib: int) -> tuple[Path, list[tuple[str, int]]]:
+    """The stdlib root and the (relative path, size in bytes) of every document within budget."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    budget_bytes = max_corpus_mib * 2**20
+    selected = []
+    total_bytes = 0
+    for relative_path in stdlib_source_paths(root):
+        size_bytes = (root / relative_path).stat().st_size
+        if total_bytes + size_bytes > budget_bytes:
+            break  # whole documents only: the budget is an upper bound
+        total_bytes += size_bytes
+        selected.append((relative_path, size_bytes))
+    if not selected:
+        raise MsjaxError(
+            f"no stdlib sources fit in data.max_corpus_mib={max_corpus_mib} under {root}; "
+            "raise data.max_corpus_mib"
+        )
+    return root, selected
 
 
 def stdlib_source_paths(root: Path) -> list[str]:

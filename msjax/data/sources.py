@@ -1,0 +1,479 @@
+"""Corpus sources to token streams: stdlib, text files (tokenized once, cached), token files.
+
+Each `data.sources` entry becomes a `SourceStreams` of train and eval `TokenStore` pieces, every
+document's tokens followed by EOS. Packing the streams into sequences is `pipeline.py`'s job.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msjax.config import DataConfig, SourceConfig
+from msjax.data.stdlib_corpus import is_eval_document, select_stdlib_documents
+from msjax.data.token_store import (
+    TokenStore,
+    TokenStoreWriter,
+    open_token_file,
+    open_token_store,
+    write_atomically,
+)
+from msjax.data.tokenizer import INSTALL_HINT, ByteTokenizer, Tokenizer, token_dtype
+from msjax.errors import MsjaxError
+
+# Bump when what a cached store holds for the same inputs changes (document rule, EOS placement).
+FORMAT_VERSION = 1
+TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
+TOKEN_SUFFIXES = (".bin", ".npy")
+_SCAN_CHUNK_TOKENS = 2**24  # vocabulary check of token files: 32-64 MiB of memmap at a time
+_HASH_CHUNK_BYTES = 2**20
+
+Report = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SourceStreams:
+    """One configured source as train and eval token pieces, each documents' tokens + EOS."""
+
+    label: str  # the source path as configured
+    train: tuple[TokenStore, ...]
+    eval: tuple[TokenStore, ...]  # empty when no document is held out
+    facts: dict[str, Any]  # JSON-able, for the run record: kind, files, documents, tokens, cache
+
+
+def resolve_cache_dir(data: DataConfig) -> Path:
+    """data.cache_dir, else $MSJAX_CACHE_DIR, else ~/.cache/msjax."""
+    configured = data.cache_dir or os.environ.get("MSJAX_CACHE_DIR") or "~/.cache/msjax"
+    return Path(configured).expanduser()
+
+
+def load_sources(
+    data: DataConfig, tokenizer: Tokenizer, vocab_size: int, report: Report
+) -> list[SourceStreams]:
+    """Every data.sources entry as token streams, in config order, tokenizing only on a cache miss.
+
+    Token files are checked against vocab_size (the model's); text sources are tokenized with
+    tokenizer, whose vocab_size the caller checks against the model's.
+    """
+    cache_dir = resolve_cache_dir(data)
+    streams = []
+    for source in data.sources:
+        if source.path == "stdlib":
+            streams.append(_stdlib_source(data, tokenizer, cache_dir, report))
+            continue
+        files = _match_files(source.path)
+        kinds = {_file_kind(path) for path, _ in files}
+        if kinds == {"tokens"}:
+            streams.append(_token_file_source(source, data, files, vocab_size, cache_dir))
+        elif "tokens" in kinds:
+            raise MsjaxError(
+                f"data.sources path {source.path!r} mixes text files and token files "
+                f"({', '.join(TOKEN_SUFFIXES)}); give them as separate sources"
+            )
+        else:
+            streams.append(_text_source(source, data, files, tokenizer, cache_dir, report))
+    return streams
+
+
+# --- finding files ---------------------------------------------------------------------------
+
+
+def _match_files(pattern: str) -> list[tuple[Path, str]]:
+    """(path, path relative to the pattern's fixed directory) of each file, sorted by the latter."""
+    expanded = os.path.expanduser(pattern)
+    if not any(char in expanded for char in "*?["):
+        path = Path(expanded)
+        if path.is_dir():
+            raise MsjaxError(
+                f"data.sources path {pattern!r} is a directory; give a file or a glob "
+                f"such as {pattern.rstrip('/')}/*.jsonl"
+            )
+        if not path.is_file():
+            raise MsjaxError(f"data.sources path {pattern!r}: no such file")
+        return [(path, path.name)]
+    fixed_parts = []
+    for part in Path(expanded).parts:
+        if any(char in part for char in "*?["):
+            break
+        fixed_parts.append(part)
+    base = Path(*fixed_parts) if fixed_parts else Path()
+    matches = [Path(match) for match in glob.glob(expanded, recursive=True)]
+    files = [(path, path.relative_to(base).as_posix()) for path in matches if path.is_file()]
+    if not files:
+        raise MsjaxError(f"data.sources path {pattern!r} matches no files")
+    return sorted(files, key=lambda item: item[1])
+
+
+def _file_kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    if name.endswith(TOKEN_SUFFIXES):
+        return "tokens"
+    raise MsjaxError(
+        f"{path}: unknown file type; data.sources accepts {', '.join(TEXT_SUFFIXES)} (text) "
+        f"and {', '.join(TOKEN_SUFFIXES)} (token ids)"
+    )
+
+
+# --- text sources: tokenized once into a cached store ------------------------------------------
+
+
+def _text_source(
+    source: SourceConfig,
+    data: DataConfig,
+    files: list[tuple[Path, str]],
+    tokenizer: Tokenizer,
+    cache_dir: Path,
+    report: Report,
+) -> SourceStreams:
+    hashes = [(relative, _file_sha256(path, cache_dir)) for path, relative in files]
+    key = {
+        "format": FORMAT_VERSION,
+        "kind": "text",
+        "tokenizer": tokenizer.name,
+        "text_field": source.text_field,
+        "eval_fraction": data.eval_fraction,
+        "files": hashes,
+    }
+    files_facts = [{"path": relative, "sha256": sha256} for relative, sha256 in hashes]
+
+    def documents() -> Iterator[tuple[bool, str | bytes, int]]:
+        for path, relative in files:
+            replaced_in_file = 0
+            for index, text, replaced in _text_documents(path, source.text_field):
+                replaced_in_file += replaced
+                # The stdlib rule (is_eval_document) with the document's index in its file.
+                held_out = zlib.crc32(f"{relative}:{index}".encode()) < data.eval_fraction * 2**32
+                yield held_out, text, replaced
+            if replaced_in_file:
+                _report_replaced(report, path, replaced_in_file)
+
+    facts = {"kind": "text", "num_files": len(files), "files": files_facts}
+    return _cached_streams(source.path, key, facts, documents, tokenizer, cache_dir, report)
+
+
+def _text_documents(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
+    """(document index, text, undecodable sequences replaced) of each non-empty document."""
+    name = path.name.lower()
+    if path.stat().st_size == 0:
+        raise MsjaxError(f"{path}: empty file; a data source file needs at least one document")
+    if name.endswith(".txt"):
+        text, replaced = _decode(path.read_bytes())
+        records: Iterator[tuple[int, str, int]] = iter([(0, text, replaced)])
+    elif name.endswith(".parquet"):
+        records = _parquet_records(path, text_field)
+    else:
+        records = _jsonl_records(path, text_field)
+    any_record = False
+    for index, text, replaced in records:
+        any_record = True
+        if text:
+            yield index, text, replaced
+    if not any_record:
+        raise MsjaxError(f"{path}: empty file; a data source file needs at least one document")
+
+
+def _jsonl_records(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    index = 0
+    with opener(path, "rb") as lines:
+        try:
+            for line_number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                decoded, replaced = _decode(line)
+                try:
+                    record = json.loads(decoded)
+                except json.JSONDecodeError:
+                    raise MsjaxError(f"{path} line {line_number}: not valid JSON") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    raise MsjaxError(
+                        f"{path} line {line_number}: no field {text_field!r}; set text_field "
+                        "of this data source to the field holding the text"
+                    )
+                text = record[text_field]
+                if not isinstance(text, str):
+                    raise MsjaxError(
+                        f"{path} line {line_number}: field {text_field!r} holds "
+                        f"{type(text).__name__}, not text"
+                    )
+                text, replaced_in_text = _without_surrogates(text)
+                yield index, text, replaced + replaced_in_text
+                index += 1
+        except (gzip.BadGzipFile, EOFError, zlib.error):
+            raise MsjaxError(f"{path}: not a readable gzip file") from None
+
+
+def _parquet_records(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise MsjaxError(
+            f"{path}: reading .parquet needs the pyarrow package; {INSTALL_HINT}"
+        ) from None
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+    except Exception:  # pyarrow raises ArrowInvalid / OSError variants for non-parquet bytes
+        raise MsjaxError(f"{path}: not a readable parquet file") from None
+    columns = parquet.schema_arrow.names
+    if text_field not in columns:
+        raise MsjaxError(
+            f"{path}: no column {text_field!r}; set text_field of this data source to one of "
+            + ", ".join(columns)
+        )
+    index = 0
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            replaced = 0
+            if value is None:
+                value = ""
+            elif isinstance(value, bytes):
+                value, replaced = _decode(value)
+            elif not isinstance(value, str):
+                raise MsjaxError(f"{path}: column {text_field!r} holds {type(value).__name__}")
+            yield index, value, replaced
+            index += 1
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    """UTF-8 text of raw with each undecodable sequence as U+FFFD, and how many were replaced."""
+    text = raw.decode("utf-8", errors="replace")
+    # U+FFFD already in the input (EF BF BD) decodes to one character each and is not counted.
+    return text, text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+
+
+def _without_surrogates(text: str) -> tuple[str, int]:
+    """JSON may escape lone surrogates (\\ud800), which no tokenizer can encode: replace them."""
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        cleaned = text.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
+        return cleaned, cleaned.count("\ufffd") - text.count("\ufffd")
+
+
+def _report_replaced(report: Report, path: Path, replaced: int) -> None:
+    report(f"{path}: replaced {replaced} undecodable byte sequences with U+FFFD")
+
+
+# --- the stdlib source -------------------------------------------------------------------------
+
+
+def _stdlib_source(
+    data: DataConfig, tokenizer: Tokenizer, cache_dir: Path, report: Report
+) -> SourceStreams:
+    root, selected = select_stdlib_documents(data.max_corpus_mib)
+    listing = []
+    for relative, size_bytes in selected:
+        listing.append((relative, size_bytes, (root / relative).stat().st_mtime_ns))
+    key = {
+        "format": FORMAT_VERSION,
+        "kind": "stdlib",
+        "tokenizer": tokenizer.name,
+        "root": str(root),
+        "eval_fraction": data.eval_fraction,
+        "files": listing,
+    }
+    # Thousands of files: the facts carry a digest of the listing rather than the listing.
+    facts = {
+        "kind": "stdlib",
+        "root": str(root),
+        "python_version": sys.version.split()[0],
+        "num_files": len(listing),
+        "files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(),
+    }
+    # The byte tokenizer takes the raw bytes, as load_corpus does: a few stdlib test files are
+    # deliberately not UTF-8, and their bytes stay exact.
+    raw_bytes = isinstance(tokenizer, ByteTokenizer)
+
+    def documents() -> Iterator[tuple[bool, str | bytes, int]]:
+        for relative, _, _ in listing:
+            raw = (root / relative).read_bytes()
+            held_out = is_eval_document(relative, data.eval_fraction)
+            if raw_bytes:
+                yield held_out, raw, 0
+                continue
+            text, replaced = _decode(raw)
+            if replaced:
+                _report_replaced(report, root / relative, replaced)
+            yield held_out, text, replaced
+
+    return _cached_streams("stdlib", key, facts, documents, tokenizer, cache_dir, report)
+
+
+# --- the cache shared by text and stdlib sources -----------------------------------------------
+
+
+def _cached_streams(
+    label: str,
+    key: dict[str, Any],
+    facts: dict[str, Any],
+    documents: Callable[[], Iterator[tuple[bool, str | bytes, int]]],
+    tokenizer: Tokenizer,
+    cache_dir: Path,
+    report: Report,
+) -> SourceStreams:
+    """The cached stores for key, or documents() tokenized into them on a miss.
+
+    documents() yields (held out, text, undecodable sequences replaced in it) per document.
+    """
+    key_digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    store_dir = cache_dir / "tokens" / key_digest[:32]
+    train_path, eval_path = store_dir / "train.bin", store_dir / "eval.bin"
+    train_found, eval_found = open_token_store(train_path), open_token_store(eval_path)
+    if train_found is not None and eval_found is not None:
+        (train, built_facts), (evaluation, _) = train_found, eval_found
+        cache = "hit"
+    else:
+        train, evaluation, built_facts = _build_stores(
+            label, facts, documents, tokenizer, train_path, eval_path
+        )
+        cache = "built"
+        report(
+            f"{label}: tokenized {built_facts['documents']} documents into "
+            f"{built_facts['train_tokens']} train and {built_facts['eval_tokens']} eval tokens "
+            f"in {store_dir}"
+        )
+    return SourceStreams(
+        label=label,
+        train=(train,),
+        eval=(evaluation,) if evaluation.num_tokens else (),
+        facts={**built_facts, "cache": cache, "store": str(store_dir)},
+    )
+
+
+def _build_stores(
+    label: str,
+    facts: dict[str, Any],
+    documents: Callable[[], Iterator[tuple[bool, str | bytes, int]]],
+    tokenizer: Tokenizer,
+    train_path: Path,
+    eval_path: Path,
+) -> tuple[TokenStore, TokenStore, dict[str, Any]]:
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    counts = {"train": 0, "eval": 0}
+    replaced = 0
+    with TokenStoreWriter(train_path, dtype) as train, TokenStoreWriter(eval_path, dtype) as held:
+        for held_out, text, replaced_in_text in documents():
+            replaced += replaced_in_text
+            writer = held if held_out else train
+            writer.append(tokenizer.encode(text))
+            writer.append(eos)
+            counts["eval" if held_out else "train"] += 1
+        if not counts["eval"] and not counts["train"]:
+            raise MsjaxError(f"data source {label}: every document's text is empty")
+        if not counts["train"]:
+            raise MsjaxError(
+                f"data source {label}: all {counts['eval']} documents are held out for eval; "
+                "add documents or lower data.eval_fraction"
+            )
+        built_facts = {
+            **facts,
+            "documents": counts["train"] + counts["eval"],
+            "eval_documents": counts["eval"],
+            "train_tokens": train.num_tokens,
+            "eval_tokens": held.num_tokens,
+            "replaced_undecodable": replaced,
+            "tokenizer": tokenizer.name,
+        }
+        # Eval first: the train sidecar, written last, is what marks the pair complete.
+        evaluation_store = held.commit({"split": "eval"})
+        train_store = train.commit(built_facts)
+    return train_store, evaluation_store, built_facts
+
+
+def _file_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of path's content, remembered by (path, size, mtime, inode) to skip re-reading."""
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
+    memo = cache_dir / "file_sha256" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    write_atomically(memo, digest.hexdigest().encode())
+    return digest.hexdigest()
+
+
+# --- pre-tokenized sources: read in place ------------------------------------------------------
+
+
+def _token_file_source(
+    source: SourceConfig,
+    data: DataConfig,
+    files: list[tuple[Path, str]],
+    vocab_size: int,
+    cache_dir: Path,
+) -> SourceStreams:
+    train, evaluation, files_facts = [], [], []
+    all_checks_cached = True
+    for path, relative in files:
+        whole = open_token_file(path, source.token_dtype)
+        all_checks_cached &= _check_token_ids(whole, vocab_size, cache_dir)
+        # The tail of each file is held out: token files carry no document boundaries we know.
+        eval_tokens = int(whole.num_tokens * data.eval_fraction)
+        split = whole.stop - eval_tokens
+        train.append(TokenStore(path, whole.dtype, 0, split, whole.header_bytes))
+        if eval_tokens:
+            evaluation.append(TokenStore(path, whole.dtype, split, whole.stop, whole.header_bytes))
+        stat = path.stat()
+        files_facts.append(
+            {"path": relative, "size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        )
+    facts = {
+        "kind": "tokens",
+        "num_files": len(files),
+        "files": files_facts,
+        "documents": None,  # boundaries are whatever EOS ids the files hold
+        "eval_documents": None,
+        "train_tokens": sum(store.num_tokens for store in train),
+        "eval_tokens": sum(store.num_tokens for store in evaluation),
+        "replaced_undecodable": 0,
+        "tokenizer": None,  # made elsewhere; only checked against the vocabulary size
+        "vocab_size_checked": vocab_size,
+        "cache": "hit" if all_checks_cached else "built",
+    }
+    return SourceStreams(source.path, tuple(train), tuple(evaluation), facts)
+
+
+def _check_token_ids(store: TokenStore, vocab_size: int, cache_dir: Path) -> bool:
+    """Raise if an id is >= vocab_size; True when a cached check of this very file said so."""
+    if np.iinfo(store.dtype).max < vocab_size:
+        return True  # no id of this dtype can reach the vocabulary size
+    stat = store.path.stat()
+    identity = (
+        f"{store.path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{vocab_size}\0"
+        f"{store.dtype}\0{store.header_bytes}"
+    )
+    memo = cache_dir / "vocab_checks" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    if memo.is_file():
+        return True
+    tokens = store.tokens()
+    for chunk_start in range(0, tokens.size, _SCAN_CHUNK_TOKENS):
+        chunk = tokens[chunk_start : chunk_start + _SCAN_CHUNK_TOKENS]
+        if int(chunk.max()) >= vocab_size:
+            offset = chunk_start + int(np.argmax(chunk >= vocab_size))
+            raise MsjaxError(
+                f"{store.path}: token id {int(tokens[offset])} at token offset {offset} is not "
+                f"below the model's vocab size {vocab_size}; raise model.vocab_size or re-make "
+                "the file with a matching tokenizer"
+            )
+    write_atomically(memo, b"ok\n")
+    return False
