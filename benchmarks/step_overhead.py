@@ -28,8 +28,7 @@ sys.path.insert(0, str(REPO))
 import jax  # noqa: E402
 
 from msjax.config import check_device_count, load_config  # noqa: E402
-from msjax.data.pipeline import TokenBatches  # noqa: E402
-from msjax.data.stdlib_corpus import load_corpus  # noqa: E402
+from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.observe.flops import flops_per_step, measure_cpu_peak_tflops  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
@@ -44,10 +43,7 @@ def bare_loop_tokens_per_s(config, steps: int) -> float:
     mesh = build_mesh(config.mesh)
     program = build_program(config, mesh)
     state = program.init_state()
-    corpus = load_corpus(config.data)
-    source = TokenBatches(
-        corpus.train_tokens, config.data.seq_len, config.train.global_batch, config.run.seed
-    )
+    source = build_training_data(config, print).train
     batches = [
         jax.device_put(source.global_batch_at(step), program.batch_sharding)
         for step in range(steps)

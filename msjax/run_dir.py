@@ -31,6 +31,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "train.eval_batches",
         "train.peak_tflops",
         "data.prefetch_batches",
+        "data.num_workers",
+        "data.cache_dir",
     }
 )
 

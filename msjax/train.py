@@ -8,6 +8,7 @@ never stalls the devices to log.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -101,9 +102,8 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     import jax
 
     from msjax.checkpoint.manager import Checkpointer, checkpoint_dir, parse_resume_source
-    from msjax.data.pipeline import TokenBatches, eval_batches, sharded_batches
-    from msjax.data.stdlib_corpus import load_corpus
-    from msjax.data.tokenizer import ByteTokenizer
+    from msjax.data.dataset import build_training_data
+    from msjax.data.pipeline import sharded_batches
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
     from msjax.observe.metrics import MetricsWriter, ProgressLine
     from msjax.ops import resolve_impl
@@ -122,34 +122,20 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     resolve_impl(config.model.attention_impl, "model.attention_impl", ("xla", "pallas", "cudnn"))
     resolve_impl(config.model.norm_impl, "model.norm_impl", ("xla", "pallas"))
     mesh = build_mesh(config.mesh)
-    if config.model.vocab_size < ByteTokenizer.vocab_size:
-        raise MsjaxError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the byte tokenizer's "
-            f"{ByteTokenizer.vocab_size} tokens"
-        )
-    corpus = load_corpus(config.data)
-    train_batches = TokenBatches(
-        corpus.train_tokens, config.data.seq_len, config.train.global_batch, config.run.seed
-    )
-    validation = []
-    if config.train.eval_every:
-        validation = eval_batches(
-            corpus.eval_tokens,
-            config.data.seq_len,
-            config.train.global_batch,
-            config.train.eval_batches,
-        )
+    progress = ProgressLine(config.train.steps, stream=progress_stream)
+    data = build_training_data(config, progress.message)
+    train_batches, validation = data.train, data.validation
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     step_flops = flops_per_step(config)
     tokens_per_step = config.train.global_batch * config.data.seq_len
 
     is_writer = jax.process_index() == 0
-    progress = ProgressLine(config.train.steps, stream=progress_stream)
     if is_writer:
         aside = create_run_dir(plan)
         if aside is not None:
             progress.message(f"run.overwrite=true: the earlier run in {run_dir} moved to {aside}")
         save_config(config, run_dir)
+        (run_dir / "data.json").write_text(json.dumps(data.facts(), indent=2) + "\n")
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
@@ -181,6 +167,13 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     else:
         state = program.init_state()
     start_step = int(jax.device_get(state.step))
+    # The data position is a global sample position, independent of processes and workers.
+    first_sample = start_step * config.train.global_batch
+    if restored is not None:
+        first_sample = int(restored.meta.get("data", {}).get("samples_seen", first_sample))
+    remaining_steps = max(config.train.steps - start_step, 0)
+    samples_at_end = first_sample + remaining_steps * config.train.global_batch
+    describe_data(data, config, samples_at_end, progress.message)
     progress.start_step = start_step
     progress.started = time.perf_counter()
 
@@ -236,7 +229,10 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         nonlocal last_done
         meta = {
             "config": config.to_dict(),
-            "data": {"next_step": step, "samples_seen": step * config.train.global_batch},
+            "data": {
+                "next_step": step,
+                "samples_seen": first_sample + (step - start_step) * config.train.global_batch,
+            },
             "seed": config.run.seed,
             "msjax_version": __version__,
         }
@@ -264,7 +260,12 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     with (
         StopSignal() as stop,
         sharded_batches(
-            train_batches, program.batch_sharding, start_step, config.data.prefetch_batches
+            train_batches,
+            program.batch_sharding,
+            start_step,
+            config.data.prefetch_batches,
+            config.data.num_workers,
+            first_sample,
         ) as batches,
     ):
         for step in range(start_step, config.train.steps):
@@ -314,12 +315,24 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         )
     else:
         progress.message(f"nothing to do: the run is already at step {final_step}")
-    outputs = "config.yaml, metrics.jsonl" + (", checkpoints/" if config.checkpoint.enabled else "")
+    outputs = "config.yaml, data.json, metrics.jsonl" + (
+        ", checkpoints/" if config.checkpoint.enabled else ""
+    )
     progress.message(f"outputs in {run_dir}: {outputs}")
     progress.close()
     return TrainResult(
         run_dir, final_step, last_record.get("loss", float("nan")), eval_loss, wall_s
     )
+
+
+def describe_data(data: Any, config: Config, samples_at_end: int, message: Any) -> None:
+    """One line per source: what it holds and how much of it the run will have seen."""
+    epochs = data.train.epochs_at(samples_at_end)
+    for streams, packed, seen in zip(data.sources, data.train.sources, epochs, strict=True):
+        message(
+            f"data: {streams.label}: {packed.num_tokens:,} train tokens in "
+            f"{packed.num_sequences:,} sequences; {seen:.2f} epochs by step {config.train.steps}"
+        )
 
 
 if __name__ == "__main__":

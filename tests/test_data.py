@@ -1,5 +1,7 @@
-"""Specifications of the data path: byte tokenizer, stdlib corpus, deterministic Grain batches."""
+"""Specifications of the data path: byte tokenizer, stdlib corpus, packing into documents, the
+global sample order of a weighted mixture, and batches placed on devices by any process count."""
 
+import io
 import os
 import socket
 import subprocess
@@ -9,30 +11,52 @@ import zlib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from msjax.config import DataConfig
-from msjax.data.pipeline import (
-    TokenBatches,
-    eval_batches,
-    local_row_blocks,
-    place_global_batch,
-    sharded_batches,
-)
+from msjax.config import DataConfig, ModelConfig
+from msjax.data.batches import GlobalBatches, eval_batch_list
+from msjax.data.packing import PackedSource, pack_rows
+from msjax.data.pipeline import local_row_blocks, place_global_batch, sharded_batches
 from msjax.data.stdlib_corpus import is_eval_document, load_corpus, stdlib_source_paths
+from msjax.data.token_store import TokenStore
 from msjax.data.tokenizer import ByteTokenizer
-from msjax.errors import MsjaxError
+from msjax.models.transformer import Transformer
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
+EOS = ByteTokenizer.eos_id
 
 
 @pytest.fixture(scope="module")
 def corpus():
     return load_corpus(DataConfig(max_corpus_mib=1, eval_fraction=0.1))
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-stores")
+
+
+def token_store(tokens: np.ndarray, directory: Path, name: str) -> TokenStore:
+    """tokens written as a raw token file, read back through a TokenStore."""
+    path = directory / f"{name}.bin"
+    tokens.astype(np.uint16).tofile(path)
+    return TokenStore(path, "uint16", 0, len(tokens))
+
+
+@pytest.fixture(scope="module")
+def train_source(corpus, store_dir):
+    return PackedSource([token_store(corpus.train_tokens, store_dir, "stdlib-train")], SEQ_LEN)
+
+
+def batches_of(*sources: PackedSource, weights=None, seed=0, cross=False, batch=GLOBAL_BATCH):
+    weights = weights or [1.0] * len(sources)
+    return GlobalBatches(list(sources), weights, batch, seed, EOS, cross)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +67,11 @@ def batch_sharding():
     return NamedSharding(mesh, P(("data", "fsdp"), None))
 
 
-def synthetic_tokens(num_sequences: int, seq_len: int) -> np.ndarray:
-    """A stream whose sequence i starts with token i, so a row names its sequence."""
-    tokens = np.arange(num_sequences * seq_len + 1) // seq_len  # [num_sequences * seq_len + 1]
-    return tokens.astype(np.uint16)
+def synthetic_source(num_sequences: int, seq_len: int, directory: Path, offset: int = 0):
+    """A one-piece source whose sequence i starts with token offset + i, so a row names it."""
+    tokens = offset + np.arange(num_sequences * seq_len + 1) // seq_len  # [sequences * seq + 1]
+    name = f"synthetic-{num_sequences}-{seq_len}-{offset}"
+    return PackedSource([token_store(tokens, directory, name)], seq_len)
 
 
 def assert_batches_equal(actual, expected):
@@ -99,50 +124,148 @@ def test_eval_split_shares_no_document_with_train_split(corpus):
     assert all(zlib.crc32(path.encode()) < 0.1 * 2**32 for path in held_out)
 
 
-def test_every_token_is_below_the_tokenizer_vocab_size(corpus):
-    batches = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=0)
+# ---- packing ------------------------------------------------------------------------------------
+
+
+def documents_stream(lengths: list[int], seed: int = 0) -> np.ndarray:
+    """Documents of the given lengths (bytes 0..255), each followed by EOS."""
+    rng = np.random.default_rng(seed)
+    parts = [np.append(rng.integers(0, 256, length), EOS) for length in lengths]
+    return np.concatenate(parts).astype(np.uint16)
+
+
+def test_an_epoch_of_packed_sequences_holds_every_token_once_as_input_and_once_as_target(
+    store_dir,
+):
+    pieces = [
+        documents_stream([3, 40, 1, 17], seed=1),  # 65 tokens: not a multiple of SEQ_LEN
+        documents_stream([2], seed=2),  # shorter than one sequence
+        documents_stream([100, 5], seed=3),  # a document longer than a sequence
+    ]
+    stores = [token_store(tokens, store_dir, f"piece-{i}") for i, tokens in enumerate(pieces)]
+    source = PackedSource(stores, SEQ_LEN)
+    expected_counts = [-(-(len(tokens) - 1) // SEQ_LEN) for tokens in pieces]
+    assert source.num_sequences == sum(expected_counts)
+    epoch = pack_rows([source.window(i) for i in range(source.num_sequences)], SEQ_LEN, EOS, False)
+    real = epoch["segment_ids"] != 0
+    np.testing.assert_array_equal(
+        epoch["inputs"][real], np.concatenate([tokens[:-1] for tokens in pieces])
+    )
+    np.testing.assert_array_equal(
+        epoch["targets"][real], np.concatenate([tokens[1:] for tokens in pieces])
+    )
+    assert real.sum() == sum(len(tokens) - 1 for tokens in pieces)  # padding is all that is left
+
+
+def expected_segments(inputs: list[int], eos: int) -> tuple[list[int], list[int]]:
+    """Segment ids and positions by walking the row: an EOS input opens the next document."""
+    segments, positions, segment, position = [], [], 1, 0
+    for column, token in enumerate(inputs):
+        if column > 0 and token == eos:
+            segment, position = segment + 1, 0
+        segments.append(segment)
+        positions.append(position)
+        position += 1
+    return segments, positions
+
+
+def test_segment_ids_and_positions_restart_at_every_document_and_padding_is_segment_zero():
+    rng = np.random.default_rng(0)
+    windows = [
+        documents_stream([4, 7, 2, 30], seed=5)[: SEQ_LEN + 1],
+        np.array([EOS, 1, 2, EOS, EOS, 3], dtype=np.uint16),  # starts with EOS, empty document
+        rng.integers(0, 256, SEQ_LEN + 1).astype(np.uint16),  # one document, no EOS
+    ]
+    batch = pack_rows(windows, SEQ_LEN, EOS, cross_document_attention=False)
+    for row, window in enumerate(windows):
+        inputs = window[:-1].tolist()
+        segments, positions = expected_segments(inputs, EOS)
+        real = len(inputs)
+        assert batch["segment_ids"][row, :real].tolist() == segments
+        assert batch["positions"][row, :real].tolist() == positions
+        assert batch["inputs"][row, :real].tolist() == inputs
+        assert batch["targets"][row, :real].tolist() == window[1:].tolist()
+        assert not batch["segment_ids"][row, real:].any()
+        assert not batch["positions"][row, real:].any()
+    assert batch["segment_ids"][1, :5].tolist() == [1, 1, 1, 2, 3]
+
+
+def test_cross_document_attention_makes_each_row_one_segment_with_running_positions():
+    windows = [documents_stream([4, 7, 30], seed=6)[: SEQ_LEN + 1], documents_stream([3])]
+    batch = pack_rows(windows, SEQ_LEN, EOS, cross_document_attention=True)
+    assert batch["segment_ids"][0].tolist() == [1] * SEQ_LEN
+    assert batch["positions"][0].tolist() == list(range(SEQ_LEN))
+    # 3 bytes and EOS: 3 inputs (the EOS is only a target), then padding.
+    assert batch["segment_ids"][1].tolist() == [1] * 3 + [0] * (SEQ_LEN - 3)
+    assert batch["positions"][1].tolist() == [0, 1, 2] + [0] * (SEQ_LEN - 3)
+
+
+def test_model_on_a_packed_row_gives_each_document_the_logits_it_gets_alone():
+    config = ModelConfig(
+        vocab_size=264, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
+        init_std=0.2,
+    )  # fmt: skip
+    with nnx.use_eager_sharding(False):
+        model = Transformer(config, nnx.Rngs(params=0))
+    window = documents_stream([5, 9, 12, 20], seed=8)[: SEQ_LEN + 1]
+    batch = pack_rows([window], SEQ_LEN, EOS, cross_document_attention=False)
+    packed = model(
+        jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]), batch["segment_ids"]
+    )  # [1, seq, vocab]
+    segments = batch["segment_ids"][0]
+    assert len(set(segments.tolist())) == 4
+    for segment in set(segments.tolist()):
+        columns = np.flatnonzero(segments == segment)
+        alone = model(jnp.asarray(batch["inputs"][:, columns]))  # positions 0.., one document
+        np.testing.assert_allclose(packed[:, columns], alone, atol=2e-5, rtol=2e-5)
+    crossing = pack_rows([window], SEQ_LEN, EOS, cross_document_attention=True)
+    attends_across = model(jnp.asarray(crossing["inputs"]))
+    last = np.flatnonzero(segments == segments.max())
+    assert not np.allclose(attends_across[:, last], packed[:, last], atol=1e-3)
+
+
+# ---- the global order ------------------------------------------------------------------------
+
+
+def test_every_token_is_below_the_tokenizer_vocab_size(corpus, train_source):
+    batches = batches_of(train_source)
     assert corpus.train_tokens.max() < 257 and corpus.eval_tokens.max() < 257
     for step in range(20):
         batch = batches.global_batch_at(step)
         assert batch["inputs"].max() < 257 and batch["targets"].max() < 257
 
 
-def test_targets_are_inputs_shifted_by_one_within_a_contiguous_window(corpus):
+def test_targets_are_inputs_shifted_by_one_within_a_contiguous_window(corpus, train_source):
     tokens = corpus.train_tokens
-    batch = TokenBatches(tokens, SEQ_LEN, GLOBAL_BATCH, seed=3).global_batch_at(7)
+    batch = batches_of(train_source, seed=3).global_batch_at(7)
     assert {key: (value.shape, value.dtype) for key, value in batch.items()} == {
         key: ((GLOBAL_BATCH, SEQ_LEN), np.int32)
         for key in ("inputs", "targets", "positions", "segment_ids")
     }
     np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
     stream_windows = np.lib.stride_tricks.sliding_window_view(tokens, SEQ_LEN + 1)[::SEQ_LEN]
-    for inputs, targets in zip(batch["inputs"], batch["targets"], strict=False):
+    for inputs, targets in zip(batch["inputs"], batch["targets"], strict=True):
         window = np.concatenate([inputs, targets[-1:]])  # [seq + 1]
         assert (stream_windows == window).all(axis=1).any()  # cut at a multiple of seq_len
-    np.testing.assert_array_equal(
-        batch["positions"], np.tile(np.arange(SEQ_LEN), (GLOBAL_BATCH, 1))
-    )
-    np.testing.assert_array_equal(batch["segment_ids"], np.ones((GLOBAL_BATCH, SEQ_LEN)))
 
 
-def test_same_seed_and_step_give_identical_batches_from_separate_instances(corpus):
-    first = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=11)
-    second = TokenBatches(corpus.train_tokens.copy(), SEQ_LEN, GLOBAL_BATCH, seed=11)
+def test_same_seed_and_step_give_identical_batches_from_separate_instances(store_dir, corpus):
+    first = batches_of(PackedSource([token_store(corpus.train_tokens, store_dir, "a")], SEQ_LEN))
+    second = batches_of(PackedSource([token_store(corpus.train_tokens, store_dir, "b")], SEQ_LEN))
     for step in (0, 1, 57, 10_000):
         assert_batches_equal(second.global_batch_at(step), first.global_batch_at(step))
 
 
-def test_different_step_or_seed_gives_different_batch(corpus):
-    seed_0 = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=0)
-    seed_1 = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=1)
+def test_different_step_or_seed_gives_different_batch(train_source):
+    seed_0, seed_1 = batches_of(train_source, seed=0), batches_of(train_source, seed=1)
     batch = seed_0.global_batch_at(5)["inputs"]
     assert not np.array_equal(seed_0.global_batch_at(6)["inputs"], batch)
     assert not np.array_equal(seed_1.global_batch_at(5)["inputs"], batch)
 
 
-def test_each_epoch_covers_every_sequence_once_in_a_new_order():
+def test_each_epoch_covers_every_sequence_once_in_a_new_order(store_dir):
     num_sequences, seq_len, global_batch = 24, 4, 4
-    batches = TokenBatches(synthetic_tokens(num_sequences, seq_len), seq_len, global_batch, seed=0)
+    batches = batches_of(synthetic_source(num_sequences, seq_len, store_dir), batch=global_batch)
     steps_per_epoch = num_sequences // global_batch
     epochs = [
         np.concatenate(
@@ -159,19 +282,39 @@ def test_each_epoch_covers_every_sequence_once_in_a_new_order():
     assert epochs[0] != list(range(num_sequences))  # shuffled, not stream order
 
 
-def test_nearby_seeds_do_not_share_shifted_epoch_orders():
+def test_nearby_seeds_do_not_share_shifted_epoch_orders(store_dir):
     # Grain alone seeds epoch e with (seed + e): seed 1's first epoch would be seed 0's second.
-    num_sequences, seq_len = 16, 4
-    tokens = synthetic_tokens(num_sequences, seq_len)
-    seed_0 = TokenBatches(tokens, seq_len, num_sequences, seed=0)
-    seed_1 = TokenBatches(tokens, seq_len, num_sequences, seed=1)
+    source = synthetic_source(16, 4, store_dir)
+    seed_0, seed_1 = batches_of(source, seed=0, batch=16), batches_of(source, seed=1, batch=16)
     assert not np.array_equal(
         seed_1.global_batch_at(0)["inputs"], seed_0.global_batch_at(1)["inputs"]
     )
 
 
-def test_sharded_iterator_places_each_global_batch_with_the_batch_sharding(corpus, batch_sharding):
-    batches = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=0)
+def test_mixture_gives_each_source_its_weighted_share_of_every_stretch_of_batches(store_dir):
+    # Three sources with disjoint first tokens: 0.., 1000.., 2000..; weights 5:3:2.
+    sources = [synthetic_source(n, 4, store_dir, offset=1000 * i) for i, n in enumerate([7, 50, 3])]
+    batches = batches_of(*sources, weights=[5.0, 3.0, 2.0], batch=10)
+    first_tokens = np.concatenate(
+        [batches.global_batch_at(step)["inputs"][:, 0] for step in range(300)]
+    )  # [3000]
+    shares = np.bincount(first_tokens // 1000, minlength=3) / len(first_tokens)
+    np.testing.assert_allclose(shares, [0.5, 0.3, 0.2], atol=0.005)
+    for stretch in first_tokens.reshape(-1, 100):  # each 10 batches, not just on average
+        np.testing.assert_allclose(np.bincount(stretch // 1000, minlength=3), [50, 30, 20], atol=2)
+    # Each source cycles through all of its own sequences, whatever the others do.
+    from_small = first_tokens[first_tokens >= 2000][:6] - 2000
+    assert sorted(from_small[:3].tolist()) == sorted(from_small[3:].tolist()) == [0, 1, 2]
+    assert batches.epochs_at(3000) == pytest.approx([1500 / 7, 900 / 50, 600 / 3])
+
+
+# ---- placing batches on devices ---------------------------------------------------------------
+
+
+def test_sharded_iterator_places_each_global_batch_with_the_batch_sharding(
+    train_source, batch_sharding
+):
+    batches = batches_of(train_source)
     assert local_row_blocks(batch_sharding, (GLOBAL_BATCH, SEQ_LEN)) == [(0, GLOBAL_BATCH)]
     with sharded_batches(batches, batch_sharding, start_step=0, prefetch=2) as iterator:
         for step in range(3):
@@ -192,9 +335,9 @@ def test_sharded_iterator_places_each_global_batch_with_the_batch_sharding(corpu
 
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_iterator_started_at_step_k_yields_the_batches_of_an_uninterrupted_run(
-    corpus, batch_sharding, prefetch
+    train_source, batch_sharding, prefetch
 ):
-    batches = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=4)
+    batches = batches_of(train_source, seed=4)
     with sharded_batches(batches, batch_sharding, start_step=0, prefetch=2) as uninterrupted:
         from_zero = [next(uninterrupted)[0] for _ in range(8)]
     resumed_at = 5
@@ -203,41 +346,75 @@ def test_iterator_started_at_step_k_yields_the_batches_of_an_uninterrupted_run(
             assert_batches_equal(next(resumed)[0], {k: np.asarray(v) for k, v in expected.items()})
 
 
+def test_a_recorded_sample_position_continues_the_order_after_a_batch_size_change(
+    train_source, batch_sharding
+):
+    # 5 steps of 8 rows consumed samples 0..39; the resumed run takes 16 rows a step from 40 on.
+    small, large = batches_of(train_source, seed=2), batches_of(train_source, seed=2, batch=16)
+    with sharded_batches(large, batch_sharding, 5, prefetch=0, first_sample=40) as resumed:
+        for offset in range(3):
+            expected = {
+                key: np.concatenate([first[key], second[key]])
+                for first, second in [
+                    (small.global_batch_at(5 + 2 * offset), small.global_batch_at(6 + 2 * offset))
+                ]
+                for key in first
+            }
+            assert_batches_equal(next(resumed)[0], expected)
+
+
+@pytest.mark.slow
+def test_grain_worker_processes_give_the_same_batches_as_none(train_source, batch_sharding):
+    batches = batches_of(train_source, seed=9)
+    start = 3
+    with sharded_batches(batches, batch_sharding, start, prefetch=2, num_workers=2) as workers:
+        from_workers = [next(workers)[0] for _ in range(21)]  # steps 3..23
+    for offset, batch in enumerate(from_workers):
+        assert_batches_equal(batch, batches.global_batch_at(start + offset))
+
+
 TWO_PROCESS_WORKER = """
 import sys
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from msjax.config import DataConfig
-from msjax.data.pipeline import TokenBatches, local_row_blocks, sharded_batches
-from msjax.data.stdlib_corpus import load_corpus
+from msjax.data.batches import GlobalBatches
+from msjax.data.packing import PackedSource
+from msjax.data.pipeline import local_row_blocks, sharded_batches
+from msjax.data.token_store import TokenStore
 
-port, process_id = sys.argv[1], int(sys.argv[2])
+port, process_id, tokens_path, count = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-batches = TokenBatches(load_corpus(DataConfig(max_corpus_mib=1)).train_tokens, 32, 16, seed=0)
+source = PackedSource([TokenStore(tokens_path, "uint16", 0, count)], 32)
+batches = GlobalBatches([source], [1.0], 16, 0, 256, False)
 axis_types = (jax.sharding.AxisType.Auto,) * 3
 mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=axis_types)
 sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
 print("msjax rows", local_row_blocks(sharding, (16, 32)))
 with sharded_batches(batches, sharding, start_step=2, prefetch=2) as iterator:
-    for step in (2, 3, 4):
+    for step in range(2, 23):
         batch, _ = next(iterator)
-        gathered = multihost_utils.process_allgather(batch["inputs"], tiled=True)
-        assert np.array_equal(gathered, batches.global_batch_at(step)["inputs"]), step
+        for key, value in batch.items():
+            gathered = multihost_utils.process_allgather(value, tiled=True)
+            assert np.array_equal(gathered, batches.global_batch_at(step)[key]), (step, key)
 print("msjax batches equal")
 """
 
 
-def test_two_processes_each_read_half_the_rows_and_build_the_same_global_batch():
+@pytest.mark.slow
+def test_two_processes_each_read_half_the_rows_and_build_the_same_global_batch(corpus, store_dir):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    store = token_store(corpus.train_tokens, store_dir, "two-process")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": str(root)}
+    arguments = [str(port), "PROCESS", str(store.path), str(store.num_tokens)]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-c", TWO_PROCESS_WORKER, str(port), str(process_id)],
+            [sys.executable, "-c", TWO_PROCESS_WORKER]
+            + [str(process_id) if a == "PROCESS" else a for a in arguments],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -245,8 +422,8 @@ def test_two_processes_each_read_half_the_rows_and_build_the_same_global_batch()
         )
         for process_id in (0, 1)
     ]
-    outputs = [worker.communicate(timeout=120) for worker in workers]
-    for worker, (_stdout, stderr) in zip(workers, outputs, strict=False):
+    outputs = [worker.communicate(timeout=180) for worker in workers]
+    for worker, (_stdout, stderr) in zip(workers, outputs, strict=True):
         assert worker.returncode == 0, stderr[-2000:]
     ours = [
         [line for line in stdout.splitlines() if line.startswith("msjax")] for stdout, _ in outputs
@@ -257,9 +434,8 @@ def test_two_processes_each_read_half_the_rows_and_build_the_same_global_batch()
     ]
 
 
-def test_closing_the_iterator_stops_its_prefetch_thread(corpus, batch_sharding):
-    batches = TokenBatches(corpus.train_tokens, SEQ_LEN, GLOBAL_BATCH, seed=0)
-    iterator = sharded_batches(batches, batch_sharding, start_step=0, prefetch=2)
+def test_closing_the_iterator_stops_its_prefetch_thread(train_source, batch_sharding):
+    iterator = sharded_batches(batches_of(train_source), batch_sharding, start_step=0, prefetch=2)
     next(iterator)
     assert any(thread.name == "msjax-batch-prefetch" for thread in threading.enumerate())
     iterator.close()
@@ -268,11 +444,17 @@ def test_closing_the_iterator_stops_its_prefetch_thread(corpus, batch_sharding):
         next(iterator)
 
 
-def test_eval_batches_are_a_fixed_list_independent_of_the_run_seed(corpus, batch_sharding):
-    first = eval_batches(corpus.eval_tokens, SEQ_LEN, GLOBAL_BATCH, num_batches=3)
-    second = eval_batches(corpus.eval_tokens.copy(), SEQ_LEN, GLOBAL_BATCH, num_batches=3)
+# ---- validation batches -------------------------------------------------------------------------
+
+
+def test_eval_batches_are_a_fixed_list_independent_of_the_run_seed(
+    corpus, store_dir, batch_sharding
+):
+    held_out = PackedSource([token_store(corpus.eval_tokens, store_dir, "eval")], SEQ_LEN)
+    first = eval_batch_list([held_out], [1.0], GLOBAL_BATCH, 3, EOS, False)
+    second = eval_batch_list([held_out], [1.0], GLOBAL_BATCH, 3, EOS, False)
     assert len(first) == 3
-    for a, b in zip(first, second, strict=False):
+    for a, b in zip(first, second, strict=True):
         assert_batches_equal(a, b)
     assert not np.array_equal(first[0]["inputs"], first[1]["inputs"])
     placed = place_global_batch(first[0], batch_sharding)
@@ -280,22 +462,14 @@ def test_eval_batches_are_a_fixed_list_independent_of_the_run_seed(corpus, batch
     assert placed["inputs"].sharding.is_equivalent_to(batch_sharding, 2)
 
 
-def test_eval_batches_never_repeat_a_sequence_when_the_split_is_small():
-    tokens = synthetic_tokens(num_sequences=10, seq_len=4)
-    batches = eval_batches(tokens, seq_len=4, global_batch=4, num_batches=5)
+def test_eval_batches_never_repeat_a_sequence_when_the_split_is_small(store_dir):
+    held_out = synthetic_source(num_sequences=10, seq_len=4, directory=store_dir)
+    batches = eval_batch_list([held_out], [1.0], 4, 5, EOS, False)
     assert len(batches) == 2  # 10 sequences hold 2 full batches of 4
     seen = np.concatenate([batch["inputs"][:, 0] for batch in batches]).tolist()
     assert len(set(seen)) == len(seen) == 8
-
-
-def test_split_smaller_than_one_global_batch_is_a_one_line_error():
-    tokens = synthetic_tokens(num_sequences=5, seq_len=16)
-    with pytest.raises(MsjaxError) as error:
-        TokenBatches(tokens, seq_len=16, global_batch=8, seed=0, split="eval")
-    message = str(error.value)
-    assert "\n" not in message
-    assert "5 sequences" in message and "train.global_batch=8" in message
-    assert "data.seq_len=16" in message and "data.eval_fraction" in message
+    empty = PackedSource([], 4)
+    assert eval_batch_list([empty], [1.0], 4, 5, EOS, False) == []
 
 
 def test_corpus_is_deterministic_and_a_larger_budget_extends_it(corpus):
@@ -306,3 +480,47 @@ def test_corpus_is_deterministic_and_a_larger_budget_extends_it(corpus):
     assert larger.train_documents[: len(corpus.train_documents)] == corpus.train_documents
     assert larger.eval_documents[: len(corpus.eval_documents)] == corpus.eval_documents
     assert larger.facts.train_bytes > corpus.facts.train_bytes
+
+
+# ---- through the trainer ------------------------------------------------------------------------
+
+RESUME_RUN = [
+    "train.steps=6",
+    "train.global_batch=16",
+    "train.eval_every=0",
+    "train.peak_tflops=0.5",
+    "data.max_corpus_mib=1",
+    "data.seq_len=32",
+    "model.num_layers=1",
+    "checkpoint.every_steps=3",
+]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_grain_workers_sees_the_batches_of_a_run_without(tmp_path):
+    from msjax.config import load_config
+    from msjax.observe.metrics import read_metrics
+    from msjax.train import train
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+    straight = tmp_path / "straight"
+    train(load_config(None, [*RESUME_RUN, f"run.dir={straight}"]), progress_stream=io.StringIO())
+    resumed = tmp_path / "resumed"
+    train(
+        load_config(
+            None,
+            [
+                *RESUME_RUN,
+                f"run.dir={resumed}",
+                f"checkpoint.resume_from={straight}/checkpoints/3",
+                "data.num_workers=2",
+            ],
+        ),
+        progress_stream=io.StringIO(),
+    )
+    expected = losses(straight)
+    assert sorted(losses(resumed)) == [3, 4, 5]
+    assert all(loss == expected[step] for step, loss in losses(resumed).items())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from msjax.config import Config, check_device_count, config_from_dict
-from msjax.data.pipeline import TokenBatches
+from msjax.data.packing import pack_rows
 from msjax.data.tokenizer import ByteTokenizer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
@@ -46,9 +46,13 @@ def small_config(data: int, fsdp: int, tensor: int, sequence_parallel: bool = Fa
 
 def fixed_batches(config: Config) -> list[dict[str, np.ndarray]]:
     text = Path(__file__).read_bytes() * 4  # learnable, unlike random tokens
-    tokens = ByteTokenizer().encode(text)
-    source = TokenBatches(tokens, config.data.seq_len, config.train.global_batch, seed=0)
-    return [source.global_batch_at(step) for step in range(STEPS)]
+    tokens = ByteTokenizer().encode(text)  # one document, no EOS: one segment per row
+    seq_len, rows = config.data.seq_len, config.train.global_batch
+    windows = [tokens[i * seq_len : (i + 1) * seq_len + 1] for i in range(STEPS * rows)]
+    return [
+        pack_rows(windows[step * rows : (step + 1) * rows], seq_len, ByteTokenizer.eos_id, False)
+        for step in range(STEPS)
+    ]
 
 
 def train_losses(config: Config) -> list[float]:

@@ -1,8 +1,9 @@
-"""Token stream -> global batches: a Grain MapDataset with random access by step, and the
-prefetching iterator that places each process's rows on its devices as one global jax.Array.
+"""Global batches -> devices: each process prepares only the rows its devices hold (in Grain
+worker processes or a thread), and places them as one global jax.Array per field.
 
-The batch at step s depends only on (tokens, seq_len, global_batch, seed, s), so a run resumed at
-step k sees exactly what an uninterrupted run sees. Document packing and boundaries come later.
+One loader per process feeds all of its local devices (as MegaScale's one loader per node); what a
+row holds depends only on the global sample order in data.batches, never on the number of
+processes or workers.
 """
 
 from __future__ import annotations
@@ -19,92 +20,10 @@ import grain
 import jax
 import numpy as np
 
-from msjax.errors import MsjaxError
+from msjax.data.batches import GlobalBatches
+from msjax.data.packing import Batch
 
-Batch = dict[str, np.ndarray]
-EVAL_SEED = 0  # eval batches are the same for every run seed, so validation losses compare
-
-
-class TokenBatches:
-    """Global batches of one split, readable at any step.
-
-    Sequence i is tokens[i*seq_len : (i+1)*seq_len + 1]. Grain shuffles the sequence ids and
-    repeats them endlessly, each epoch in a new order; the rows of step s are elements
-    s*global_batch ... (s+1)*global_batch - 1 of that stream.
-    """
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        seq_len: int,
-        global_batch: int,
-        seed: int,
-        split: str = "train",
-    ):
-        self.seq_len = seq_len
-        self.global_batch = global_batch
-        self.num_sequences = max(len(tokens) - 1, 0) // seq_len
-        if self.num_sequences < global_batch:
-            raise MsjaxError(
-                f"the {split} split has {len(tokens)} tokens = {self.num_sequences} sequences of "
-                f"data.seq_len={seq_len}, fewer than one global batch (train.global_batch="
-                f"{global_batch}); lower train.global_batch or data.seq_len, or raise "
-                "data.max_corpus_mib" + (" or data.eval_fraction" if split == "eval" else "")
-            )
-        if seed < 0:
-            raise MsjaxError(f"run.seed={seed} must be a non-negative integer")
-        # Grain folds the epoch into the shuffle seed as (seed + epoch), so seed 1 epoch 0 would
-        # equal seed 0 epoch 1; a mixed seed keeps runs with nearby seeds apart.
-        shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1, np.uint32)[0])
-        # repeat() after shuffle(): every epoch is a new permutation and covers each sequence
-        # once; a batch may straddle two epochs, so no sequence is ever dropped.
-        self._sequence_ids = (
-            grain.MapDataset.range(self.num_sequences).shuffle(seed=shuffle_seed).repeat(None)
-        )
-        self._batched_ids = self._sequence_ids.batch(global_batch, drop_remainder=True)
-        self._tokens = tokens
-        self._offsets = np.arange(seq_len + 1)  # [seq + 1]
-
-    @property
-    def steps_per_epoch(self) -> float:
-        return self.num_sequences / self.global_batch
-
-    def global_batch_at(self, step: int) -> Batch:
-        """All rows of the batch at step: arrays [global_batch, seq_len], int32."""
-        return self._examples(self._batched_ids[step])
-
-    def rows_at(self, step: int, row_blocks: list[tuple[int, int]]) -> Batch:
-        """Only the rows [start, stop) of each block of the batch at step, concatenated in order."""
-        first = step * self.global_batch
-        rows = [first + row for start, stop in row_blocks for row in range(start, stop)]
-        return self._examples(np.array([self._sequence_ids[row] for row in rows]))
-
-    def _examples(self, sequence_ids: np.ndarray) -> Batch:
-        """Each sequence's window of seq_len + 1 tokens; inputs and targets are its two views."""
-        starts = sequence_ids.astype(np.int64) * self.seq_len  # [rows]
-        windows = self._tokens[starts[:, None] + self._offsets].astype(np.int32)  # [rows, seq + 1]
-        rows = len(sequence_ids)
-        return {
-            "inputs": np.ascontiguousarray(windows[:, :-1]),  # [rows, seq]
-            "targets": np.ascontiguousarray(windows[:, 1:]),  # [rows, seq]
-            "positions": np.tile(np.arange(self.seq_len, dtype=np.int32), (rows, 1)),  # [rows, seq]
-            "segment_ids": np.ones(
-                (rows, self.seq_len), dtype=np.int32
-            ),  # one segment until packing
-        }
-
-
-def eval_batches(
-    tokens: np.ndarray, seq_len: int, global_batch: int, num_batches: int
-) -> list[Batch]:
-    """The fixed validation set: the first batches of the eval split under EVAL_SEED.
-
-    At most num_batches, and fewer when the split holds fewer full batches, so that no
-    sequence counts twice in the validation loss.
-    """
-    batches = TokenBatches(tokens, seq_len, global_batch, seed=EVAL_SEED, split="eval")
-    count = min(num_batches, batches.num_sequences // global_batch)
-    return [batches.global_batch_at(step) for step in range(count)]
+_NO_END = 2**62  # steps of the row stream: it ends when training does
 
 
 def local_row_blocks(
@@ -149,43 +68,97 @@ def place_global_batch(batch: Batch, sharding: jax.sharding.Sharding) -> dict[st
     return place_batch(rows, sharding, global_shape)
 
 
+class LocalRowsAtStep:
+    """Grain map: step -> this process's rows of that step's global batch (numpy).
+
+    The batch at step s starts at sample first_sample + (s - first_step) * global_batch: the
+    position a checkpoint recorded, so a run resumed with another batch size continues the order.
+    """
+
+    def __init__(
+        self, batches: GlobalBatches, row_indices: np.ndarray, first_step: int, first_sample: int
+    ):
+        self.batches = batches
+        self.row_indices = row_indices
+        self.first_step = first_step
+        self.first_sample = first_sample
+
+    def __call__(self, step: int) -> Batch:
+        position = self.first_sample + (int(step) - self.first_step) * self.batches.global_batch
+        return self.batches.rows(position, self.row_indices)
+
+
+def local_rows_dataset(
+    batches: GlobalBatches,
+    row_indices: np.ndarray,
+    start_step: int,
+    first_sample: int,
+    num_workers: int,
+) -> grain.IterDataset:
+    """Steps start_step, start_step+1, ... as this process's rows, prepared by num_workers Grain
+    processes (each takes every num_workers-th step; Grain returns them in order) or, with 0,
+    by whoever iterates."""
+    steps = grain.MapDataset.range(start_step, _NO_END)
+    rows = steps.map(LocalRowsAtStep(batches, row_indices, start_step, first_sample))
+    dataset = rows.to_iter_dataset()
+    if num_workers > 0:
+        _absl_flags_parsed()
+        dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return dataset
+
+
+def _absl_flags_parsed() -> None:
+    """Grain's worker processes read absl flags, which only absl.app.run parses otherwise."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
 class ShardedBatchIterator:
     """Yields (batch of global jax.Arrays, data_wait_s) for steps start_step, start_step+1, ...
 
-    With prefetch > 0 a daemon thread reads and places up to `prefetch` batches ahead while the
-    caller's step runs; close() (or leaving a `with` block, or interpreter exit) stops it.
+    Grain prepares each step's local rows (in worker processes when num_workers > 0); with
+    prefetch > 0 a daemon thread also places up to `prefetch` batches on the devices ahead of
+    the caller's step. close() (or leaving a `with` block, or interpreter exit) stops both.
     """
 
     def __init__(
         self,
-        batches: TokenBatches,
+        batches: GlobalBatches,
         sharding: jax.sharding.Sharding,
         start_step: int,
         prefetch: int,
+        num_workers: int = 0,
+        first_sample: int | None = None,
     ):
-        self._batches = batches
         self._sharding = sharding
         self._global_shape = (batches.global_batch, batches.seq_len)
-        self._row_blocks = local_row_blocks(sharding, self._global_shape)
+        blocks = local_row_blocks(sharding, self._global_shape)
+        row_indices = np.concatenate([np.arange(start, stop) for start, stop in blocks])
+        if first_sample is None:
+            first_sample = start_step * batches.global_batch
+        dataset = local_rows_dataset(batches, row_indices, start_step, first_sample, num_workers)
+        self._rows = iter(dataset)
         self._next_step = start_step
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if prefetch > 0:
             self._ready: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
             self._thread = threading.Thread(
-                target=self._produce, args=(start_step,), name="msjax-batch-prefetch", daemon=True
+                target=self._produce, name="msjax-batch-prefetch", daemon=True
             )
             self._thread.start()
-            _LIVE_ITERATORS.add(self)
+        _LIVE_ITERATORS.add(self)
 
-    def _batch_at(self, step: int) -> dict[str, jax.Array]:
-        rows = self._batches.rows_at(step, self._row_blocks)  # [local_rows, seq] each
+    def _next_batch(self) -> dict[str, jax.Array]:
+        rows = next(self._rows)  # [local_rows, seq] each
         return place_batch(rows, self._sharding, self._global_shape)
 
-    def _produce(self, step: int) -> None:
+    def _produce(self) -> None:
         while not self._stop.is_set():
             try:
-                item: Any = self._batch_at(step)
+                item: Any = self._next_batch()
             except Exception as error:
                 item = _Failure(error)
             while not self._stop.is_set():
@@ -196,7 +169,6 @@ class ShardedBatchIterator:
                     continue
             if isinstance(item, _Failure):
                 return
-            step += 1
 
     def __iter__(self) -> Iterator[tuple[dict[str, jax.Array], float]]:
         return self
@@ -206,7 +178,7 @@ class ShardedBatchIterator:
             raise StopIteration
         started = time.perf_counter()
         if self._thread is None:
-            batch = self._batch_at(self._next_step)
+            batch = self._next_batch()
         else:
             item = self._next_ready()
             if isinstance(item, _Failure):
@@ -230,12 +202,17 @@ class ShardedBatchIterator:
         return self._next_step
 
     def close(self) -> None:
-        """Stop the prefetch thread and drop the batches it had ready."""
+        """Stop the prefetch thread and the Grain workers; drop the batches they had ready."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10.0)
             while not self._ready.empty():
                 self._ready.get_nowait()
+        close_rows = getattr(self._rows, "close", None)
+        if close_rows is not None:
+            close_rows()
 
     def __enter__(self) -> Self:
         return self
@@ -259,11 +236,17 @@ def _close_live_iterators() -> None:
 
 
 def sharded_batches(
-    batches: TokenBatches,
+    batches: GlobalBatches,
     sharding: jax.sharding.NamedSharding,
     start_step: int,
     prefetch: int,
+    num_workers: int = 0,
+    first_sample: int | None = None,
 ) -> ShardedBatchIterator:
     """Batches start_step, start_step+1, ... as global arrays placed with sharding (dim 0 over
-    the data-parallel axes), each paired with the seconds the caller waited for it."""
-    return ShardedBatchIterator(batches, sharding, start_step, prefetch)
+    the data-parallel axes), each paired with the seconds the caller waited for it.
+
+    first_sample: the global sample position of start_step's batch (a checkpoint's record);
+    None: start_step * global_batch.
+    """
+    return ShardedBatchIterator(batches, sharding, start_step, prefetch, num_workers, first_sample)
