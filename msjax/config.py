@@ -146,6 +146,25 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class ResilienceConfig:
+    """Heartbeats, hang deadlines and restarts of supervised runs (`python -m msjax.launch`)."""
+
+    heartbeat_every_s: float = 1.0  # each rank rewrites RUN_DIR/heartbeats/rank<r>.json this often
+    # Hang: a rank's heartbeat shows no progress for longer than its phase's deadline.
+    step_deadline_s: float = 120.0  # the step phase
+    compile_deadline_s: float = 900.0  # start-up, restore, compiling, the first step, evaluation
+    checkpoint_deadline_s: float = 600.0  # a save, and waiting for saves in flight
+    on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
+    max_restarts: int = 10  # restarts of the whole job before the supervisor gives up
+    restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
+    stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
+    # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:
+    # on in runs started by msjax.launch, or wherever compile_cache_dir is set
+    compile_cache: bool = True
+    compile_cache_dir: str | None = None  # None: RUN_DIR/compile_cache
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole config tree of one msjax run."""
 
@@ -156,6 +175,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return _lists_for_tuples(dataclasses.asdict(self))
@@ -356,6 +376,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
     if train.peak_tflops is not None and not train.peak_tflops > 0:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
+    _check_resilience(config.resilience)
 
     sizes = mesh.axis_sizes()
     for axis, size in sizes.items():
@@ -364,6 +385,32 @@ def validate(config: Config) -> None:
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
     _check_divisible_by_mesh(config, sizes)
+
+
+def _check_resilience(resilience: ResilienceConfig) -> None:
+    for key in (
+        "heartbeat_every_s",
+        "step_deadline_s",
+        "compile_deadline_s",
+        "checkpoint_deadline_s",
+        "stop_grace_s",
+    ):
+        value = getattr(resilience, key)
+        if not value > 0:
+            raise ConfigError(f"resilience.{key}={value} must be positive")
+    if resilience.heartbeat_every_s >= resilience.step_deadline_s:
+        raise ConfigError(
+            f"resilience.heartbeat_every_s={resilience.heartbeat_every_s} must be shorter than "
+            f"resilience.step_deadline_s={resilience.step_deadline_s}"
+        )
+    if resilience.restart_backoff_s < 0:
+        raise ConfigError(
+            f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"
+        )
+    if resilience.max_restarts < 0:
+        raise ConfigError(f"resilience.max_restarts={resilience.max_restarts} must be >= 0")
+    if resilience.compile_cache_dir is not None and not resilience.compile_cache_dir.strip():
+        raise ConfigError("resilience.compile_cache_dir is empty; give a path (or null)")
 
 
 def _check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:

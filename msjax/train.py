@@ -28,6 +28,8 @@ from msjax.config import (
     save_config,
 )
 from msjax.errors import MsjaxError
+from msjax.resilience import exit_codes
+from msjax.resilience.worker import NonFiniteLoss, leave_job_now
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(config)
     except MsjaxError as error:
         return user_error("msjax.train", error)
+    except NonFiniteLoss as error:
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.NONFINITE_LOSS)  # peers may still be mid-step
+        return exit_codes.NONFINITE_LOSS
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
         return 130
@@ -104,10 +110,13 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     from msjax.checkpoint.manager import Checkpointer, checkpoint_dir, parse_resume_source
     from msjax.data.dataset import build_training_data
     from msjax.data.pipeline import sharded_batches
+    from msjax.launch.distributed import JobEnv, initialize_distributed
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
     from msjax.observe.metrics import MetricsWriter, ProgressLine
     from msjax.ops import resolve_impl
     from msjax.parallel.mesh import build_mesh, configure_cpu_devices
+    from msjax.resilience.compile_cache import enable_compile_cache
+    from msjax.resilience.worker import WorkerResilience, skip_update
     from msjax.run_dir import create_run_dir, differences, plan_run_dir
     from msjax.step import build_program
 
@@ -118,6 +127,9 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     if config.checkpoint.resume_from:
         resume_source = parse_resume_source(config.checkpoint.resume_from)
     configure_cpu_devices(config)
+    job = JobEnv.read()
+    initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
+    enable_compile_cache(config.resilience, run_dir, job.launched)
     config = check_device_count(config, jax.device_count())
     resolve_impl(config.model.attention_impl, "model.attention_impl", ("xla", "pallas", "cudnn"))
     resolve_impl(config.model.norm_impl, "model.norm_impl", ("xla", "pallas"))
@@ -136,6 +148,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             progress.message(f"run.overwrite=true: the earlier run in {run_dir} moved to {aside}")
         save_config(config, run_dir)
         (run_dir / "data.json").write_text(json.dumps(data.facts(), indent=2) + "\n")
+    resilience = WorkerResilience(config, run_dir, jax.process_index(), job.attempt)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
@@ -177,6 +190,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     progress.start_step = start_step
     progress.started = time.perf_counter()
 
+    resilience.starting(start_step)
     compile_started = time.perf_counter()
     abstract_batch = {
         key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=program.batch_sharding)
@@ -195,6 +209,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
 
     def evaluate(step: int) -> float:
         nonlocal last_done
+        resilience.beat("eval")
         losses = [program.eval_step(state.params, batch) for batch in validation]
         loss = float(sum(jax.device_get(losses)) / len(losses))
         if metrics is not None:
@@ -211,7 +226,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         last_done = done
         record = {
             "step": step,
-            "loss": float(values["loss"]),
+            "loss": resilience.loss(step, float(values["loss"])),
             "grad_norm": float(values["grad_norm"]),
             "lr": float(values["lr"]),
             "step_time_s": step_time_s,
@@ -223,6 +238,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             metrics.write(record)
         progress.update(record)
         last_record = record
+        resilience.step_done(step, record["loss"])  # NonFiniteLoss before any save of it
 
     def save(step: int) -> None:
         """Start a checkpoint of `state` after `step` updates; failures per on_save_error."""
@@ -236,8 +252,10 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             "seed": config.run.seed,
             "msjax_version": __version__,
         }
+        resilience.saving(step)
         try:
             checkpointer.save(step, state, meta)
+            resilience.save_started(step)
         except Exception as error:
             report_save_error(step, error)
         else:
@@ -269,6 +287,13 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         ) as batches,
     ):
         for step in range(start_step, config.train.steps):
+            resilience.before_step(step, checkpointer.wait)
+            if resilience.skips(step):
+                next(batches)  # drawn and dropped, so later steps keep their own batches
+                state = skip_update(state)
+                if metrics is not None:
+                    metrics.write({"step": step, "event": "skipped", "reason": "non-finite loss"})
+                continue
             batch, data_wait_s = next(batches)
             state, device_metrics = train_step(state, batch)
             if pending is not None:
@@ -292,6 +317,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     saved_already = checkpointer.last_saved_step == final_step
     if config.checkpoint.enabled and final_step > start_step and not saved_already:
         save(final_step)
+    resilience.beat("checkpoint")
     try:
         checkpointer.wait()
     except Exception as error:
@@ -320,6 +346,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     )
     progress.message(f"outputs in {run_dir}: {outputs}")
     progress.close()
+    resilience.close(final_step)
     return TrainResult(
         run_dir, final_step, last_record.get("loss", float("nan")), eval_loss, wall_s
     )

@@ -1,0 +1,152 @@
+"""`python -m msjax.launch --nprocs P --devices-per-proc D -- [train args]`: a supervised job.
+
+Starts P `python -m msjax.train` workers of one `jax.distributed` job (per node; --nnodes and
+--cluster slurm for several), restarts them from the newest checkpoint after a fault, and exits
+with a code per outcome (msjax.resilience.exit_codes, launch/README.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from msjax.cli import ArgumentParser, user_error
+from msjax.config import Config, load_config
+from msjax.errors import MsjaxError
+from msjax.resilience.faults import parse_faults
+
+DEFAULT_PORT = 29500
+
+
+def parse_args(argv: Sequence[str]) -> tuple[object, list[str]]:
+    argv = list(argv)
+    train_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, train_args = argv[:split], argv[split + 1 :]
+    parser = ArgumentParser(
+        prog="python -m msjax.launch",
+        description="Run msjax.train as a multi-process job under a supervisor that restarts it "
+        "from the last checkpoint after a crash, a hang or a non-finite loss.",
+        epilog="example: python -m msjax.launch --nprocs 2 --devices-per-proc 4 -- "
+        "--config configs/tiny.yaml run.dir=runs/tiny",
+    )
+    parser.add_argument("--nprocs", type=int, default=1, help="worker processes on this node")
+    parser.add_argument(
+        "--devices-per-proc",
+        type=int,
+        help="CPU devices per worker (JAX_NUM_CPU_DEVICES; default: the mesh's devices / "
+        "processes); on GPUs each worker uses the GPUs it sees",
+    )
+    parser.add_argument("--max-restarts", type=int, help="sets resilience.max_restarts")
+    parser.add_argument(
+        "--fault", help="inject faults (MSJAX_FAULT syntax), e.g. crash@step=7,rank=1"
+    )
+    parser.add_argument("--cluster", choices=("slurm",), help="read the node layout from Slurm")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes, each with a launcher")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    parser.add_argument(
+        "--coordinator", help="host:port of process 0 (several nodes; default 127.0.0.1:free)"
+    )
+    args = parser.parse_args(argv)
+    return args, train_args
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: `gpu[003-005,9],cpu1` -> `gpu003`."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise MsjaxError(f"SLURM_JOB_NODELIST={nodelist!r} is not a node list")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_layout(environ: Mapping[str, str]) -> tuple[int, int, str]:
+    """(nnodes, node rank, coordinator host:port) from a Slurm job step's environment."""
+    try:
+        nnodes = int(environ["SLURM_NNODES"])
+        node_rank = int(environ["SLURM_NODEID"])
+        host = first_slurm_host(environ["SLURM_JOB_NODELIST"])
+    except KeyError as missing:
+        raise MsjaxError(f"--cluster slurm: {missing} is not set (run under srun)") from None
+    port = environ.get("MSJAX_COORDINATOR_PORT", str(DEFAULT_PORT))
+    return nnodes, node_rank, f"{host}:{port}"
+
+
+def default_devices_per_proc(config: Config, num_processes: int) -> int | None:
+    sizes = list(config.mesh.axis_sizes().values())
+    if -1 in sizes:
+        return None
+    total = math.prod(sizes)
+    if total % num_processes:
+        raise MsjaxError(
+            f"the mesh's {total} devices do not split over {num_processes} processes; "
+            "pass --devices-per-proc"
+        )
+    return total // num_processes
+
+
+def run_dir_for(config: Config) -> tuple[Path, list[str]]:
+    """The run dir every worker must agree on, and the override that pins it if unset."""
+    if config.run.dir:
+        return Path(config.run.dir), []
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / f"{config.run.name}-{stamp}"
+    return path, [f"run.dir={path}"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from msjax.resilience.supervisor import JobLayout, Supervisor
+    from msjax.run_dir import create_run_dir, plan_run_dir
+    from msjax.train import parse_args as parse_train_args
+
+    try:
+        args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
+        if args.max_restarts is not None:
+            train_args = [*train_args, f"resilience.max_restarts={args.max_restarts}"]
+        nnodes, node_rank, coordinator = args.nnodes, args.node_rank, args.coordinator
+        if args.cluster == "slurm":
+            nnodes, node_rank, coordinator = slurm_layout(os.environ)
+        if args.nprocs < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise MsjaxError(
+                f"--nprocs={args.nprocs}, --nnodes={nnodes}, --node-rank={node_rank}: need "
+                "nprocs >= 1 and 0 <= node-rank < nnodes"
+            )
+        if nnodes > 1 and not coordinator:
+            raise MsjaxError("--nnodes > 1 needs --coordinator HOST:PORT (or --cluster slurm)")
+        if args.fault:
+            parse_faults(args.fault)
+        train = parse_train_args(train_args)
+        if train.print_config:
+            raise MsjaxError("--print-config: run python -m msjax.train --print-config instead")
+        config = load_config(train.config, train.overrides)
+        devices = args.devices_per_proc
+        if devices is None:
+            devices = default_devices_per_proc(config, args.nprocs * nnodes)
+        elif devices < 1:
+            raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
+        run_dir, pin = run_dir_for(config)
+        if pin:
+            config = load_config(train.config, [*train.overrides, *pin])
+        plan = plan_run_dir(config)  # another run's config there: refused before any worker
+        if node_rank == 0:
+            aside = create_run_dir(plan)
+            if aside is not None:
+                print(f"msjax.launch: the earlier run in {run_dir} moved to {aside}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        layout = JobLayout(args.nprocs, devices, nnodes, node_rank, coordinator)
+        supervisor = Supervisor(config, run_dir, [*train_args, *pin], layout, faults=args.fault)
+    except MsjaxError as error:
+        return user_error("msjax.launch", error)
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

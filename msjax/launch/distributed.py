@@ -1,0 +1,88 @@
+"""How a worker joins its `jax.distributed` job: the environment the launcher sets, read in train.
+
+MSJAX_COORDINATOR (host:port), MSJAX_NUM_PROCESSES and MSJAX_PROCESS_ID name the job explicitly;
+MSJAX_DISTRIBUTED=auto lets JAX detect it (Slurm, Open MPI, Kubernetes with the `kubernetes`
+package). MSJAX_ATTEMPT numbers the supervisor's restarts. Without any of them a run is one process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from msjax.errors import MsjaxError
+
+COORDINATOR = "MSJAX_COORDINATOR"
+NUM_PROCESSES = "MSJAX_NUM_PROCESSES"
+PROCESS_ID = "MSJAX_PROCESS_ID"
+DISTRIBUTED = "MSJAX_DISTRIBUTED"
+ATTEMPT = "MSJAX_ATTEMPT"
+INIT_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """One worker's place in the job, as the environment describes it."""
+
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    auto: bool
+    attempt: int  # restarts before this one
+    launched: bool  # started by msjax.launch
+
+    @property
+    def distributed(self) -> bool:
+        return self.auto or self.coordinator is not None
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] = os.environ) -> JobEnv:
+        explicit = [name for name in (COORDINATOR, NUM_PROCESSES, PROCESS_ID) if environ.get(name)]
+        if explicit and len(explicit) < 3:
+            missing = sorted({COORDINATOR, NUM_PROCESSES, PROCESS_ID} - set(explicit))
+            raise MsjaxError(f"{', '.join(explicit)} set without {', '.join(missing)}")
+        mode = environ.get(DISTRIBUTED, "")
+        if mode not in ("", "auto"):
+            raise MsjaxError(
+                f"{DISTRIBUTED}={mode!r} is not accepted; use auto (or leave it unset)"
+            )
+        try:
+            num = int(environ[NUM_PROCESSES]) if explicit else None
+            rank = int(environ[PROCESS_ID]) if explicit else None
+            attempt = int(environ.get(ATTEMPT, "0"))
+        except ValueError as error:
+            raise MsjaxError(f"a distributed-job variable is not a whole number: {error}") from None
+        if num is not None and rank is not None and not 0 <= rank < num:
+            raise MsjaxError(f"{PROCESS_ID}={rank} must be in [0, {NUM_PROCESSES}={num})")
+        return cls(environ.get(COORDINATOR), num, rank, mode == "auto", attempt, ATTEMPT in environ)
+
+
+def worker_env(coordinator: str, num_processes: int, process_id: int, attempt: int) -> dict:
+    """The variables the launcher sets for one worker."""
+    return {
+        COORDINATOR: coordinator,
+        NUM_PROCESSES: str(num_processes),
+        PROCESS_ID: str(process_id),
+        ATTEMPT: str(attempt),
+    }
+
+
+def initialize_distributed(job: JobEnv) -> bool:
+    """Join the job the environment names (before any JAX computation); False for one process."""
+    import jax
+
+    if not job.distributed or jax.distributed.is_initialized():
+        return False
+    # gloo carries CPU collectives across processes (the default in newer JAX); GPUs use NCCL
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if job.auto:
+        jax.distributed.initialize(initialization_timeout=INIT_TIMEOUT_S)
+    else:
+        jax.distributed.initialize(
+            coordinator_address=job.coordinator,
+            num_processes=job.num_processes,
+            process_id=job.process_id,
+            initialization_timeout=INIT_TIMEOUT_S,
+        )
+    return True

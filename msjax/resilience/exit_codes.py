@@ -1,0 +1,15 @@
+"""Exit codes of `python -m msjax.train` and `python -m msjax.launch`, one per fault class.
+
+Schedulers key their restart policies on these (launch/README.md, launch/slurm, launch/k8s).
+"""
+
+OK = 0  # train.steps reached
+USER_ERROR = 2  # a config or command-line mistake: restarting cannot help
+NONFINITE_LOSS = 3  # a loss was NaN or infinite (train); with on_nonfinite_loss=stop (launch)
+RESTARTS_EXHAUSTED = 4  # launch: resilience.max_restarts spent; the last good checkpoint is kept
+JOB_RESTART_NEEDED = 5  # launch, multi-node: a worker failed; restart the whole job to resume
+INTERRUPTED = 130  # SIGINT
+TERMINATED = 143  # launch: SIGTERM (e.g. preemption); workers saved a checkpoint; rerun to resume
+
+RETRYABLE = (RESTARTS_EXHAUSTED, JOB_RESTART_NEEDED, TERMINATED)  # worth a fresh job elsewhere
+FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again

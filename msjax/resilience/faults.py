@@ -1,0 +1,183 @@
+"""Fault injection for tests and drills, read by each worker from the MSJAX_FAULT environment.
+
+`MSJAX_FAULT="crash@step=7,rank=1;nan@step=9,rank=0"`: faults separated by `;`, each
+`KIND@step=K,rank=R[,times=N][,percent=X]`. Kinds, all at step index K on rank R:
+  crash          the process exits abruptly before step K runs
+  hang           the loop stops making progress before step K (the process stays alive)
+  nan            the loss rank R reads back for step K is NaN
+  slow           from step K on, rank R sleeps X percent of its step time after every step
+  crash_in_save  the process exits while the checkpoint of step K is being written
+Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
+RUN_DIR/faults.jsonl before they happen. Kept out of the config on purpose: a drill is not part of
+what defines a run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from msjax.errors import MsjaxError
+
+ENV_VAR = "MSJAX_FAULT"
+KINDS = ("crash", "hang", "nan", "slow", "crash_in_save")
+CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught exception
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int
+    times: int = 1
+    percent: float = 0.0
+
+    @property
+    def spec(self) -> str:
+        extra = f",percent={self.percent:g}" if self.kind == "slow" else ""
+        extra += f",times={self.times}" if self.times != 1 else ""
+        return f"{self.kind}@step={self.step},rank={self.rank}{extra}"
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Faults from MSJAX_FAULT's syntax; MsjaxError naming the bad part."""
+    faults = []
+    for part in (part.strip() for part in text.split(";")):
+        if not part:
+            continue
+        kind, at, options = part.partition("@")
+        if kind not in KINDS or not at:
+            raise MsjaxError(
+                f"{ENV_VAR}: {part!r} must look like KIND@step=K,rank=R with KIND one of "
+                + ", ".join(KINDS)
+            )
+        values: dict[str, float] = {}
+        for option in options.split(","):
+            key, equals, number = option.partition("=")
+            key = key.strip()
+            if key not in ("step", "rank", "times", "percent") or not equals:
+                raise MsjaxError(
+                    f"{ENV_VAR}: {option!r} in {part!r} is not one of step=K, rank=R, times=N, "
+                    "percent=X"
+                )
+            try:
+                values[key] = float(number)
+            except ValueError:
+                raise MsjaxError(f"{ENV_VAR}: {option!r} in {part!r} needs a number") from None
+        if "step" not in values or "rank" not in values:
+            raise MsjaxError(f"{ENV_VAR}: {part!r} needs both step=K and rank=R")
+        integers = {key: values[key] for key in ("step", "rank", "times") if key in values}
+        for key, value in integers.items():
+            if value != int(value) or value < (1 if key == "times" else 0):
+                raise MsjaxError(f"{ENV_VAR}: {key}={value:g} in {part!r} must be a whole number")
+        percent = values.get("percent", 0.0)
+        if kind == "slow" and not (math.isfinite(percent) and percent > 0):
+            raise MsjaxError(f"{ENV_VAR}: {part!r} needs percent=X > 0")
+        faults.append(
+            Fault(
+                kind,
+                int(values["step"]),
+                int(values["rank"]),
+                int(values.get("times", 1)),
+                percent,
+            )
+        )
+    return tuple(faults)
+
+
+def faults_log(run_dir: Path) -> Path:
+    return run_dir / "faults.jsonl"
+
+
+def read_firings(run_dir: Path) -> list[dict]:
+    """Every injected fault that fired in run_dir, oldest first."""
+    path = faults_log(run_dir)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class FaultInjector:
+    """This rank's share of MSJAX_FAULT, with hooks the train loop calls at the right places."""
+
+    def __init__(self, faults: tuple[Fault, ...], run_dir: Path, rank: int, attempt: int):
+        self.run_dir = run_dir
+        self.rank = rank
+        self.attempt = attempt
+        fired: dict[str, int] = {}
+        for firing in read_firings(run_dir):
+            fired[firing["fault"]] = fired.get(firing["fault"], 0) + 1
+        self._pending = [
+            fault
+            for fault in faults
+            if fault.rank == rank
+            and (fault.kind == "slow" or fired.get(fault.spec, 0) < fault.times)
+        ]
+        self._last_step_at: float | None = None
+        self._slow_noted = False
+
+    @classmethod
+    def from_env(cls, run_dir: Path, rank: int, attempt: int) -> FaultInjector:
+        return cls(parse_faults(os.environ.get(ENV_VAR, "")), run_dir, rank, attempt)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._pending)
+
+    def _take(self, kind: str, step: int) -> Fault | None:
+        for fault in self._pending:
+            if fault.kind == kind and fault.step == step:
+                self._pending.remove(fault)
+                self._record(fault, step)
+                return fault
+        return None
+
+    def _record(self, fault: Fault, step: int) -> None:
+        record = {
+            "fault": fault.spec,
+            "kind": fault.kind,
+            "step": step,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "pid": os.getpid(),
+            "unix_s": time.time(),
+        }
+        with faults_log(self.run_dir).open("a") as log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+        print(f"msjax.train: injected fault {fault.spec}", file=sys.stderr, flush=True)
+
+    def before_step(self, step: int, wait_for_saves: Callable[[], None]) -> None:
+        """Crash, hang or slow down before step `step` runs, as injected."""
+        now = time.perf_counter()
+        for fault in self._pending:
+            if fault.kind == "slow" and step > fault.step and self._last_step_at is not None:
+                if not self._slow_noted:
+                    self._record(fault, step)
+                    self._slow_noted = True
+                time.sleep((now - self._last_step_at) * fault.percent / 100)
+        self._last_step_at = time.perf_counter()
+        if self._take("crash", step):
+            wait_for_saves()  # where the restart resumes does not depend on timing
+            os._exit(CRASH_EXIT_CODE)
+        if self._take("hang", step):
+            while True:  # alive, answering signals (SIGUSR1 dumps this frame), never progressing
+                time.sleep(1.0)
+
+    def loss(self, step: int, loss: float) -> float:
+        """The loss as read back for step `step`, NaN if injected."""
+        if self._take("nan", step):
+            return float("nan")
+        return loss
+
+    def after_save_started(self, step: int) -> None:
+        """Exit while the asynchronous save of step `step` is being written, as injected."""
+        if self._take("crash_in_save", step):
+            os._exit(CRASH_EXIT_CODE)

@@ -1,0 +1,104 @@
+"""Where a supervised run's wall time went, and its effective training time ratio.
+
+MegaScale's effective training time is productive step time over wall time: the steps that
+count (each step index's last record in metrics.jsonl) against everything from the supervisor's
+start to its end. The rest is split into start-up, compilation, checkpoint pauses, lost progress
+(steps trained and then redone after a fault, and the time until the fault was detected) and
+restarting (diagnostics, stopping workers, backoff). Written to RUN_DIR/goodput.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by a killed writer
+            continue
+    return records
+
+
+def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds of kept steps (data wait apart), of superseded steps, of checkpoint pauses."""
+    last_index: dict[int, int] = {}
+    for index, record in enumerate(records):
+        if "loss" in record and "step_time_s" in record:
+            last_index[record["step"]] = index
+    kept_s = data_s = lost_s = checkpoint_s = 0.0
+    for index, record in enumerate(records):
+        if "checkpoint_save_blocked_s" in record:
+            checkpoint_s += record["checkpoint_save_blocked_s"]
+        if "loss" not in record or "step_time_s" not in record:
+            continue
+        if last_index[record["step"]] == index:
+            kept_s += record["step_time_s"]
+            data_s += record.get("data_wait_s", 0.0)
+        else:
+            lost_s += record["step_time_s"]
+    return {
+        "kept_step_s": kept_s,
+        "data_s": min(data_s, kept_s),
+        "superseded_step_s": lost_s,
+        "checkpoint_s": checkpoint_s,
+        "kept_steps": len(last_index),
+    }
+
+
+def write_goodput(
+    run_dir: Path,
+    started_unix_s: float,
+    ended_unix_s: float,
+    attempts: list[Any],
+    incidents: list[dict[str, Any]],
+    outcome: str,
+) -> str:
+    """Write RUN_DIR/goodput.json; return its one-line summary."""
+    wall_s = max(ended_unix_s - started_unix_s, 1e-9)
+    steps = step_time_split(read_records(run_dir / "metrics.jsonl"))
+    startup_s = compile_s = 0.0
+    for attempt in attempts:
+        end = attempt.ended_unix_s if attempt.ended_unix_s is not None else ended_unix_s
+        compiled = attempt.compile_unix_s if attempt.compile_unix_s is not None else end
+        first_step = attempt.first_step_unix_s if attempt.first_step_unix_s is not None else end
+        startup_s += max(compiled - attempt.spawned_unix_s, 0.0)
+        compile_s += max(first_step - compiled, 0.0)
+    detection_s = sum(max(incident["detection_latency_s"], 0.0) for incident in incidents)
+    restart_s = 0.0
+    for incident, attempt in zip(incidents, attempts[1:], strict=False):
+        restart_s += max(attempt.spawned_unix_s - incident["detected_unix_s"], 0.0)
+    breakdown = {
+        "step_s": steps["kept_step_s"] - steps["data_s"],
+        "data_s": steps["data_s"],
+        "checkpoint_s": steps["checkpoint_s"],
+        "startup_s": startup_s,
+        "compile_s": compile_s,
+        "lost_progress_s": steps["superseded_step_s"] + detection_s,
+        "restart_s": restart_s,
+    }
+    breakdown["other_s"] = max(wall_s - sum(breakdown.values()), 0.0)
+    ratio = steps["kept_step_s"] / wall_s
+    summary = {
+        "outcome": outcome,
+        "wall_s": round(wall_s, 3),
+        "effective_training_time_ratio": round(ratio, 4),
+        "steps": steps["kept_steps"],
+        "attempts": len(attempts),
+        "incidents": len(incidents),
+        "breakdown_s": {key: round(value, 3) for key, value in breakdown.items()},
+    }
+    (run_dir / "goodput.json").write_text(json.dumps(summary, indent=1) + "\n")
+    shares = ", ".join(
+        f"{key[:-2]} {100 * value / wall_s:.0f}%" for key, value in breakdown.items() if value > 0
+    )
+    return (
+        f"goodput: effective training time {100 * ratio:.1f}% of {wall_s:.0f} s wall "
+        f"({len(attempts)} attempts, {len(incidents)} incidents; {shares})"
+    )

@@ -1,0 +1,114 @@
+"""Worker heartbeats: RUN_DIR/heartbeats/rank<r>.json, rewritten atomically from the train loop.
+
+A heartbeat says what a rank is doing (phase), how far it got (step: updates completed) and when
+it last moved. The supervisor judges progress from them; nothing here runs in jitted code.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+Phase = Literal["init", "compile", "step", "checkpoint", "eval", "nonfinite", "done"]
+
+
+def heartbeat_dir(run_dir: Path) -> Path:
+    return run_dir / "heartbeats"
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    return heartbeat_dir(run_dir) / f"rank{rank}.json"
+
+
+def stacks_path(run_dir: Path, rank: int) -> Path:
+    """Where rank's Python stacks go when it receives SIGUSR1."""
+    return heartbeat_dir(run_dir) / f"stacks-rank{rank}.txt"
+
+
+@dataclass(frozen=True)
+class HeartbeatRecord:
+    """One heartbeat as read back by the supervisor."""
+
+    rank: int
+    pid: int
+    attempt: int
+    step: int  # updates completed
+    start_step: int  # the step this attempt resumed at
+    phase: str
+    phase_started_unix_s: float
+    unix_s: float  # when it was written
+
+    @classmethod
+    def read(cls, path: Path) -> HeartbeatRecord | None:
+        """The heartbeat in path, or None if there is none (or it is being replaced)."""
+        try:
+            values = json.loads(path.read_text())
+            return cls(**{key: values[key] for key in cls.__dataclass_fields__})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+class Heartbeat:
+    """Writes rank's heartbeat on every phase change and at most every `every_s` within a phase."""
+
+    def __init__(self, run_dir: Path, rank: int, every_s: float, attempt: int = 0):
+        self.path = heartbeat_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.every_s = every_s
+        self.attempt = attempt
+        self.pid = os.getpid()
+        self.step = 0
+        self.start_step = 0
+        self.phase: str = ""
+        self._phase_started = time.time()
+        self._written_at = -float("inf")
+        self._stacks_file: IO[str] | None = None
+
+    def beat(self, phase: Phase, step: int | None = None) -> None:
+        """Record phase and step; writes now if the phase changed or every_s has passed."""
+        now = time.time()
+        if step is not None:
+            self.step = step
+        if phase != self.phase:
+            self.phase = phase
+            self._phase_started = now
+        elif now - self._written_at < self.every_s:
+            return
+        self._write(now)
+
+    def _write(self, now: float) -> None:
+        record: dict[str, Any] = {
+            "rank": self.rank,
+            "pid": self.pid,
+            "attempt": self.attempt,
+            "step": self.step,
+            "start_step": self.start_step,
+            "phase": self.phase,
+            "phase_started_unix_s": self._phase_started,
+            "unix_s": now,
+        }
+        partial = self.path.with_name(f".{self.path.name}.{self.pid}.tmp")
+        partial.write_text(json.dumps(record))
+        os.replace(partial, self.path)  # readers see the old or the new heartbeat, never half
+        self._written_at = now
+
+    def dump_stacks_on_sigusr1(self, run_dir: Path) -> Path:
+        """Let the supervisor ask for every thread's Python stack (faulthandler, C-level handler:
+        works while the main thread is blocked in a collective)."""
+        path = stacks_path(run_dir, self.rank)
+        self._stacks_file = path.open("w")
+        faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
+        return path
+
+    def close(self) -> None:
+        if self._stacks_file is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._stacks_file.close()
+            self._stacks_file = None

@@ -1,0 +1,102 @@
+"""The train loop's side of resilience: one object holding this rank's heartbeat, injected faults
+and skip list, with a hook for each place in the loop; plus the non-finite-loss stop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from msjax.config import Config
+from msjax.resilience.faults import FaultInjector
+from msjax.resilience.heartbeat import Heartbeat, Phase
+from msjax.resilience.skips import read_skipped_steps
+
+
+class NonFiniteLoss(Exception):
+    """A step's loss was NaN or infinite; the run stops before saving that state."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(
+            f"the loss of step {step} is {loss}; stopping before any checkpoint of that state "
+            "(under msjax.launch with resilience.on_nonfinite_loss=rollback the run resumes "
+            "from the last checkpoint and skips that step's batch)"
+        )
+        self.step = step
+        self.loss = loss
+
+
+class WorkerResilience:
+    """Heartbeat, fault injection and skipped steps of one rank, for the train loop."""
+
+    def __init__(self, config: Config, run_dir: Path, rank: int, attempt: int):
+        self.heartbeat = Heartbeat(run_dir, rank, config.resilience.heartbeat_every_s, attempt)
+        self.heartbeat.dump_stacks_on_sigusr1(run_dir)
+        self.faults = FaultInjector.from_env(run_dir, rank, attempt)
+        self.skipped_steps = read_skipped_steps(run_dir)
+        self.heartbeat.beat("init")
+
+    def beat(self, phase: Phase, step: int | None = None) -> None:
+        self.heartbeat.beat(phase, step)
+
+    def starting(self, start_step: int) -> None:
+        """The state is restored (or initialized) at start_step; compiling comes next."""
+        self.heartbeat.start_step = start_step
+        self.heartbeat.beat("compile", start_step)
+
+    def before_step(self, step: int, wait_for_saves: Callable[[], None]) -> None:
+        self.faults.before_step(step, wait_for_saves)
+
+    def skips(self, step: int) -> bool:
+        """Whether step's batch is to be dropped (a rollback after a non-finite loss)."""
+        return step in self.skipped_steps
+
+    def loss(self, step: int, loss: float) -> float:
+        return self.faults.loss(step, loss)
+
+    def step_done(self, step: int, loss: float) -> None:
+        """After step's metrics are read back: a heartbeat, or NonFiniteLoss."""
+        if not math.isfinite(loss):
+            self.heartbeat.beat("nonfinite", step)  # step: the index whose loss was bad
+            raise NonFiniteLoss(step, loss)
+        self.heartbeat.beat("step", step + 1)
+
+    def saving(self, step: int) -> None:
+        self.heartbeat.beat("checkpoint", step)
+
+    def save_started(self, step: int) -> None:
+        self.faults.after_save_started(step)
+
+    def close(self, final_step: int) -> None:
+        self.heartbeat.beat("done", final_step)
+        self.heartbeat.close()
+
+
+def leave_job_now(code: int) -> None:
+    """In a multi-process job, exit at once with code: JAX's exit-time shutdown would wait for
+    peers that are blocked in a collective with this process. One process: return."""
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def skip_update(state: Any) -> Any:
+    """The state after a skipped step: the same parameters and optimizer state, step + 1."""
+    import jax
+
+    global _skip_update
+    if _skip_update is None:
+        _skip_update = jax.jit(
+            lambda state: dataclasses.replace(state, step=state.step + 1), donate_argnums=0
+        )
+    return _skip_update(state)
+
+
+_skip_update: Any = None

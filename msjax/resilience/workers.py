@@ -1,0 +1,151 @@
+"""The worker processes of one attempt, as the supervisor sees them: spawn, watch, signal, stop.
+
+Each worker's stdout and stderr go to RUN_DIR/logs/rank<r>.log (rank 0's also to the
+supervisor's stdout). Workers die with the supervisor (PR_SET_PDEATHSIG), so a killed supervisor
+leaves no orphan holding devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # not Linux: no prctl, and workers may outlive a killed supervisor
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class WorkerProcess:
+    """One `python -m msjax.train` worker of an attempt."""
+
+    def __init__(
+        self,
+        rank: int,
+        command: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        attempt: int,
+        echo: IO[str] | None,
+    ):
+        self.rank = rank
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("ab")
+        self._log.write(f"=== msjax.launch: attempt {attempt}, rank {rank} ===\n".encode())
+        self._log.flush()
+        self.spawned_unix_s = time.time()
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # the supervisor alone decides which signals reach workers
+            preexec_fn=_die_with_parent,
+        )
+        self.pid = self.process.pid
+        self.exit_code: int | None = None
+        self.exited_unix_s: float | None = None
+        self._echo = echo
+        self._forward = threading.Thread(target=self._forward_output, daemon=True)
+        self._forward.start()
+
+    def _forward_output(self) -> None:
+        assert self.process.stdout is not None
+        for line in iter(self.process.stdout.readline, b""):
+            self._log.write(line)
+            self._log.flush()
+            if self._echo is not None:
+                self._echo.write(line.decode(errors="replace"))
+                self._echo.flush()
+
+    def poll(self) -> int | None:
+        """The exit code once the process has ended (noting when it was first seen ended)."""
+        if self.exit_code is None:
+            code = self.process.poll()
+            if code is not None:
+                self.exit_code = code
+                self.exited_unix_s = time.time()
+        return self.exit_code
+
+    @property
+    def alive(self) -> bool:
+        return self.poll() is None
+
+    def state(self) -> str:
+        """The kernel's one-letter state: R running, S sleeping, T stopped, Z zombie, ..."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return "?"
+        return stat.rsplit(")", 1)[1].split()[0]
+
+    @property
+    def stopped(self) -> bool:
+        return self.alive and self.state() in ("T", "t")
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the process ended within timeout_s."""
+        try:
+            self.process.wait(timeout=max(timeout_s, 0.0))
+        except subprocess.TimeoutExpired:
+            return False
+        self.poll()
+        return True
+
+    def close(self) -> None:
+        self._forward.join(timeout=5.0)
+        self._log.close()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_bytes()[-64 * 1024 :].decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:]) + "\n"
+
+
+def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
+    """SIGTERM every live worker (SIGCONT too, so a stopped one can act on it), SIGKILL those
+    still alive after grace_s; returns the seconds it took."""
+    started = time.monotonic()
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+        worker.signal(signal.SIGCONT)
+    deadline = started + grace_s
+    for worker in workers:
+        if not worker.wait(deadline - time.monotonic()):
+            worker.signal(signal.SIGKILL)
+    for worker in workers:
+        if not worker.wait(10.0):
+            print(
+                f"msjax.launch: rank {worker.rank} (pid {worker.pid}) did not die", file=sys.stderr
+            )
+        worker.close()
+    return time.monotonic() - started
