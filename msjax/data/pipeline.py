@@ -103,6 +103,10 @@ def local_rows_dataset(
     dataset = rows.to_iter_dataset()
     if num_workers > 0:
         _absl_flags_parsed()
+        # A step's rows are small: copied through the worker queue rather than shared memory,
+        # whose blocks still in flight when the iterator closes would leak until exit.
+        copied = grain.experimental.DatasetOptions(min_shm_size=2**62)
+        dataset = grain.experimental.WithOptionsIterDataset(dataset, copied)
         dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
     return dataset
 
