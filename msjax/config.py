@@ -146,6 +146,20 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class ObserveConfig:
+    """Per-rank timing, straggler detection and the flight recorder."""
+
+    rank_timing: bool = True  # every rank's own work per step, gathered into RUN_DIR/ranks.jsonl
+    straggler_window_steps: int = 5  # ranks are compared over windows of this many steps
+    straggler_windows: int = 2  # flagged this many windows in a row before it is reported
+    # A rank is a straggler when its own work exceeds the ranks' median by this share of the
+    # step time, and by this many robust deviations (MAD) of the ranks around that median.
+    straggler_min_excess: float = 0.1
+    straggler_min_score: float = 4.0
+    flight_recorder_events: int = 256  # each rank's ring buffer of its last events; 0: off
+
+
+@dataclass(frozen=True)
 class ResilienceConfig:
     """Heartbeats, hang deadlines and restarts of supervised runs (`python -m msjax.launch`)."""
 
@@ -175,6 +189,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -377,6 +392,7 @@ def validate(config: Config) -> None:
     if train.peak_tflops is not None and not train.peak_tflops > 0:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
     _check_resilience(config.resilience)
+    _check_observe(config.observe)
 
     sizes = mesh.axis_sizes()
     for axis, size in sizes.items():
@@ -385,6 +401,19 @@ def validate(config: Config) -> None:
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
     _check_divisible_by_mesh(config, sizes)
+
+
+def _check_observe(observe: ObserveConfig) -> None:
+    for key in ("straggler_window_steps", "straggler_windows"):
+        if getattr(observe, key) < 1:
+            raise ConfigError(f"observe.{key}={getattr(observe, key)} must be at least 1")
+    for key in ("straggler_min_excess", "straggler_min_score"):
+        if not getattr(observe, key) > 0:
+            raise ConfigError(f"observe.{key}={getattr(observe, key)} must be positive")
+    if observe.flight_recorder_events < 0:
+        raise ConfigError(
+            f"observe.flight_recorder_events={observe.flight_recorder_events} must be >= 0"
+        )
 
 
 def _check_resilience(resilience: ResilienceConfig) -> None:

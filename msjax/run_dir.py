@@ -23,6 +23,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
     {
         "mesh",
         "checkpoint",
+        "observe",
+        "resilience",
         "run.dir",
         "run.name",
         "run.overwrite",

@@ -112,6 +112,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     from msjax.data.pipeline import sharded_batches
     from msjax.launch.distributed import JobEnv, initialize_distributed
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
+    from msjax.observe.loop_observer import LoopObserver
     from msjax.observe.metrics import MetricsWriter, ProgressLine
     from msjax.ops import resolve_impl
     from msjax.parallel.mesh import build_mesh, configure_cpu_devices
@@ -198,6 +199,8 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     }
     train_step = program.train_step.lower(abstract_state, abstract_batch).compile()
     progress.message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
+    observer = LoopObserver(config, run_dir, mesh, job.attempt, progress.message)
+    observer.compiled(train_step)
     validation = [jax.device_put(batch, program.batch_sharding) for batch in validation]
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if is_writer else None
     if restored is not None and metrics is not None:
@@ -209,19 +212,23 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
 
     def evaluate(step: int) -> float:
         nonlocal last_done
+        observer.record("eval_begin", step)
         resilience.beat("eval")
         losses = [program.eval_step(state.params, batch) for batch in validation]
         loss = float(sum(jax.device_get(losses)) / len(losses))
         if metrics is not None:
             metrics.write({"step": step, "eval_loss": loss})
         progress.message(f"step {step + 1}: eval loss {loss:.4f}")
+        observer.record("eval_end", step)
         last_done = time.perf_counter()  # evaluation time is not the next step's time
         return loss
 
     def finish(step: int, device_metrics: Any, data_wait_s: float) -> None:
         nonlocal last_done, last_record
+        fetch_started = time.perf_counter()
         values = jax.device_get(device_metrics)
         done = time.perf_counter()
+        observer.result_fetched(step, done - fetch_started)
         step_time_s = done - last_done
         last_done = done
         record = {
@@ -253,6 +260,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             "msjax_version": __version__,
         }
         resilience.saving(step)
+        observer.record("checkpoint_begin", step)
         try:
             checkpointer.save(step, state, meta)
             resilience.save_started(step)
@@ -262,6 +270,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             if metrics is not None:
                 blocked_s = checkpointer.save_blocked_s[-1]
                 metrics.write({"step": step, "checkpoint_save_blocked_s": blocked_s})
+        observer.record("checkpoint_end", step)
         last_done = time.perf_counter()  # the save's pause is reported on its own
 
     def report_save_error(step: int, error: Exception) -> None:
@@ -285,17 +294,26 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
             config.data.num_workers,
             first_sample,
         ) as batches,
+        observer,
     ):
         for step in range(start_step, config.train.steps):
+            observer.step_begin(step)
             resilience.before_step(step, checkpointer.wait)
             if resilience.skips(step):
                 next(batches)  # drawn and dropped, so later steps keep their own batches
                 state = skip_update(state)
+                if pending is not None:
+                    finish(*pending)
+                    pending = None
                 if metrics is not None:
                     metrics.write({"step": step, "event": "skipped", "reason": "non-finite loss"})
+                if checkpointer.due(step + 1) and step + 1 < config.train.steps:
+                    save(step + 1)
                 continue
             batch, data_wait_s = next(batches)
+            observer.data_ready(data_wait_s)
             state, device_metrics = train_step(state, batch)
+            observer.record("step_dispatched", step)
             if pending is not None:
                 finish(*pending)
             pending = (step, device_metrics, data_wait_s)
@@ -347,6 +365,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     progress.message(f"outputs in {run_dir}: {outputs}")
     progress.close()
     resilience.close(final_step)
+    observer.close(final_step)
     return TrainResult(
         run_dir, final_step, last_record.get("loss", float("nan")), eval_loss, wall_s
     )

@@ -1,0 +1,174 @@
+"""Flight recorder: each rank's ring buffer of its last events, on disk, and the comparison that
+names the rank that did not reach the point the others reached (MegaScale: the first failed rank
+of a hang, from each rank's last logged operation).
+
+A daemon thread rewrites RUN_DIR/flight/rank<r>.json twice a second with the buffer and an
+`alive_at` time, so the record survives a hang (the loop blocked in a collective), SIGKILL
+(the last dump stays) and SIGSTOP (the dumps stop: the rank went silent while others did not).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DUMP_EVERY_S = 0.5
+# The order of a step's events: a rank that logged a later one got further in that step.
+EVENT_ORDER = {
+    "start": 0,
+    "compiled": 1,
+    "step_begin": 2,
+    "step_dispatched": 3,
+    "step_end": 4,
+    "eval_begin": 5,
+    "eval_end": 6,
+    "checkpoint_begin": 7,
+    "checkpoint_end": 8,
+    "finished": 9,
+}
+
+
+def flight_dir(run_dir: Path) -> Path:
+    return run_dir / "flight"
+
+
+class FlightRecorder:
+    """record(event, step=..., **fields) appends to the ring buffer; close() dumps a last time."""
+
+    def __init__(self, run_dir: Path, rank: int, attempt: int, capacity: int):
+        self.path = flight_dir(run_dir) / f"rank{rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._identity = {
+            "rank": rank,
+            "attempt": attempt,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self.record("start")
+        self._thread = threading.Thread(target=self._run, name="msjax-flight-recorder", daemon=True)
+        self._thread.start()
+
+    def record(self, event: str, step: int | None = None, **fields: Any) -> None:
+        entry = {"t": time.time(), "event": event, "step": step, **fields}
+        with self._lock:
+            self._events.append(entry)
+
+    def _run(self) -> None:
+        while not self._stop.wait(DUMP_EVERY_S):
+            self.dump()
+
+    def dump(self) -> None:
+        """Write the buffer atomically (a reader never sees half a file)."""
+        with self._lock:
+            content = {
+                **self._identity,
+                "alive_at": time.time(),
+                "closed": self._closed,
+                "events": list(self._events),
+            }
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(content))
+        os.replace(temporary, self.path)
+
+    def close(self, event: str = "finished", step: int | None = None) -> None:
+        self.record(event, step)
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        with self._lock:
+            self._closed = True
+        self.dump()
+
+
+@dataclass(frozen=True)
+class FlightVerdict:
+    """The rank that did not get as far as the others, and why we think so."""
+
+    rank: int
+    summary: str  # one line
+    details: list[str]  # each rank's last event and when it was last alive
+
+
+def read_flight_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's last dump of the newest attempt, by rank."""
+    records = []
+    for path in sorted(flight_dir(run_dir).glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # a dump cut short: nothing to compare
+    if not records:
+        return []
+    newest = max(record.get("attempt", 0) for record in records)
+    return sorted((r for r in records if r.get("attempt", 0) == newest), key=lambda r: r["rank"])
+
+
+def _position(event: dict[str, Any]) -> tuple[int, int]:
+    step = event.get("step")
+    return (-1 if step is None else int(step), EVENT_ORDER.get(event["event"], 0))
+
+
+def _describe(event: dict[str, Any]) -> str:
+    step = event.get("step")
+    return event["event"] + ("" if step is None else f" {step}")
+
+
+def diagnose(run_dir: Path) -> FlightVerdict | None:
+    """Name the rank that stopped first: the one whose last event is behind the point the others
+    reached, or -- when all logged the same point -- the one that went silent first.
+
+    None when there is nothing to compare, or every rank finished.
+    """
+    records = read_flight_records(run_dir)
+    if len(records) < 2 or all(record.get("closed") for record in records):
+        return None
+    programs = {
+        e.get("fingerprint") for r in records for e in r["events"] if e["event"] == "compiled"
+    }
+    last = {r["rank"]: r["events"][-1] for r in records if r["events"]}
+    positions = {rank: _position(event) for rank, event in last.items()}
+    alive_at = {r["rank"]: r["alive_at"] for r in records}
+    newest_alive = max(alive_at.values())
+    details = [
+        f"rank {rank}: last {_describe(last[rank])}, alive {newest_alive - alive_at[rank]:.1f} s "
+        "before the newest dump" + (" (finished)" if r.get("closed") else "")
+        for r in records
+        for rank in [r["rank"]]
+        if rank in last
+    ]
+    if len(programs) > 1:
+        details.insert(
+            0, "ranks compiled different programs: " + ", ".join(sorted(map(str, programs)))
+        )
+    furthest = max(positions.values())
+    behind = [rank for rank, position in positions.items() if position < furthest]
+    # A rank whose dumps stopped while the others' continued is not running (stopped or dead).
+    silent = [rank for rank, at in alive_at.items() if newest_alive - at > 4 * DUMP_EVERY_S]
+    if behind:
+        rank = min(behind, key=lambda r: (positions[r], r not in silent))
+        others = sorted(set(last) - {rank})
+        reached = _describe(max((last[r] for r in others), key=_position))
+        summary = (
+            f"rank {rank} stopped at {_describe(last[rank])} while the others reached {reached}"
+            + (" and went silent" if rank in silent else "")
+        )
+        return FlightVerdict(rank, summary, details)
+    if silent:
+        rank = min(silent, key=lambda r: alive_at[r])
+        gap_s = newest_alive - alive_at[rank]
+        summary = (
+            f"rank {rank} went silent {gap_s:.1f} s before the others at "
+            f"{_describe(last[rank])}, the point every rank reached: it stopped running"
+        )
+        return FlightVerdict(rank, summary, details)
+    return None

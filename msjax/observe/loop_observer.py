@@ -1,0 +1,80 @@
+"""What the training loop tells its observers: per-rank timing (rank_timing.py) and the flight
+recorder (flight_recorder.py), behind one object with one call per loop event."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from msjax.config import Config
+from msjax.observe.flight_recorder import FlightRecorder
+from msjax.observe.rank_timing import RankTiming
+
+
+class LoopObserver:
+    """Per-rank timing and flight recording for one process's loop; each may be off by config.
+
+    Use as a context manager around the loop: leaving it by an exception records `failed` and
+    dumps the flight record; a normal end calls close(final_step) after the last save.
+    """
+
+    def __init__(
+        self, config: Config, run_dir: Path, mesh: Any, attempt: int, message: Callable[[str], None]
+    ):
+        import jax
+
+        observe = config.observe
+        rank = jax.process_index()
+        self.timing = None
+        if observe.rank_timing:
+            self.timing = RankTiming(
+                observe, run_dir, mesh, rank, jax.process_count(), attempt, message
+            )
+        self.recorder = None
+        if observe.flight_recorder_events:
+            self.recorder = FlightRecorder(run_dir, rank, attempt, observe.flight_recorder_events)
+        self._closed = False
+
+    def compiled(self, compiled_step: Any) -> None:
+        """Ranks that compiled different programs hang at their first collective: record which."""
+        if self.recorder is not None:
+            text = compiled_step.as_text() or ""
+            fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+            self.recorder.record("compiled", fingerprint=fingerprint)
+
+    def record(self, event: str, step: int | None = None, **fields: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.record(event, step, **fields)
+
+    def step_begin(self, step: int) -> None:
+        if self.timing is not None:
+            self.timing.step_begin(step)
+        self.record("step_begin", step)
+
+    def data_ready(self, data_wait_s: float) -> None:
+        if self.timing is not None:
+            self.timing.data_ready(data_wait_s)
+
+    def result_fetched(self, step: int, waited_s: float) -> None:
+        """The result of `step` arrived after waiting waited_s (for every rank's share of it)."""
+        if self.timing is not None:
+            self.timing.result_waited(waited_s)
+        self.record("step_end", step)
+
+    def close(self, final_step: int | None = None, event: str = "finished") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.recorder is not None:
+            self.recorder.close(event, final_step)
+        if self.timing is not None:
+            self.timing.close()
+
+    def __enter__(self) -> LoopObserver:
+        return self
+
+    def __exit__(self, error_type: type | None, *rest: object) -> None:
+        if error_type is not None:
+            self.close(event="failed")
