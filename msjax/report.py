@@ -1,0 +1,529 @@
+"""`python -m msjax.report RUN_DIR`: what a run directory says about its run -- steps, throughput,
+MFU, loss, goodput, incidents, stragglers, the flight recorder's verdict and a per-rank heat map
+-- as a terminal summary and PNGs in RUN_DIR/report/. It reads files only; nothing runs on devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import textwrap
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from msjax.cli import ArgumentParser, user_error
+from msjax.errors import MsjaxError
+from msjax.observe.plots import HeatMap, RankRow, text_heatmap
+from msjax.resilience.goodput import step_time_split
+
+_PROG = "msjax.report"
+WARMUP_STEPS = 2  # each attempt's first steps compile and fill caches: kept out of medians
+PLOTS = ("loss.png", "throughput.png", "heatmap.png", "goodput.png")
+
+
+@dataclass
+class RankTimes:
+    """RUN_DIR/ranks.jsonl: who the ranks are, their per-step times, the stragglers flagged."""
+
+    rows: list[RankRow]  # as the newest header describes them
+    attempts: int
+    work_by_step: dict[int, list[float | None]]  # the last record of each step wins
+    warmup_steps: set[int]
+    stragglers: list[dict[str, Any]]
+
+    def heatmap(self) -> HeatMap | None:
+        if not self.rows or not self.work_by_step:
+            return None
+        flagged = {event["rank"] for event in self.stragglers if "rank" in event}
+        return HeatMap.build(self.rows, self.work_by_step, self.warmup_steps, flagged)
+
+
+@dataclass
+class Run:
+    """Everything the report reads from one run directory."""
+
+    path: Path
+    name: str
+    total_steps: int | None
+    records: list[dict[str, Any]]  # metrics.jsonl, in order
+    steps: dict[int, dict[str, Any]]  # step -> its last training record
+    warmup_steps: set[int]  # kept steps among the first WARMUP_STEPS of their attempt
+    attempt_starts: list[int]  # first step of each attempt
+    eval_loss: dict[int, float]
+    skipped: list[int]
+    goodput: dict[str, Any] | None
+    incidents: list[dict[str, Any]]
+    ranks: RankTimes | None
+    unreadable_lines: dict[str, int] = field(default_factory=dict)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise MsjaxError(f"cannot read {path}: {error}") from None
+
+
+def _read_jsonl(path: Path, unreadable: dict[str, int]) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; a line cut short by a killed writer is counted, not
+    fatal."""
+    records, bad = [], 0
+    for line in _read_text(path).splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    if bad:
+        unreadable[path.name] = bad
+    return records
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    for name, parse in (("config.yaml", yaml.safe_load), ("config.json", json.loads)):
+        path = run_dir / name
+        if path.exists():
+            try:
+                config = parse(_read_text(path))
+            except (yaml.YAMLError, ValueError) as error:
+                raise MsjaxError(f"{path} is not valid {name[7:]}: {error}") from None
+            return config if isinstance(config, dict) else {}
+    return {}
+
+
+def _is_step(record: dict[str, Any]) -> bool:
+    return "loss" in record and "step_time_s" in record
+
+
+def load_run(run_dir: Path) -> Run:
+    """Read a run directory; MsjaxError if it is not one or a file in it cannot be read."""
+    if not run_dir.is_dir():
+        raise MsjaxError(f"{run_dir} is not a directory; give a run directory (run.dir)")
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise MsjaxError(f"{run_dir} has no metrics.jsonl; is it a run directory (run.dir)?")
+    unreadable: dict[str, int] = {}
+    records = _read_jsonl(metrics_path, unreadable)
+    config = _read_config(run_dir)
+    run_section = config.get("run") or {}
+    train_section = config.get("train") or {}
+
+    # An attempt starts at a resume record, or where a step number goes back (a restart
+    # without a checkpoint); its first steps are warm-up.
+    steps: dict[int, dict[str, Any]] = {}
+    warm_index: dict[int, bool] = {}
+    attempt_starts: list[int] = []
+    in_attempt, previous_step = WARMUP_STEPS, None
+    eval_loss: dict[int, float] = {}
+    skipped: set[int] = set()
+    for record in records:
+        if record.get("event") == "resume":
+            in_attempt = None
+        elif record.get("event") == "skipped":
+            skipped.add(record["step"])
+        elif "eval_loss" in record:
+            eval_loss[record["step"]] = record["eval_loss"]
+        elif _is_step(record):
+            step = record["step"]
+            if in_attempt is None or previous_step is None or step <= previous_step:
+                attempt_starts.append(step)
+                in_attempt = 0
+            steps[step] = record
+            warm_index[step] = in_attempt < WARMUP_STEPS
+            in_attempt, previous_step = in_attempt + 1, step
+    goodput = None
+    if (run_dir / "goodput.json").exists():
+        try:
+            goodput = json.loads(_read_text(run_dir / "goodput.json"))
+        except ValueError as error:
+            raise MsjaxError(f"{run_dir / 'goodput.json'} is not valid JSON: {error}") from None
+    incidents = []
+    if (run_dir / "incidents.jsonl").exists():
+        incidents = _read_jsonl(run_dir / "incidents.jsonl", unreadable)
+    ranks = None
+    if (run_dir / "ranks.jsonl").exists():
+        ranks = _read_ranks(_read_jsonl(run_dir / "ranks.jsonl", unreadable))
+    return Run(
+        path=run_dir,
+        name=str(run_section.get("name") or run_dir.name),
+        total_steps=train_section.get("steps"),
+        records=records,
+        steps=dict(sorted(steps.items())),
+        warmup_steps={step for step, warm in warm_index.items() if warm},
+        attempt_starts=attempt_starts,
+        eval_loss=dict(sorted(eval_loss.items())),
+        skipped=sorted(skipped - set(steps)),
+        goodput=goodput,
+        incidents=incidents,
+        ranks=ranks,
+        unreadable_lines=unreadable,
+    )
+
+
+def _read_ranks(records: list[dict[str, Any]]) -> RankTimes:
+    rows: list[RankRow] = []
+    attempts = 0
+    work_by_step: dict[int, list[float | None]] = {}
+    warmup: dict[int, bool] = {}
+    since_header = 0
+    stragglers = []
+    for record in records:
+        if record.get("event") == "ranks":
+            attempts += 1
+            since_header = 0
+            rows = [
+                RankRow(int(r["rank"]), str(r.get("host", "?")), dict(r.get("mesh") or {}))
+                for r in record.get("ranks", [])
+            ]
+        elif record.get("event") == "straggler":
+            stragglers.append(record)
+        elif "step" in record and isinstance(record.get("work_s"), list):
+            work_by_step[record["step"]] = record["work_s"]
+            warmup[record["step"]] = since_header < WARMUP_STEPS
+            since_header += 1
+    if not rows and work_by_step:  # no header survived: number the ranks as the records do
+        count = max(len(values) for values in work_by_step.values())
+        rows = [RankRow(rank, "?", {}) for rank in range(count)]
+    return RankTimes(
+        rows,
+        attempts,
+        dict(sorted(work_by_step.items())),
+        {step for step, warm in warmup.items() if warm},
+        stragglers,
+    )
+
+
+# --- the summary ---------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def throughput(run: Run) -> tuple[float | None, float | None, list[int]]:
+    """Median tokens/s and MFU over the kept steps past each attempt's warm-up (all kept steps
+    if every one is warm-up), and the steps they are over."""
+    steady = [step for step in run.steps if step not in run.warmup_steps] or list(run.steps)
+    tokens = [run.steps[step]["tokens_per_s"] for step in steady]
+    mfu = [run.steps[step]["mfu"] for step in steady if run.steps[step].get("mfu") is not None]
+    return _median(tokens), _median(mfu), steady
+
+
+def goodput_breakdown(run: Run) -> tuple[dict[str, float], float | None, str]:
+    """Seconds by cause, the ratio, and where they come from (honestly labelled)."""
+    if run.goodput is not None and "breakdown_s" in run.goodput:
+        ratio = run.goodput.get("effective_training_time_ratio")
+        wall = run.goodput.get("wall_s", 0.0)
+        source = (
+            f"goodput.json (supervised run, outcome {run.goodput.get('outcome', '?')}): "
+            f"effective training time ratio {_percent(ratio)} of {wall:.1f} s wall"
+        )
+        return dict(run.goodput["breakdown_s"]), ratio, source
+    split = step_time_split(run.records)
+    recorded_step_s = sum(
+        record["step_time_s"] for record in run.records if _is_step(record)
+    )  # every attempt's every step, as measured
+    breakdown = {
+        "step_s": split["kept_step_s"] - split["data_s"],
+        "data_s": split["data_s"],
+        "checkpoint_s": split["checkpoint_s"],
+        "lost_progress_s": split["superseded_step_s"],
+    }
+    # what the split does not count as a step: the first step of an attempt waits for compilation
+    first_steps_s = recorded_step_s - split["kept_step_s"] - split["superseded_step_s"]
+    if first_steps_s > 1e-6:
+        breakdown["compile_s"] = first_steps_s
+    recorded = sum(breakdown.values())
+    ratio = split["kept_step_s"] / recorded if recorded > 0 else None
+    source = (
+        "metrics.jsonl only (no goodput.json: not run under msjax.launch): kept steps are "
+        f"{_percent(ratio)} of the {recorded:.1f} s of steps and checkpoint pauses it records; "
+        "start-up, compilation before the first step, evaluation and restarts are not in it, so "
+        "this is not the effective training time ratio"
+    )
+    return breakdown, ratio, source
+
+
+def _percent(ratio: float | None) -> str:
+    return "?" if ratio is None else f"{100 * ratio:.1f}%"
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    """[1, 2, 3, 7] -> 1-3, 7."""
+    parts, start = [], None
+    for index, step in enumerate(steps):
+        if start is None:
+            start = step
+        if index + 1 == len(steps) or steps[index + 1] != step + 1:
+            parts.append(str(start) if start == step else f"{start}-{step}")
+            start = None
+    return ", ".join(parts)
+
+
+def _mesh_text(mesh: dict[str, list[int]]) -> str:
+    return ", ".join(f"{axis} {','.join(map(str, values))}" for axis, values in mesh.items())
+
+
+def _field(label: str, text: str, width: int) -> list[str]:
+    """`  label       text`, wrapped under the text."""
+    return textwrap.wrap(text, width, initial_indent=f"  {label:<12}", subsequent_indent=" " * 14)
+
+
+def summary_lines(run: Run, width: int = 80) -> list[str]:
+    """The terminal summary."""
+    lines = [f"run {run.name}  ({run.path})"]
+    done = len(run.steps) + len(run.skipped)
+    last = max(run.steps) if run.steps else None
+    of = f" of {run.total_steps}" if run.total_steps is not None else ""
+    attempts = len(run.attempt_starts)
+    if run.goodput is not None and "attempts" in run.goodput:
+        attempts = run.goodput["attempts"]  # it also counts attempts that ended before a step
+    text = f"{done}{of} done" + (f" (last step {last})" if last is not None else "")
+    if attempts > 1:
+        text += f", in {attempts} attempts"
+    if len(run.attempt_starts) > 1:
+        text += f"; training started at steps {_steps_text(run.attempt_starts)}"
+    if run.skipped:
+        text += f"; skipped (non-finite loss): {_steps_text(run.skipped)}"
+    lines += _field("steps", text, width)
+    step_s = sum(record["step_time_s"] for record in run.steps.values())
+    if run.goodput is not None and "wall_s" in run.goodput:
+        wall = f"{run.goodput['wall_s']:.1f} s (goodput.json); kept steps took {step_s:.1f} s"
+    else:
+        wall = f"not recorded (no goodput.json); kept steps took {step_s:.1f} s"
+    lines += _field("wall time", wall, width)
+    tokens, mfu, steady = throughput(run)
+    if tokens is not None:
+        excluded = "" if len(steady) == len(run.steps) else ", each attempt's warm-up excluded"
+        if not steady or (len(steady) == len(run.steps) and run.warmup_steps):
+            excluded = ", warm-up included: no other steps"
+        mfu_text = "?" if mfu is None else f"{100 * mfu:.3g}%"
+        lines += _field(
+            "throughput",
+            f"median {tokens:,.0f} tokens/s, MFU {mfu_text} (over {len(steady)} steps{excluded})",
+            width,
+        )
+    if run.steps:
+        first, final = min(run.steps), max(run.steps)
+        text = (
+            f"{run.steps[first]['loss']:.4f} (step {first}) -> "
+            f"{run.steps[final]['loss']:.4f} (step {final})"
+        )
+        if run.eval_loss:
+            eval_step = max(run.eval_loss)
+            text += f"; eval loss {run.eval_loss[eval_step]:.4f} (step {eval_step})"
+        lines += _field("loss", text, width)
+    else:
+        lines += _field("loss", "no training step recorded yet", width)
+    for name, count in run.unreadable_lines.items():
+        lines.append(f"  note: {count} unreadable line(s) in {name} skipped")
+
+    breakdown, _, source = goodput_breakdown(run)
+    lines += ["", *textwrap.wrap(f"goodput from {source}", width, subsequent_indent="  ")]
+    total = sum(breakdown.values()) or 1.0
+    for key, seconds in breakdown.items():
+        bar = "#" * round(40 * seconds / total)
+        share = 100 * seconds / total
+        lines.append(
+            f"  {key.removesuffix('_s'):<15}{seconds:9.2f} s {share:5.1f}%  {bar}".rstrip()
+        )
+
+    lines += ["", f"incidents: {len(run.incidents) or 'none'}"]
+    for incident in run.incidents:
+        lines += textwrap.wrap(
+            _incident_text(incident), width, initial_indent="  ", subsequent_indent="      "
+        )
+
+    lines.append("")
+    lines += _straggler_lines(run, width)
+    lines.append("")
+    lines += _flight_lines(run)
+
+    heatmap = run.ranks.heatmap() if run.ranks is not None else None
+    if heatmap is not None:
+        lines += ["", "per-rank work time (ranks.jsonl)"]
+        lines += ["  " + line for line in text_heatmap(heatmap, width - 2)]
+    return lines
+
+
+def _incident_text(incident: dict[str, Any]) -> str:
+    text = (
+        f"#{incident.get('incident', '?')} {incident.get('cause', '?')} of rank "
+        f"{incident.get('rank', '?')} at step {incident.get('step', '?')}"
+        f" (phase {incident.get('phase', '?')}): {incident.get('detail', '')}"
+    )
+    latency = incident.get("detection_latency_s")
+    if latency is not None:
+        text += f"; detected after {latency:.2f} s"
+    lost = incident.get("steps_lost")
+    text += "; steps lost ?" if lost is None else f"; {lost} step(s) lost"
+    action = incident.get("action")
+    if action == "restart" and incident.get("resumed_from_step") is not None:
+        text += f"; restarted from step {incident['resumed_from_step']}"
+    elif action == "stop":
+        text += f"; stopped: {incident.get('stop_reason', '')}"
+    if incident.get("catch_up_s") is not None:
+        text += f"; caught up {incident['catch_up_s']:.1f} s after detection"
+    return text
+
+
+def _straggler_lines(run: Run, width: int) -> list[str]:
+    if run.ranks is None:
+        return ["stragglers: no ranks.jsonl (per-rank timing was not recorded)"]
+    events = run.ranks.stragglers
+    steps = len(run.ranks.work_by_step)
+    if not events:
+        return [f"stragglers: none flagged over {steps} steps of per-rank timing"]
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for event in events:
+        by_rank.setdefault(event.get("rank", -1), []).append(event)
+    lines = [f"stragglers: {len(by_rank)} rank(s) flagged over {steps} steps of per-rank timing"]
+    for rank, flagged in sorted(by_rank.items(), key=lambda item: -len(item[1])):
+        newest = flagged[-1]
+        phases = Counter(event.get("phase", "?") for event in flagged)
+        windows = [w for event in flagged if len(w := event.get("window") or []) == 2]
+        span = (
+            f"steps {min(w[0] for w in windows)}-{max(w[1] for w in windows)}, " if windows else ""
+        )
+        excess = max(event.get("excess_s", 0.0) for event in flagged)
+        score = max(event.get("score", 0.0) for event in flagged)
+        text = (
+            f"rank {rank} on {newest.get('host', '?')} ({_mesh_text(newest.get('mesh', {}))}): "
+            f"flagged {len(flagged)} time(s), {span}phase "
+            + ", ".join(f"{phase} x{count}" for phase, count in phases.most_common())
+            + f"; up to {excess:.3g} s/step over the median rank, score up to {score:.3g}"
+        )
+        lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ")
+    return lines
+
+
+def _flight_lines(run: Run) -> list[str]:
+    """The flight recorder's verdict: which rank did not reach the point the others reached."""
+    flight = run.path / "flight"
+    dumps = sorted(flight.glob("rank*.json")) if flight.is_dir() else []
+    if not dumps:
+        return ["flight recorder: no dumps in flight/"]
+    try:
+        from msjax.observe.flight_recorder import diagnose
+    except ImportError:
+        return [f"flight recorder: {len(dumps)} dump(s); this msjax cannot compare them"]
+    try:
+        verdict = diagnose(run.path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return [f"flight recorder: the dumps could not be compared ({error!r})"]
+    if verdict is None:
+        return [f"flight recorder: {len(dumps)} dump(s); no rank stopped short of the others"]
+    return [f"flight recorder: {verdict.summary}"] + [f"  {line}" for line in verdict.details]
+
+
+# --- PNGs ----------------------------------------------------------------------------------
+
+
+def write_plots(run: Run, out_dir: Path) -> list[str]:
+    """Write every PNG whose data is there; one line per PNG written or skipped."""
+    from msjax.observe import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, notes = [], []
+    steps = list(run.steps)
+    if steps:
+        plots.plot_loss(
+            out_dir / "loss.png",
+            steps,
+            [run.steps[step]["loss"] for step in steps],
+            list(run.eval_loss),
+            list(run.eval_loss.values()),
+            run.attempt_starts,
+        )
+        plots.plot_throughput(
+            out_dir / "throughput.png",
+            steps,
+            [run.steps[step]["tokens_per_s"] for step in steps],
+            [run.steps[step].get("mfu", float("nan")) for step in steps],
+            run.warmup_steps,
+            run.attempt_starts,
+        )
+        written += ["loss.png", "throughput.png"]
+    else:
+        notes.append("skipped loss.png and throughput.png: no training step in metrics.jsonl")
+    heatmap = run.ranks.heatmap() if run.ranks is not None else None
+    if heatmap is not None:
+        assert run.ranks is not None
+        windows = [
+            (event["rank"], *event["window"])
+            for event in run.ranks.stragglers
+            if "rank" in event and len(event.get("window") or []) == 2
+        ]
+        plots.plot_heatmap(out_dir / "heatmap.png", heatmap, windows)
+        written.append("heatmap.png")
+    else:
+        why = "no ranks.jsonl" if run.ranks is None else "no per-step records in ranks.jsonl"
+        notes.append(f"skipped heatmap.png: {why}")
+    breakdown, ratio, _ = goodput_breakdown(run)
+    if sum(breakdown.values()) > 0:
+        if run.goodput is not None:
+            title = f"effective training time ratio {_percent(ratio)} (goodput.json)"
+        else:
+            title = (
+                f"recorded time only, from metrics.jsonl (no goodput.json): kept steps "
+                f"{_percent(ratio)}"
+            )
+        plots.plot_goodput(out_dir / "goodput.png", breakdown, title)
+        written.append("goodput.png")
+    else:
+        notes.append("skipped goodput.png: no time recorded yet")
+    lines = [f"plots in {out_dir}: {', '.join(written)}"] if written else []
+    return lines + notes
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog=f"python -m {_PROG}",
+        description="Summarise a run directory: throughput, MFU, loss, goodput, incidents, "
+        "stragglers, flight-recorder verdict, per-rank heat map; and write PNG charts.",
+        epilog="example: python -m msjax.report runs/tiny-20260101-120000",
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--out", type=Path, help="where the PNGs go (default: RUN_DIR/report)")
+    parser.add_argument("--no-plots", action="store_true", help="print the summary only")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; 0 on success, 2 (one line on stderr) on a user mistake."""
+    try:
+        args = _parser().parse_args(argv)
+        run = load_run(args.run_dir)
+        lines = summary_lines(run)
+        if not args.no_plots:
+            out_dir = args.out if args.out is not None else run.path / "report"
+            try:
+                lines += ["", *write_plots(run, out_dir)]
+            except OSError as error:
+                raise MsjaxError(f"cannot write the plots to {out_dir}: {error}") from None
+    except MsjaxError as error:
+        return user_error(_PROG, error)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
