@@ -352,7 +352,7 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
     lines.append("")
     lines += _straggler_lines(run, width)
     lines.append("")
-    lines += _flight_lines(run)
+    lines += _flight_lines(run, width)
 
     heatmap = run.ranks.heatmap() if run.ranks is not None else None
     if heatmap is not None:
@@ -412,7 +412,7 @@ def _straggler_lines(run: Run, width: int) -> list[str]:
     return lines
 
 
-def _flight_lines(run: Run) -> list[str]:
+def _flight_lines(run: Run, width: int) -> list[str]:
     """The flight recorder's verdict: which rank did not reach the point the others reached."""
     flight = run.path / "flight"
     dumps = sorted(flight.glob("rank*.json")) if flight.is_dir() else []
@@ -428,7 +428,10 @@ def _flight_lines(run: Run) -> list[str]:
         return [f"flight recorder: the dumps could not be compared ({error!r})"]
     if verdict is None:
         return [f"flight recorder: {len(dumps)} dump(s); no rank stopped short of the others"]
-    return [f"flight recorder: {verdict.summary}"] + [f"  {line}" for line in verdict.details]
+    lines = textwrap.wrap(f"flight recorder: {verdict.summary}", width, subsequent_indent="  ")
+    for line in verdict.details:
+        lines += textwrap.wrap(line, width, initial_indent="  ", subsequent_indent="      ")
+    return lines
 
 
 # --- PNGs ----------------------------------------------------------------------------------

@@ -186,6 +186,32 @@ def test_a_partial_run_dir_reports_what_it_has(run_dir, tmp_path, capsys):
     assert "skipped loss.png and throughput.png" in out
 
 
+def test_the_flight_recorder_verdict_names_the_rank_that_stopped_short(run_dir, tmp_path, capsys):
+    """The run's own dump as rank 0, and a rank 1 whose dumps end a step earlier: a hang."""
+    from msjax.observe.flight_recorder import diagnose
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
+    dump = json.loads((copy / "flight" / "rank0.json").read_text())
+    dump["closed"] = False
+    last_begin = max(i for i, e in enumerate(dump["events"]) if e["event"] == "step_begin")
+    behind = {
+        **dump,
+        "rank": 1,
+        "events": dump["events"][: last_begin + 1],
+        "alive_at": dump["alive_at"] - 5.0,
+    }
+    (copy / "flight" / "rank0.json").write_text(json.dumps(dump))
+    (copy / "flight" / "rank1.json").write_text(json.dumps(behind))
+
+    code, out, _ = report(capsys, copy, "--no-plots")
+
+    verdict = diagnose(copy)
+    assert code == 0 and verdict is not None and verdict.rank == 1
+    assert " ".join(f"flight recorder: {verdict.summary}".split()) in " ".join(out.split())
+    assert "flight recorder: rank 1 stopped at step_begin" in out
+
+
 @pytest.mark.parametrize("case", ["missing", "a file", "no metrics", "undecodable metrics"])
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     target = tmp_path / "run"
