@@ -73,9 +73,11 @@ def _read_text(path: Path) -> str:
         raise MsjaxError(f"cannot read {path}: {error}") from None
 
 
-def _read_jsonl(path: Path, unreadable: dict[str, int]) -> list[dict[str, Any]]:
-    """The JSON objects of a .jsonl file; a line cut short by a killed writer is counted, not
-    fatal."""
+def _read_jsonl(
+    path: Path, unreadable: dict[str, int], required: str | None = None
+) -> list[dict[str, Any]]:
+    """The JSON objects (with the `required` key) of a .jsonl file; any other line, such as one
+    cut short by a killed writer, is counted, not fatal."""
     records, bad = [], 0
     for line in _read_text(path).splitlines():
         if not line.strip():
@@ -85,7 +87,7 @@ def _read_jsonl(path: Path, unreadable: dict[str, int]) -> list[dict[str, Any]]:
         except ValueError:
             bad += 1
             continue
-        if isinstance(record, dict):
+        if isinstance(record, dict) and (required is None or required in record):
             records.append(record)
         else:
             bad += 1
@@ -118,7 +120,7 @@ def load_run(run_dir: Path) -> Run:
     if not metrics_path.is_file():
         raise MsjaxError(f"{run_dir} has no metrics.jsonl; is it a run directory (run.dir)?")
     unreadable: dict[str, int] = {}
-    records = _read_jsonl(metrics_path, unreadable)
+    records = _read_jsonl(metrics_path, unreadable, required="step")
     config = _read_config(run_dir)
     run_section = config.get("run") or {}
     train_section = config.get("train") or {}
@@ -189,6 +191,7 @@ def _read_ranks(records: list[dict[str, Any]]) -> RankTimes:
             rows = [
                 RankRow(int(r["rank"]), str(r.get("host", "?")), dict(r.get("mesh") or {}))
                 for r in record.get("ranks", [])
+                if "rank" in r
             ]
         elif record.get("event") == "straggler":
             stragglers.append(record)
@@ -219,8 +222,10 @@ def throughput(run: Run) -> tuple[float | None, float | None, list[int]]:
     """Median tokens/s and MFU over the kept steps past each attempt's warm-up (all kept steps
     if every one is warm-up), and the steps they are over."""
     steady = [step for step in run.steps if step not in run.warmup_steps] or list(run.steps)
-    tokens = [run.steps[step]["tokens_per_s"] for step in steady]
-    mfu = [run.steps[step]["mfu"] for step in steady if run.steps[step].get("mfu") is not None]
+    tokens = [
+        run.steps[s]["tokens_per_s"] for s in steady if run.steps[s].get("tokens_per_s") is not None
+    ]
+    mfu = [run.steps[s]["mfu"] for s in steady if run.steps[s].get("mfu") is not None]
     return _median(tokens), _median(mfu), steady
 
 
@@ -456,7 +461,7 @@ def write_plots(run: Run, out_dir: Path) -> list[str]:
         plots.plot_throughput(
             out_dir / "throughput.png",
             steps,
-            [run.steps[step]["tokens_per_s"] for step in steps],
+            [run.steps[step].get("tokens_per_s", float("nan")) for step in steps],
             [run.steps[step].get("mfu", float("nan")) for step in steps],
             run.warmup_steps,
             run.attempt_starts,
