@@ -27,27 +27,45 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Seconds of kept steps (data wait apart), of superseded steps, of checkpoint pauses."""
-    last_index: dict[int, int] = {}
-    for index, record in enumerate(records):
-        if "loss" in record and "step_time_s" in record:
-            last_index[record["step"]] = index
-    kept_s = data_s = lost_s = checkpoint_s = 0.0
-    for index, record in enumerate(records):
-        if "checkpoint_save_blocked_s" in record:
-            checkpoint_s += record["checkpoint_save_blocked_s"]
-        if "loss" not in record or "step_time_s" not in record:
-            continue
+    """Seconds of kept steps (data wait apart), of superseded steps, of checkpoint pauses.
+
+    The first step of each attempt also waits for every rank to finish compiling; it counts as
+    a typical step here (`first_step_typical_s`), the rest of its time as compilation.
+    """
+    steps = [(i, r) for i, r in enumerate(records) if "loss" in r and "step_time_s" in r]
+    last_index = {record["step"]: index for index, record in steps}
+    first = set()
+    previous_step = None
+    for position, (index, record) in enumerate(steps):
+        resumed = (
+            any(r.get("event") == "resume" for r in records[steps[position - 1][0] + 1 : index])
+            if position
+            else True
+        )
+        if resumed or previous_step is None or record["step"] <= previous_step:
+            first.add(index)
+        previous_step = record["step"]
+    typical = sorted(record["step_time_s"] for index, record in steps if index not in first)
+    median_s = typical[len(typical) // 2] if typical else 0.0
+    kept_s = data_s = lost_s = first_typical_s = 0.0
+    for index, record in steps:
+        step_time_s = record["step_time_s"]
+        if index in first and typical:
+            step_time_s = min(step_time_s, median_s)
+        if index in first:
+            first_typical_s += step_time_s
         if last_index[record["step"]] == index:
-            kept_s += record["step_time_s"]
+            kept_s += step_time_s
             data_s += record.get("data_wait_s", 0.0)
         else:
-            lost_s += record["step_time_s"]
+            lost_s += step_time_s
+    checkpoint_s = sum(r.get("checkpoint_save_blocked_s", 0.0) for r in records)
     return {
         "kept_step_s": kept_s,
         "data_s": min(data_s, kept_s),
         "superseded_step_s": lost_s,
         "checkpoint_s": checkpoint_s,
+        "first_step_typical_s": first_typical_s,
         "kept_steps": len(last_index),
     }
 
@@ -74,6 +92,8 @@ def write_goodput(
     restart_s = 0.0
     for incident, attempt in zip(incidents, attempts[1:], strict=False):
         restart_s += max(attempt.spawned_unix_s - incident["detected_unix_s"], 0.0)
+    # each attempt's compile window ends with its first step, whose typical part is a step
+    compile_s = max(compile_s - steps["first_step_typical_s"], 0.0)
     breakdown = {
         "step_s": steps["kept_step_s"] - steps["data_s"],
         "data_s": steps["data_s"],

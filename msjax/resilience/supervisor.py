@@ -433,6 +433,10 @@ class Supervisor:
         directory = self.run_dir / "incidents" / str(number)
         directory.mkdir(parents=True, exist_ok=True)
         self._collect_diagnostics(attempt, fault, directory)
+        # the faulty rank is not trusted to finish anything: SIGKILL; the others get SIGTERM
+        culprit = [worker for worker in attempt.workers if worker.rank == fault.rank]
+        for worker in culprit:
+            worker.signal(signal.SIGKILL)
         stop_s = stop_workers(attempt.workers, self.resilience.stop_grace_s)
         attempt.ended_unix_s = time.time()
         attempt.outcome = fault.cause
@@ -503,11 +507,15 @@ class Supervisor:
             incident["restart_to_first_step_s"] = round(
                 attempt.first_step_unix_s - attempt.spawned_unix_s, 3
             )
-        if attempt.max_step >= incident["step"] and attempt.first_step_unix_s is not None:
-            reached = max(
+        caught_up = None
+        if attempt.start_step is not None and attempt.start_step >= incident["step"]:
+            caught_up = attempt.compile_unix_s  # resumed at (or past) the pre-fault step
+        elif attempt.max_step >= incident["step"] and attempt.first_step_unix_s is not None:
+            caught_up = max(
                 record.unix_s for record in attempt.heartbeats.values() if record.phase != "init"
             )
-            incident["catch_up_s"] = round(reached - detected, 3)
+        if caught_up is not None:
+            incident["catch_up_s"] = round(caught_up - detected, 3)
             self._write_incident()
 
     def _close_incident(self, attempt: Attempt) -> None:

@@ -1,0 +1,344 @@
+"""Supervised multi-process jobs under real faults: a worker SIGKILLed and SIGSTOPped from outside,
+a crash during a checkpoint save and a NaN loss injected, a fault storm past the restart budget.
+
+Every run is a real `python -m msjax.launch` with two `python -m msjax.train` workers of one
+`jax.distributed` job (2 processes x 2 CPU devices). One run takes all four faults in turn and
+must end with parameters bitwise equal to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from msjax.resilience import exit_codes
+from msjax.resilience.faults import parse_faults
+from msjax.resilience.heartbeat import HeartbeatRecord, heartbeat_path
+from msjax.resilience.skips import read_skipped_steps, record_skipped_step
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 12
+SAVE_EVERY = 3
+NAN_STEP = 8
+STEP_DEADLINE_S = 8.0
+RUN_TIMEOUT_S = 420
+POLL_S = 0.02
+
+
+def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
+    return [
+        "model.num_layers=2",
+        "data.seq_len=32",
+        "data.max_corpus_mib=1",
+        "train.global_batch=8",
+        f"train.steps={STEPS}",
+        "train.eval_every=0",
+        "train.peak_tflops=0.5",
+        f"checkpoint.every_steps={SAVE_EVERY}",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "resilience.heartbeat_every_s=0.02",
+        f"resilience.step_deadline_s={STEP_DEADLINE_S}",
+        "resilience.stop_grace_s=2",
+        "resilience.restart_backoff_s=0.1",
+        f"resilience.compile_cache_dir={cache_dir}",
+        f"run.dir={run_dir}",
+    ]
+
+
+class Launch:
+    """One `python -m msjax.launch --nprocs 2 --devices-per-proc 2` job; output to a log."""
+
+    def __init__(self, run_dir: Path, cache_dir: Path, launch_flags: list[str] = ()):
+        self.run_dir = run_dir
+        self.log_path = run_dir.parent / f"{run_dir.name}-launch.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        command = [
+            sys.executable,
+            "-m",
+            "msjax.launch",
+            "--nprocs=2",
+            "--devices-per-proc=2",
+            *launch_flags,
+            "--",
+            *train_args(run_dir, cache_dir),
+        ]
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent
+            )
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def heartbeat(self, rank: int) -> HeartbeatRecord | None:
+        return HeartbeatRecord.read(heartbeat_path(self.run_dir, rank))
+
+    def wait_for(self, condition: Callable[[], Any], what: str) -> Any:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (found := condition()):
+            if self.process.poll() is not None:
+                pytest.fail(
+                    f"the job ended (exit {self.process.returncode}) before {what}:\n"
+                    + self.output[-5000:]
+                )
+            if time.monotonic() > deadline:
+                self.process.kill()
+                pytest.fail(f"no {what} within {RUN_TIMEOUT_S} s:\n{self.output[-5000:]}")
+            time.sleep(POLL_S)
+        return found
+
+    def worker_at(self, rank: int, attempt: int, step: int) -> Callable[[], int | None]:
+        """A condition: rank's worker of `attempt` has completed `step` steps; gives its pid."""
+
+        def reached() -> int | None:
+            record = self.heartbeat(rank)
+            ok = record and record.attempt == attempt and record.step >= step
+            return record.pid if ok and record.phase == "step" else None
+
+        return reached
+
+    def finish(self) -> int:
+        try:
+            return self.process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            pytest.fail(f"the job did not end within {RUN_TIMEOUT_S} s:\n{self.output[-5000:]}")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_arrays(run_dir: Path, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Every array of a checkpoint, read onto one local device (fingerprints verified), and its
+    meta."""
+    import jax
+
+    from msjax.checkpoint.fingerprint import leaf_name
+    from msjax.checkpoint.manager import Checkpointer
+    from msjax.config import CheckpointConfig
+
+    reader = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+        reader.array_metadata(step),
+    )
+    restored = reader.restore(step, abstract)
+    reader.close()
+    leaves = jax.tree_util.tree_flatten_with_path(restored.state)[0]
+    return {leaf_name(path): np.asarray(leaf) for path, leaf in leaves}, restored.meta
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    from msjax.checkpoint.manager import committed_steps as steps
+
+    return steps(run_dir / "checkpoints")
+
+
+@dataclass(frozen=True)
+class Finished:
+    run_dir: Path
+    exit_code: int
+    output: str
+    incidents: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One compilation cache for every run of this module (restarts are meant to hit it)."""
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory, cache_dir) -> Iterator[dict[str, Launch]]:
+    """The reference job and the fault-storm job, run side by side (the timing-sensitive faulty
+    job runs alone afterwards)."""
+    reference_dir = tmp_path_factory.mktemp("reference") / "run"
+    reference_dir.mkdir()
+    record_skipped_step(reference_dir, NAN_STEP, "the faulty run's rollback skips it too")
+    storm = "crash@step=4,rank=1,times=5"
+    jobs = {
+        "reference": Launch(reference_dir, cache_dir),
+        "storm": Launch(
+            tmp_path_factory.mktemp("storm") / "run",
+            cache_dir,
+            ["--max-restarts=1", f"--fault={storm}"],
+        ),
+    }
+    yield jobs
+    for job in jobs.values():
+        if job.process.poll() is None:
+            job.process.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(started) -> Finished:
+    """The same job, uninterrupted, told to skip the batch the faulty run's NaN makes it skip."""
+    job = started["reference"]
+    code = job.finish()
+    return Finished(job.run_dir, code, job.output, [])
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
+    """One job through four faults, in this order:
+    1. rank 1 SIGKILLed from outside after step 4 (checkpoint 3 on disk);
+    2. rank 1 crashes while checkpoint 6 is being written (injected);
+    3. rank 0 reads a NaN loss at step 8 (injected): roll back to checkpoint 6, skip step 8;
+    4. rank 0 SIGSTOPped from outside after step 10: a hang, caught by its heartbeat deadline."""
+    started["storm"].finish()  # alone on the CPUs: hang detection is about time
+    run_dir = tmp_path_factory.mktemp("faulty") / "run"
+    faults = f"crash_in_save@step=6,rank=1;nan@step={NAN_STEP},rank=0"
+    job = Launch(run_dir, cache_dir, [f"--fault={faults}"])
+    pid = job.wait_for(job.worker_at(1, attempt=0, step=4), "step 4 on rank 1")
+    os.kill(pid, signal.SIGKILL)
+    pid = job.wait_for(job.worker_at(0, attempt=3, step=10), "step 10 on rank 0 of attempt 3")
+    os.kill(pid, signal.SIGSTOP)
+    code = job.finish()
+    incidents_path = run_dir / "incidents.jsonl"
+    incidents = read_jsonl(incidents_path) if incidents_path.exists() else []
+    return Finished(run_dir, code, job.output, incidents)
+
+
+def incident(runs: Finished, number: int) -> dict[str, Any]:
+    assert len(runs.incidents) >= number, runs.output[-5000:]
+    return runs.incidents[number - 1]
+
+
+@pytest.mark.slow
+def test_uninterrupted_reference_job_finishes_with_no_incident(reference):
+    assert reference.exit_code == exit_codes.OK, reference.output[-5000:]
+    assert not (reference.run_dir / "incidents.jsonl").exists()
+    assert STEPS in committed_steps(reference.run_dir)
+
+
+@pytest.mark.slow
+def test_job_through_four_faults_reaches_the_last_step_by_itself(faulty):
+    assert faulty.exit_code == exit_codes.OK, faulty.output[-5000:]
+    assert [record["cause"] for record in faulty.incidents] == [
+        "crash",
+        "crash",
+        "nonfinite_loss",
+        "hang",
+    ], faulty.output[-5000:]
+    assert STEPS in committed_steps(faulty.run_dir)
+
+
+@pytest.mark.slow
+def test_job_through_four_faults_ends_with_parameters_bitwise_equal_to_the_reference(
+    faulty, reference
+):
+    arrays, meta = checkpoint_arrays(faulty.run_dir, STEPS)
+    expected, expected_meta = checkpoint_arrays(reference.run_dir, STEPS)
+    assert meta["fingerprints"] == expected_meta["fingerprints"]
+    assert sorted(arrays) == sorted(expected)
+    for name, value in expected.items():
+        assert arrays[name].tobytes() == value.tobytes(), name
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_is_a_crash_of_that_rank_resumed_from_the_last_checkpoint(faulty):
+    record = incident(faulty, 1)
+    assert (record["rank"], record["detail"]) == (1, "killed by SIGKILL")
+    assert record["step"] >= 4 and record["resumed_from_step"] == SAVE_EVERY
+    assert record["steps_lost"] == record["step"] - SAVE_EVERY
+    assert 0 <= record["detection_latency_s"] < 2.0
+    assert record["restart_s"] > 0 and record["catch_up_s"] >= record["restart_s"]
+
+
+@pytest.mark.slow
+def test_crash_during_a_save_resumes_from_the_checkpoint_before_it(faulty):
+    record = incident(faulty, 2)
+    assert (record["rank"], record["detail"]) == (1, "exit code 1")
+    assert record["phase"] == "checkpoint"
+    assert record["fault_time_from"] == "injection record (crash_in_save@step=6,rank=1)"
+    assert record["resumed_from_step"] == SAVE_EVERY  # checkpoint 6 was never finalized
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_rolls_back_and_skips_that_steps_batch(faulty):
+    record = incident(faulty, 3)
+    assert (record["cause"], record["rank"], record["skipped_step"]) == (
+        "nonfinite_loss",
+        0,
+        NAN_STEP,
+    )
+    assert record["resumed_from_step"] == 2 * SAVE_EVERY
+    assert read_skipped_steps(faulty.run_dir) == {NAN_STEP}
+    metrics = read_jsonl(faulty.run_dir / "metrics.jsonl")
+    skipped = [m for m in metrics if m.get("event") == "skipped"]
+    assert skipped  # once per attempt that passed it: the hang later replays step 8 too
+    assert all(
+        m == {"step": NAN_STEP, "event": "skipped", "reason": "non-finite loss"} for m in skipped
+    )
+
+
+@pytest.mark.slow
+def test_sigstopped_worker_is_a_hang_caught_by_its_heartbeat_deadline(faulty):
+    record = incident(faulty, 4)
+    assert (record["cause"], record["rank"]) == ("hang", 0)
+    assert "stopped" in record["detail"]
+    # from its last heartbeat with progress (the supervisor's clock reads it a little later)
+    assert STEP_DEADLINE_S - 1 <= record["detection_latency_s"] < STEP_DEADLINE_S + 5
+    assert record["resumed_from_step"] == 3 * SAVE_EVERY
+    assert record["steps_lost"] == record["step"] - 3 * SAVE_EVERY
+    stacks = faulty.run_dir / record["diagnostics"] / "stacks-rank0.txt"
+    assert "File" in stacks.read_text()  # Python stacks of the stopped worker, via SIGUSR1
+
+
+@pytest.mark.slow
+def test_incidents_and_goodput_summary_are_in_the_run_dir(faulty):
+    for record in faulty.incidents:
+        directory = faulty.run_dir / record["diagnostics"]
+        heartbeats = json.loads((directory / "heartbeats.json").read_text())
+        assert heartbeats["cause"] == record["cause"]
+        assert record["catch_up_s"] is not None, record
+    goodput = json.loads((faulty.run_dir / "goodput.json").read_text())
+    assert goodput["outcome"] == "done" and goodput["incidents"] == 4
+    assert 0 < goodput["effective_training_time_ratio"] < 1
+    assert sum(goodput["breakdown_s"].values()) == pytest.approx(goodput["wall_s"], abs=0.1)
+    assert "goodput: effective training time" in faulty.output
+
+
+@pytest.mark.slow
+def test_fault_storm_past_the_restart_budget_stops_and_keeps_the_last_good_checkpoint(started):
+    job = started["storm"]
+    run_dir = job.run_dir
+    code = job.finish()
+    assert code == exit_codes.RESTARTS_EXHAUSTED, job.output[-5000:]
+    incidents = read_jsonl(run_dir / "incidents.jsonl")
+    assert [(r["cause"], r["rank"], r["action"]) for r in incidents] == [
+        ("crash", 1, "restart"),
+        ("crash", 1, "stop"),
+    ]
+    reason = "restart budget spent (resilience.max_restarts=1)"
+    assert incidents[-1]["stop_reason"] == reason
+    assert reason in job.output
+    assert committed_steps(run_dir) == [SAVE_EVERY]
+    arrays, meta = checkpoint_arrays(run_dir, SAVE_EVERY)  # reads back with fingerprints intact
+    assert meta["step"] == SAVE_EVERY and arrays
+
+
+def test_fault_specs_parse_and_bad_ones_are_one_line_errors():
+    (fault,) = parse_faults("slow@step=2,rank=1,percent=50")
+    assert (fault.kind, fault.step, fault.rank, fault.percent) == ("slow", 2, 1, 50.0)
+    from msjax.errors import MsjaxError
+
+    for bad in ("boom@step=1,rank=0", "crash@step=1", "nan@step=x,rank=0", "slow@step=1,rank=0"):
+        with pytest.raises(MsjaxError):
+            parse_faults(bad)
