@@ -116,7 +116,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     from msjax.observe.metrics import MetricsWriter, ProgressLine
     from msjax.ops import resolve_impl
     from msjax.parallel.mesh import build_mesh, configure_cpu_devices
-    from msjax.resilience.compile_cache import enable_compile_cache
+    from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
     from msjax.resilience.worker import WorkerResilience, skip_update
     from msjax.run_dir import create_run_dir, differences, plan_run_dir
     from msjax.step import build_program
@@ -130,7 +130,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     configure_cpu_devices(config)
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
-    enable_compile_cache(config.resilience, run_dir, job.launched)
+    compile_cache = enable_compile_cache(config.resilience, run_dir, job.launched)
     config = check_device_count(config, jax.device_count())
     resolve_impl(config.model.attention_impl, "model.attention_impl", ("xla", "pallas", "cudnn"))
     resolve_impl(config.model.norm_impl, "model.norm_impl", ("xla", "pallas"))
@@ -197,7 +197,9 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=program.batch_sharding)
         for key, value in train_batches.global_batch_at(0).items()
     }
-    train_step = program.train_step.lower(abstract_state, abstract_batch).compile()
+    train_step = compile_cached(
+        program.train_step.lower(abstract_state, abstract_batch), compile_cache, "train_step"
+    )
     progress.message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
     observer = LoopObserver(config, run_dir, mesh, job.attempt, progress.message)
     observer.compiled(train_step)
