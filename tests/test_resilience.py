@@ -342,3 +342,80 @@ def test_fault_specs_parse_and_bad_ones_are_one_line_errors():
     for bad in ("boom@step=1,rank=0", "crash@step=1", "nan@step=x,rank=0", "slow@step=1,rank=0"):
         with pytest.raises(MsjaxError):
             parse_faults(bad)
+
+
+# --- cluster launchers: their wiring to the exit codes -------------------------------------------
+
+
+def run_sbatch_script(tmp_path: Path, srun_exit_code: int) -> tuple[int, str, str]:
+    """launch/slurm/train.sbatch run by bash with stand-ins for srun and scontrol; returns its
+    exit code, the srun command line and what scontrol was asked."""
+    bin_dir = tmp_path / f"bin{srun_exit_code}"
+    bin_dir.mkdir()
+    calls = tmp_path / f"calls{srun_exit_code}"
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "srun $*" >> {calls}\nexit {srun_exit_code}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\n')
+    for stand_in in bin_dir.iterdir():
+        stand_in.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    script = REPO / "launch" / "slurm" / "train.sbatch"
+    done = subprocess.run(
+        ["bash", str(script), "--config", "configs/tiny.yaml"], env=env, capture_output=True
+    )
+    lines = calls.read_text().splitlines()
+    srun = next(line for line in lines if line.startswith("srun "))
+    scontrol = "\n".join(line for line in lines if line.startswith("scontrol "))
+    return done.returncode, srun, scontrol
+
+
+def test_slurm_script_requeues_on_retryable_exit_codes_and_not_on_fatal_ones(tmp_path):
+    script = (REPO / "launch" / "slurm" / "train.sbatch").read_text()
+    directives = [line.split()[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "--requeue" in directives and "--ntasks-per-node=1" in directives
+    assert any(d.startswith("--signal=TERM@") for d in directives)  # time to save before a kill
+    assert f'FATAL_EXIT_CODES="{" ".join(map(str, exit_codes.FATAL))}"' in script
+    for code in (exit_codes.OK, *exit_codes.FATAL, *exit_codes.RETRYABLE, 137):
+        exit_code, srun, scontrol = run_sbatch_script(tmp_path, code)
+        assert exit_code == code
+        assert (
+            "python -m msjax.launch --cluster slurm --nprocs 1 -- --config configs/tiny.yaml"
+            in srun
+        )
+        requeued = scontrol == "scontrol requeue 42"
+        assert requeued == (code not in (exit_codes.OK, *exit_codes.FATAL)), (code, scontrol)
+
+
+def test_k8s_jobset_fails_on_fatal_exit_codes_and_restarts_every_pod_otherwise():
+    import yaml
+
+    jobset = yaml.safe_load((REPO / "launch" / "k8s" / "jobset.yaml").read_text())
+    name = jobset["metadata"]["name"]
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    (container,) = job["template"]["spec"]["containers"]
+    (fatal_rule,) = job["podFailurePolicy"]["rules"]
+    assert fatal_rule["action"] == "FailJob"
+    assert fatal_rule["onExitCodes"]["operator"] == "In"
+    assert sorted(fatal_rule["onExitCodes"]["values"]) == sorted(exit_codes.FATAL)
+    assert fatal_rule["onExitCodes"]["containerName"] == container["name"]
+    assert job["backoffLimit"] == 0  # any other failure fails the Job ...
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] >= 1  # ... and the JobSet restarts every pod
+    assert policy["rules"][0]["action"] == "FailJobSet"
+    assert policy["rules"][0]["onJobFailureReasons"] == ["PodFailurePolicy"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+    assert container["command"] == ["python", "-m", "msjax.launch"]
+    args = container["args"]
+    assert f"--nnodes={job['parallelism']}" in args
+    assert "--node-rank=$(JOB_COMPLETION_INDEX)" in args
+    assert f"--coordinator={name}-{replicated['name']}-0-0.{name}:29500" in args
+    assert args[args.index("--") + 1 :][0].startswith("--config=")
+
+
+def test_launcher_reads_the_node_layout_from_slurm():
+    from msjax.launch.__main__ import first_slurm_host, slurm_layout
+
+    assert first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
+    assert first_slurm_host("node7") == "node7"
+    environ = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "a[10-13]"}
+    assert slurm_layout(environ) == (4, 2, "a10:29500")
