@@ -419,3 +419,31 @@ def test_launcher_reads_the_node_layout_from_slurm():
     assert first_slurm_host("node7") == "node7"
     environ = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "a[10-13]"}
     assert slurm_layout(environ) == (4, 2, "a10:29500")
+
+
+def test_injected_faults_fire_on_their_rank_as_often_as_asked_over_restarts(tmp_path):
+    from msjax.resilience.faults import FaultInjector, read_firings
+
+    faults = parse_faults("nan@step=3,rank=1,times=2;nan@step=3,rank=0")
+    for attempt in range(3):  # three attempts of rank 1 through step 3
+        injector = FaultInjector(faults, tmp_path, rank=1, attempt=attempt)
+        assert injector.loss(2, 1.5) == 1.5
+        assert np.isnan(injector.loss(3, 1.5)) == (attempt < 2)
+    assert [(f["fault"], f["attempt"]) for f in read_firings(tmp_path)] == [
+        ("nan@step=3,rank=1,times=2", 0),
+        ("nan@step=3,rank=1,times=2", 1),
+    ]
+
+
+def test_slow_fault_stretches_each_step_of_its_rank_by_the_given_share(tmp_path):
+    from msjax.resilience.faults import FaultInjector
+
+    injector = FaultInjector(parse_faults("slow@step=1,rank=0,percent=100"), tmp_path, 0, 0)
+    started = []
+    for step in range(5):
+        started.append(time.perf_counter())
+        injector.before_step(step, wait_for_saves=lambda: None)
+        time.sleep(0.05)  # the step's own work
+    gaps = np.diff(started)  # gaps[s]: the pause made for step s - 1, then step s's work
+    assert all(gap < 0.09 for gap in gaps[:2])  # no pause for step 0
+    assert all(gap >= 0.095 for gap in gaps[2:])  # from step 1 on, a pause as long as the step
