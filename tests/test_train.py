@@ -115,5 +115,5 @@ def test_command_line_run_ends_by_saying_where_its_outputs_are(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr
     last_line = completed.stdout.strip().splitlines()[-1]
-    assert last_line == f"outputs in {run_dir}: config.yaml, metrics.jsonl, checkpoints/"
+    assert last_line == f"outputs in {run_dir}: config.yaml, data.json, metrics.jsonl, checkpoints/"
     assert len(step_records(read_metrics(run_dir / "metrics.jsonl"))) == 3
