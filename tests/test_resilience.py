@@ -299,6 +299,9 @@ def test_sigstopped_worker_is_a_hang_caught_by_its_heartbeat_deadline(faulty):
     assert record["steps_lost"] == record["step"] - 3 * SAVE_EVERY
     stacks = faulty.run_dir / record["diagnostics"] / "stacks-rank0.txt"
     assert "File" in stacks.read_text()  # Python stacks of the stopped worker, via SIGUSR1
+    # the flight recorders agree: rank 0's dumps stopped while rank 1's went on
+    assert record["flight_recorder"].startswith("rank 0 "), record["flight_recorder"]
+    assert (faulty.run_dir / record["diagnostics"] / "flight-rank1.json").exists()
 
 
 @pytest.mark.slow

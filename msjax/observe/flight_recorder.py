@@ -124,8 +124,9 @@ def _describe(event: dict[str, Any]) -> str:
 
 
 def diagnose(run_dir: Path) -> FlightVerdict | None:
-    """Name the rank that stopped first: the one whose last event is behind the point the others
-    reached, or -- when all logged the same point -- the one that went silent first.
+    """Name the rank that stopped first: the one whose dumps stopped first while the others' went
+    on (it is not running: stopped or dead), else the one whose last event is behind the point the
+    others reached (alive but stuck).
 
     None when there is nothing to compare, or every rank finished.
     """
@@ -153,22 +154,29 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
     furthest = max(positions.values())
     behind = [rank for rank, position in positions.items() if position < furthest]
     # A rank whose dumps stopped while the others' continued is not running (stopped or dead).
-    silent = [rank for rank, at in alive_at.items() if newest_alive - at > 4 * DUMP_EVERY_S]
+    closed = {r["rank"] for r in records if r.get("closed")}
+    silent = [
+        rank
+        for rank, at in alive_at.items()
+        if newest_alive - at > 4 * DUMP_EVERY_S and rank not in closed and rank in last
+    ]
+    if silent:  # a process that stopped running is the likeliest first cause: the others wait
+        rank = min(silent, key=lambda r: alive_at[r])
+        gap_s = newest_alive - alive_at[rank]
+        where = (
+            "short of the point the others reached" if rank in behind else "where the others are"
+        )
+        summary = (
+            f"rank {rank} went silent {gap_s:.1f} s before the others, at "
+            f"{_describe(last[rank])} ({where}): it stopped running"
+        )
+        return FlightVerdict(rank, summary, details)
     if behind:
-        rank = min(behind, key=lambda r: (positions[r], r not in silent))
+        rank = min(behind, key=lambda r: positions[r])
         others = sorted(set(last) - {rank})
         reached = _describe(max((last[r] for r in others), key=_position))
         summary = (
             f"rank {rank} stopped at {_describe(last[rank])} while the others reached {reached}"
-            + (" and went silent" if rank in silent else "")
-        )
-        return FlightVerdict(rank, summary, details)
-    if silent:
-        rank = min(silent, key=lambda r: alive_at[r])
-        gap_s = newest_alive - alive_at[rank]
-        summary = (
-            f"rank {rank} went silent {gap_s:.1f} s before the others at "
-            f"{_describe(last[rank])}, the point every rank reached: it stopped running"
         )
         return FlightVerdict(rank, summary, details)
     return None

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 from msjax.config import Config
 from msjax.launch.distributed import worker_env
+from msjax.observe.flight_recorder import diagnose, flight_dir
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.faults import read_firings
@@ -432,6 +433,8 @@ class Supervisor:
         )
         directory = self.run_dir / "incidents" / str(number)
         directory.mkdir(parents=True, exist_ok=True)
+        # the flight records first: collecting stacks wakes a stopped worker, stopping adds events
+        verdict = flight_verdict(self.run_dir, directory)
         self._collect_diagnostics(attempt, fault, directory)
         # the faulty rank is not trusted to finish anything: SIGKILL; the others get SIGTERM
         culprit = [worker for worker in attempt.workers if worker.rank == fault.rank]
@@ -454,6 +457,7 @@ class Supervisor:
             "detection_latency_s": round(fault.detected_unix_s - fault.fault_unix_s, 3),
             "stop_s": round(stop_s, 3),
             "diagnostics": str(directory.relative_to(self.run_dir)),
+            "flight_recorder": verdict,
             "action": "restart",
             "resumed_from_step": None,
             "steps_lost": None,
@@ -584,3 +588,12 @@ def _environ() -> dict[str, str]:
     import os
 
     return dict(os.environ)
+
+
+def flight_verdict(run_dir: Path, directory: Path) -> str | None:
+    """The flight recorders' comparison (which rank stopped short of the others), with a copy
+    of every rank's dump in the incident's directory."""
+    for dump in sorted(flight_dir(run_dir).glob("rank*.json")):
+        shutil.copyfile(dump, directory / f"flight-{dump.name}")
+    verdict = diagnose(run_dir)
+    return None if verdict is None else verdict.summary
