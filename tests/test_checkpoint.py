@@ -8,11 +8,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from msjax.checkpoint.__main__ import main as checkpoint_cli
+from msjax.checkpoint.fingerprint import fingerprints
 from msjax.checkpoint.manager import Checkpointer, committed_steps
-from msjax.config import load_config
+from msjax.config import CheckpointConfig, load_config
 from msjax.errors import MsjaxError
 from msjax.observe.metrics import read_metrics
 from msjax.train import train
@@ -134,6 +138,34 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(
     losses = step_losses(copy)
     straight = step_losses(straight_run)
     assert all(losses[step] == straight[step] for step in range(STEPS))
+
+
+def test_fingerprints_fetched_in_the_background_are_of_the_state_as_saved(tmp_path: Path):
+    values = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)
+    state = {"weights": jnp.asarray(values), "step": jnp.int32(3)}
+    expected = fingerprints(state)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+    checkpointer.save(3, state, {})
+    # like the next train step: overwrite the saved arrays in place before the save finishes
+    bump = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)
+    bumped = bump(state)
+    checkpointer.wait()
+    assert checkpointer.metadata(3)["fingerprints"] == expected
+    assert fingerprints(bumped) != expected
+    restored = checkpointer.restore(3, abstract)
+    np.testing.assert_array_equal(np.asarray(restored.state["weights"]), values)
+
+    target = largest_array_file(tmp_path / "3")
+    data = bytearray(target.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(byte ^ 0xFF for byte in data[middle : middle + 64])
+    target.write_bytes(data)
+    with pytest.raises(MsjaxError, match=f"checkpoint {tmp_path / '3'}"):
+        checkpointer.restore(3, abstract)
+    checkpointer.close()
 
 
 def test_list_marks_damaged_checkpoints_and_inspect_shows_the_tree(

@@ -7,6 +7,8 @@ array). No pickle anywhere: restoring reads arrays and JSON, never code.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from msjax.checkpoint.fingerprint import fingerprints
+from msjax.checkpoint.fingerprint import PendingFingerprints, fingerprints
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
 
@@ -25,6 +27,7 @@ FORMAT_VERSION = 1
 # save is finalized; a finalized step directory also holds this metadata file.
 COMMIT_MARKER = "_CHECKPOINT_METADATA"
 TMP_MARKER = ".orbax-checkpoint-tmp"
+META_FILE = "metadata"  # the file JsonCheckpointHandler reads back in the `meta` item directory
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,41 @@ def uncommitted_entries(directory: Path) -> list[str]:
     )
 
 
+class _MetaHandler(ocp.JsonCheckpointHandler):
+    """The `meta` item: JSON, whose fingerprints are fetched by the thread that writes it.
+
+    Orbax runs the returned commit future in a background thread and finalizes the step only
+    after it is done, so a committed step always holds its fingerprints, and the training loop
+    never waits for them to be computed.
+    """
+
+    async def async_save(
+        self, directory: Any, item: Any = None, args: Any = None
+    ) -> list[ocp.future.Future] | None:
+        if not isinstance(args, _MetaSave):
+            return await super().async_save(directory, item, args)
+
+        async def write() -> None:
+            if jax.process_index() == 0:
+                meta = {**args.meta, "fingerprints": args.fingerprints.result()}
+                (Path(directory) / META_FILE).write_text(json.dumps(meta))
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="msjax_meta")]
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_save=True)
+@dataclasses.dataclass
+class _MetaSave(ocp.args.CheckpointArgs):
+    meta: dict[str, Any]
+    fingerprints: PendingFingerprints
+
+
+@ocp.args.register_with_handler(_MetaHandler, for_restore=True)
+@dataclasses.dataclass
+class _MetaRestore(ocp.args.CheckpointArgs):
+    pass
+
+
 class Checkpointer:
     """Saves every so many steps or minutes, asynchronously; restores the newest valid step."""
 
@@ -90,7 +128,7 @@ class Checkpointer:
             directory.absolute(),
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
+                "meta": _MetaHandler(META_FILE),
             },
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=options.max_to_keep,
@@ -116,7 +154,8 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start an asynchronous save; returns once the arrays are copied off the devices.
 
-        Raises what Orbax raises (a failed earlier save surfaces here or in `wait`).
+        The fingerprints are only dispatched here; the background thread writing the save waits
+        for them. Raises what Orbax raises (a failed earlier save surfaces here or in `wait`).
         """
         started = time.perf_counter()
         meta = {
@@ -124,12 +163,12 @@ class Checkpointer:
             "format_version": FORMAT_VERSION,
             "step": step,
             "saved_at_unix_s": time.time(),
-            "fingerprints": fingerprints(state),
         }
+        pending = PendingFingerprints(state)  # the next step, donating state, waits for it
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(state), meta=_MetaSave(meta, pending)
             ),
             force=True,
         )
@@ -153,7 +192,7 @@ class Checkpointer:
             restored = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    state=ocp.args.StandardRestore(abstract_state), meta=_MetaRestore()
                 ),
             )
         except Exception as error:  # Orbax and TensorStore raise many types for bad files
@@ -196,7 +235,7 @@ class Checkpointer:
 
     def metadata(self, step: int) -> dict[str, Any]:
         """The meta JSON of one step, without reading any array."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        restored = self._manager.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))
         return dict(restored.meta)
 
 
