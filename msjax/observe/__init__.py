@@ -1,1 +1,2 @@
-"""Measuring runs: FLOPs and MFU, against the model's analytic FLOP count and the device's peak."""
+"""Measuring runs: FLOPs and MFU, metrics and progress, per-rank timing and stragglers, the flight
+recorder, and the plots of the run report."""
