@@ -106,9 +106,11 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     Every check that can fail on user input runs before anything is written.
     """
     import jax
+    import jax.numpy as jnp
 
     from msjax.checkpoint.manager import Checkpointer, checkpoint_dir, parse_resume_source
     from msjax.data.dataset import build_training_data
+    from msjax.data.packing import BATCH_FIELDS
     from msjax.data.pipeline import sharded_batches
     from msjax.launch.distributed import JobEnv, initialize_distributed
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
@@ -193,9 +195,10 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
 
     resilience.starting(start_step)
     compile_started = time.perf_counter()
+    batch_shape = (config.train.global_batch, config.data.seq_len)  # no process reads it all
     abstract_batch = {
-        key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=program.batch_sharding)
-        for key, value in train_batches.global_batch_at(0).items()
+        key: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=program.batch_sharding)
+        for key in BATCH_FIELDS
     }
     train_step = compile_cached(
         program.train_step.lower(abstract_state, abstract_batch), compile_cache, "train_step"

@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 Batch = dict[str, np.ndarray]  # inputs, targets, positions, segment_ids: [rows, seq] int32
+BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids")
 
 
 class TokenPiece(Protocol):
