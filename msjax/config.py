@@ -44,9 +44,12 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"
     compute_dtype: DType = "float32"  # parameters stay float32 (master copy)
     # msjax.ops: auto = the Pallas kernel on GPU, the XLA reference elsewhere; pallas off GPU
-    # runs the kernels in the Pallas interpreter (slow; for tests); cudnn needs a GPU.
+    # runs the kernels in the Pallas interpreter (slow; for tests); cudnn and triton (a
+    # jax-triton kernel) need a GPU. loss_impl=pallas is the fused unembedding + cross-entropy
+    # that never holds [tokens, vocab] logits.
     attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
-    norm_impl: Literal["auto", "xla", "pallas"] = "auto"
+    norm_impl: Literal["auto", "xla", "pallas", "triton"] = "auto"
+    loss_impl: Literal["auto", "xla", "pallas"] = "auto"
 
     @property
     def resolved_head_dim(self) -> int:

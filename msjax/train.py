@@ -116,7 +116,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
     from msjax.observe.loop_observer import LoopObserver
     from msjax.observe.metrics import MetricsWriter, ProgressLine
-    from msjax.ops import resolve_impl
+    from msjax.ops.dispatch import ATTENTION_IMPLS, LOSS_IMPLS, NORM_IMPLS, resolve_impl
     from msjax.parallel.mesh import build_mesh, configure_cpu_devices
     from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
     from msjax.resilience.worker import WorkerResilience, skip_update
@@ -134,8 +134,9 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
     compile_cache = enable_compile_cache(config.resilience, run_dir, job.launched)
     config = check_device_count(config, jax.device_count())
-    resolve_impl(config.model.attention_impl, "model.attention_impl", ("xla", "pallas", "cudnn"))
-    resolve_impl(config.model.norm_impl, "model.norm_impl", ("xla", "pallas"))
+    resolve_impl(config.model.attention_impl, "model.attention_impl", ATTENTION_IMPLS)
+    resolve_impl(config.model.norm_impl, "model.norm_impl", NORM_IMPLS)
+    resolve_impl(config.model.loss_impl, "model.loss_impl", LOSS_IMPLS)
     mesh = build_mesh(config.mesh)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
     data = build_training_data(config, progress.message)

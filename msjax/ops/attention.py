@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from msjax.models.attention import dot_product_attention
-from msjax.ops.dispatch import interpret_kernels, resolve_impl
+from msjax.ops.dispatch import ATTENTION_IMPLS, interpret_kernels, resolve_impl
 from msjax.ops.sharding import installed_mesh, per_shard
 from pallas_kernels.flash_attention import flash_attention
 
@@ -31,7 +31,7 @@ def attention(
     impl: str = "auto",
 ) -> jax.Array:
     """Causal attention by `impl` (auto | xla | pallas | cudnn); see msjax.models.attention."""
-    impl = resolve_impl(impl, "model.attention_impl", ("xla", "pallas", "cudnn"))
+    impl = resolve_impl(impl, "model.attention_impl", ATTENTION_IMPLS)
     if impl == "xla":
         return dot_product_attention(query, key, value, window=window, segment_ids=segment_ids)
     num_heads, num_kv_heads = query.shape[2], key.shape[2]
