@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from msjax import ops
 from msjax.config import Config
 from msjax.models.transformer import Transformer
 from msjax.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
@@ -41,9 +42,8 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def cross_entropy_loss(logits: jax.Array, batch: Batch) -> jax.Array:
-    """Mean next-token cross-entropy over real tokens (segment id 0 marks padding)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+def mean_over_real_tokens(losses: jax.Array, batch: Batch) -> jax.Array:
+    """Mean of per-token losses [batch, seq] over real tokens (segment id 0 marks padding)."""
     weights = (batch["segment_ids"] != 0).astype(jnp.float32)
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
@@ -73,8 +73,15 @@ class TrainProgram:
     def loss(self, params: Params, batch: Batch) -> jax.Array:
         rules = logical_axis_rules(self.config)
         with activation_placement(self.mesh, rules):
-            logits = self.model(params)(batch["inputs"], batch["positions"], batch["segment_ids"])
-        return cross_entropy_loss(logits, batch)
+            model = self.model(params)
+            features = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
+            losses = ops.token_losses(
+                features,
+                model.unembedding_matrix(),
+                batch["targets"],
+                impl=self.config.model.loss_impl,
+            )
+        return mean_over_real_tokens(losses, batch)
 
     def init_state(self) -> TrainState:
         """Parameters and optimizer state created directly in their shards."""

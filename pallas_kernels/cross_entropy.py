@@ -4,12 +4,18 @@ The forward streams vocab tiles through an online log-sum-exp (as flash attentio
 so only [tokens] float32 leave the kernel. The backward walks the vocabulary in chunks: a kernel
 recomputes one chunk's logits and writes (softmax - onehot) * dloss in the compute dtype, and
 XLA's matmuls fold it into dhidden and dunembedding. `reference` is the plain-JAX loss.
+
+Under `shard_map` with the vocabulary split over a mesh axis (Megatron's vocab-parallel
+cross-entropy), each shard reduces its own columns and the shards merge their log-sum-exps and
+label logits with two small collectives over [tokens]; the backward needs only the merged
+log-sum-exp, so no shard ever sees another shard's logits.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import jax
@@ -54,6 +60,7 @@ class _Static:
     num_warps: int
     num_stages: int
     interpret: bool
+    vocab_axis: Hashable | None  # the mesh axis the vocabulary is split over, inside shard_map
 
 
 def cross_entropy(
@@ -61,10 +68,18 @@ def cross_entropy(
     unembedding: jax.Array,
     labels: jax.Array,
     *,
+    vocab_axis: Hashable | None = None,
     block_sizes: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ) -> jax.Array:
-    """The kernel form of `reference`; gradients flow to hidden and unembedding."""
+    """The kernel form of `reference`; gradients flow to hidden and unembedding.
+
+    vocab_axis: inside `shard_map`, the mesh axis name (or tuple of names) the vocabulary is
+    split over; unembedding then holds shard i's columns [i * vocab, (i + 1) * vocab), labels
+    are global ids, and every shard returns the loss over the whole vocabulary. The hidden
+    gradient each shard returns is its columns' share: shard_map's transpose sums the shares
+    of an input that is not split over vocab_axis.
+    """
     tokens, embed = hidden.shape
     if unembedding.shape[0] != embed or labels.shape != (tokens,):
         raise ValueError(
@@ -97,12 +112,17 @@ def cross_entropy(
         num_warps=block_sizes.num_warps,
         num_stages=block_sizes.num_stages,
         interpret=bool(interpret),
+        vocab_axis=vocab_axis,
     )
+    labels = labels.astype(jnp.int32)
+    if vocab_axis is not None:  # this shard's columns start at its index times its width
+        labels = labels - lax.axis_index(vocab_axis) * vocab
+        labels = jnp.where((labels >= 0) & (labels < vocab), labels, -1)  # -1: not here
     if (padded_tokens, padded_embed) != (tokens, embed):
         hidden = jnp.pad(hidden, ((0, padded_tokens - tokens), (0, padded_embed - embed)))
     if (padded_embed, padded_vocab) != (embed, vocab):
         unembedding = jnp.pad(unembedding, ((0, padded_embed - embed), (0, padded_vocab - vocab)))
-    labels = jnp.pad(labels.astype(jnp.int32), (0, padded_tokens - tokens))
+    labels = jnp.pad(labels, (0, padded_tokens - tokens))
     return _loss(hidden, unembedding, labels, static)[:tokens]
 
 
@@ -217,6 +237,11 @@ def _d_logits_kernel(
 
 def _backward(static: _Static, residuals, dloss):
     hidden, unembedding, labels, lse = residuals
+    if static.vocab_axis is not None:
+        # The forward's merge over vocab_axis is a psum, which transposes to a psum: shard_map
+        # hands each shard a share of the (replicated) loss's cotangent, and every shard's
+        # columns need the whole of it.
+        dloss = lax.psum(dloss, static.vocab_axis)
     tokens, embed = hidden.shape
     vocab = unembedding.shape[1]  # padded: a whole number of chunks
     chunk, block_tokens, block_vocab = static.chunk, static.block_tokens, static.block_vocab
@@ -259,14 +284,24 @@ def _backward(static: _Static, residuals, dloss):
     return d_hidden.astype(hidden.dtype), d_unembedding, None
 
 
+def _merged_forward(hidden, unembedding, labels, static: _Static):
+    """(lse, label logit) over the whole vocabulary: this shard's, merged across vocab_axis."""
+    lse, label_logit = _forward(hidden, unembedding, labels, static)
+    if static.vocab_axis is None:
+        return lse, label_logit
+    top = lax.pmax(lse, static.vocab_axis)
+    lse = top + jnp.log(lax.psum(jnp.exp(lse - top), static.vocab_axis))
+    return lse, lax.psum(label_logit, static.vocab_axis)  # only the label's shard adds to it
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _loss(hidden, unembedding, labels, static: _Static):
-    lse, label_logit = _forward(hidden, unembedding, labels, static)
+    lse, label_logit = _merged_forward(hidden, unembedding, labels, static)
     return lse - label_logit
 
 
 def _loss_forward(hidden, unembedding, labels, static: _Static):
-    lse, label_logit = _forward(hidden, unembedding, labels, static)
+    lse, label_logit = _merged_forward(hidden, unembedding, labels, static)
     return lse - label_logit, (hidden, unembedding, labels, lse)
 
 

@@ -553,16 +553,68 @@ def test_sharded_kernel_with_kv_heads_unsplit_matches_reference(heads, kv_heads,
         assert_close(grad, expected, jnp.float32, f"d{name}")
 
 
+@pytest.mark.parametrize(("data", "fsdp", "tensor"), [(1, 1, 4), (2, 2, 2)], ids=str)
+def test_vocab_parallel_loss_matches_the_xla_loss_forward_and_gradients(data, fsdp, tensor):
+    # The vocabulary split over `tensor`: each shard reduces its own columns and the shards
+    # merge log-sum-exps; labels in every shard's range, and padded tiles in each shard.
+    batch, seq, embed, vocab = 4, 6, 16, 4 * 44
+    mesh = build_mesh(
+        MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[: data * fsdp * tensor]
+    )
+    rules = {"batch": ("data", "fsdp"), "seq": None, "vocab": "tensor"}
+    hidden = normal((batch, seq, embed), 0)
+    unembedding = 0.3 * normal((embed, vocab), 1)
+    targets = jnp.asarray(np.random.default_rng(2).integers(0, vocab, (batch, seq)), jnp.int32)
+    targets = targets.at[0, :4].set(jnp.asarray([0, 43, 44, vocab - 1]))  # shard edges
+    cotangent = normal((batch, seq), 3)
+
+    def loss(impl):
+        def run(h, w):
+            with activation_placement(mesh, rules):
+                return ops.token_losses(h, w, targets, impl=impl)
+
+        return run
+
+    args = (
+        jax.device_put(hidden, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))),
+        jax.device_put(unembedding, NamedSharding(mesh, PartitionSpec(None, "tensor"))),
+    )
+    out, grads = value_and_vjp(loss("pallas"), args, cotangent)
+    expected_out, expected_grads = value_and_vjp(loss("xla"), args, cotangent)
+    flat = ce.reference(hidden.reshape(-1, embed), unembedding, targets.reshape(-1))
+    assert_close(expected_out, flat.reshape(batch, seq), jnp.float32, "xla loss")
+    assert_close(out, expected_out, jnp.float32, "losses")
+    for name, grad, expected in zip(("hidden", "unembedding"), grads, expected_grads, strict=True):
+        assert_close(grad, expected, jnp.float32, f"d{name}")
+
+
+def test_pallas_loss_never_holds_logits_for_all_tokens_and_the_whole_vocab():
+    batch, seq, embed, vocab = 2, 8, 16, 2 * 8192  # two backward chunks
+    hidden, unembedding = normal((batch, seq, embed), 0), normal((embed, vocab), 1)
+    targets = jnp.zeros((batch, seq), jnp.int32)
+
+    def loss(impl):
+        return lambda h, w: jnp.sum(ops.token_losses(h, w, targets, impl=impl))
+
+    def shapes(impl):
+        grad = jax.grad(loss(impl), argnums=(0, 1))
+        return set(outside_kernel_shapes(jax.make_jaxpr(grad)(hidden, unembedding).jaxpr))
+
+    assert (batch, seq, vocab) in shapes("xla")  # the reference does hold them
+    assert not any(vocab in shape and embed not in shape for shape in shapes("pallas"))
+
+
 # ---- 6. the sharded train step -----------------------------------------------------------------
 
 
 def test_tiny_model_trains_five_steps_with_pallas_kernels_like_xla_on_a_2x2x2_mesh():
+    # every kernel: attention, norms and the vocab-parallel loss (vocab split over tensor=2)
     from test_parallel import small_config, train_losses
 
     def losses(impl: str) -> list[float]:
         config = small_config(2, 2, 2)
         model = dataclasses.replace(
-            config.model, attention_impl=impl, norm_impl=impl, attention_window=12
+            config.model, attention_impl=impl, norm_impl=impl, loss_impl=impl, attention_window=12
         )
         return train_losses(dataclasses.replace(config, model=model))
 

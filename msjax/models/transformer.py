@@ -168,6 +168,22 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """tokens: [batch, seq] int -> logits [batch, seq, vocab] in float32."""
+        return ops.logits(self.features(tokens, positions, segment_ids), self.unembedding_matrix())
+
+    def unembedding_matrix(self) -> jax.Array:
+        """[embed, vocab] float32: the embedding table's transpose when they are tied."""
+        return self.embedding[...].T if self.config.tied_embeddings else self.unembedding[...]
+
+    def features(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """tokens: [batch, seq] int -> the final norm's output [batch, seq, embed], compute dtype.
+
+        The logits are features @ unembedding_matrix(); a fused loss takes the two apart.
+        """
         config = self.config
         dtype = jnp.dtype(config.compute_dtype)
         if positions is None:
@@ -194,9 +210,4 @@ class Transformer(nnx.Module):
 
         x = run_layers(x, self.layers)
         x = self.final_norm(x)
-        x = constrain(x, ("batch", "seq", "act_embed"))
-        unembedding = self.embedding[...].T if config.tied_embeddings else self.unembedding[...]
-        logits = jnp.einsum(
-            "bse,ev->bsv", x, unembedding.astype(dtype), preferred_element_type=jnp.float32
-        )
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return constrain(x, ("batch", "seq", "act_embed"))

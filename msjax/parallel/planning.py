@@ -24,6 +24,7 @@ from msjax.models.transformer import Transformer
 from msjax.optim import make_optimizer, weight_decay_mask
 from msjax.parallel.candidates import MeshShape, config_for_mesh
 from msjax.parallel.rules import logical_axes_of, logical_axis_rules, logical_to_spec
+from pallas_kernels.cross_entropy import BlockSizes
 
 LogicalAxes = tuple[str | None, ...]
 F32_BYTES = 4
@@ -117,6 +118,7 @@ class LocalDims:
     residual_split: int  # `tensor` when the residual stream is sequence-parallel, else 1
     parallel_block: bool
     fused_attention: bool  # a flash-attention kernel: no [seq, seq] scores are kept
+    fused_loss: bool  # the fused cross-entropy kernel: no [batch, seq, vocab] logits are kept
 
 
 def attention_is_fused(model: ModelConfig, platform: str) -> bool:
@@ -125,6 +127,12 @@ def attention_is_fused(model: ModelConfig, platform: str) -> bool:
     if impl == "auto":
         return platform == "gpu"
     return impl in ("pallas", "cudnn")
+
+
+def loss_is_fused(model: ModelConfig, platform: str) -> bool:
+    """Whether the loss runs as the fused cross-entropy kernel on `platform`."""
+    impl = getattr(model, "loss_impl", "xla")  # older configs: always the XLA reference
+    return platform == "gpu" if impl == "auto" else impl == "pallas"
 
 
 def local_dims(config: Config, mesh: MeshShape, platform: str = "gpu") -> LocalDims:
@@ -146,6 +154,7 @@ def local_dims(config: Config, mesh: MeshShape, platform: str = "gpu") -> LocalD
         residual_split=tensor if config.mesh.sequence_parallel else 1,
         parallel_block=model.parallel_block,
         fused_attention=attention_is_fused(model, platform),
+        fused_loss=loss_is_fused(model, platform),
     )
 
 
@@ -163,6 +172,7 @@ SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residua
 # temporaries for the tiny and small configs on five to ten meshes per remat policy.
 WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
+FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
 # After the backward pass the optimizer holds the gradients and the updates: two float32 copies
 # of the parameter shards. On a mesh without fsdp and with short activations this is the peak.
 OPTIMIZER_PHASE_COPIES = 2
@@ -197,11 +207,12 @@ def _working_set(dims: LocalDims, remat: str) -> float:
     if dims.fused_attention:  # blocks of scores stay on chip; dq, dk, dv are written out
         scores = 1
         attention = b * s * (dims.heads + 2 * dims.kv_heads) * dims.head_dim * act
+    if dims.fused_loss:  # one backward chunk of d_logits, in the compute dtype
+        loss = b * s * min(dims.vocab, FUSED_LOSS_CHUNK) * act
+    else:
+        loss = (LOSS_BUFFERS - 1) * b * s * dims.vocab * F32_BYTES
     return (
-        scores * attention
-        + mlp * b * s * dims.mlp * act
-        + embed * b * s * dims.embed * act
-        + (LOSS_BUFFERS - 1) * b * s * dims.vocab * F32_BYTES
+        scores * attention + mlp * b * s * dims.mlp * act + embed * b * s * dims.embed * act + loss
     )
 
 
@@ -273,8 +284,10 @@ def estimate_memory(config: Config, mesh: MeshShape, platform: str = "gpu") -> M
     dims = local_dims(config, mesh, platform)
     remat = config.model.remat
     b, s = dims.batch, dims.seq
-    # Outside the layers: the embedding output, the final norm's input and output, the softmax.
-    head = 3 * b * s * dims.embed * dims.act_bytes + b * s * dims.vocab * F32_BYTES
+    # Outside the layers: the embedding output, the final norm's input and output, the softmax
+    # (the fused loss keeps a float32 log-sum-exp per token instead).
+    softmax = b * s * (1 if dims.fused_loss else dims.vocab) * F32_BYTES
+    head = 3 * b * s * dims.embed * dims.act_bytes + softmax
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor).
     gathered = state.layer_gathered if mesh.fsdp > 1 else 0
     return MemoryEstimate(

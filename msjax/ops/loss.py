@@ -1,0 +1,54 @@
+"""Per-token cross-entropy of the unembedding: XLA logits + optax, or the fused Pallas kernel.
+
+`xla` materialises [batch, seq, vocab] float32 logits (split over `tensor` along vocab) and
+takes optax's cross-entropy of them. `pallas` streams the vocabulary through the fused kernel
+per shard and never holds the logits; with the vocabulary split over `tensor`, the shards merge
+their partial log-sum-exps (vocab-parallel cross-entropy).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from msjax.models.logical import constrain
+from msjax.ops.dispatch import LOSS_IMPLS, interpret_kernels, resolve_impl
+from msjax.ops.sharding import installed_mesh, per_shard
+from pallas_kernels.cross_entropy import cross_entropy
+
+HIDDEN = ("batch", "seq", None)  # the final norm's output: embed gathered whole in a kernel
+UNEMBEDDING = (None, "vocab")  # FSDP gathers embed, as for any weight; vocab stays split
+TOKENS = ("batch", "seq")
+
+
+def logits(hidden: jax.Array, unembedding: jax.Array) -> jax.Array:
+    """[batch, seq, embed] @ [embed, vocab] -> float32 logits, split along vocab."""
+    out = jnp.einsum(
+        "bse,ev->bsv", hidden, unembedding.astype(hidden.dtype), preferred_element_type=jnp.float32
+    )
+    return constrain(out, ("batch", "seq", "vocab"))
+
+
+def token_losses(
+    hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, impl: str = "auto"
+) -> jax.Array:
+    """-log softmax(hidden @ unembedding)[target] per token: [batch, seq] float32."""
+    if resolve_impl(impl, "model.loss_impl", LOSS_IMPLS) == "xla":
+        return optax.softmax_cross_entropy_with_integer_labels(logits(hidden, unembedding), targets)
+    mesh = installed_mesh()
+    vocab_axes = None if mesh is None else mesh.spec(("vocab",))[0]
+
+    def local(hidden, unembedding, targets):
+        batch, seq, embed = hidden.shape
+        losses = cross_entropy(
+            hidden.reshape(batch * seq, embed),
+            unembedding,
+            targets.reshape(batch * seq),
+            vocab_axis=vocab_axes,
+            interpret=interpret_kernels(),
+        )
+        return losses.reshape(batch, seq)
+
+    unembedding = unembedding.astype(hidden.dtype)
+    return per_shard(local, (HIDDEN, UNEMBEDDING, TOKENS), TOKENS)(hidden, unembedding, targets)
