@@ -1,16 +1,18 @@
-"""Check and time every Pallas kernel against its baselines, side by side, on one GPU.
+"""Check and time every kernel of ours against its baselines, side by side, on one GPU.
 
 Attention (forward + backward, bf16, GQA 4:1): our flash kernel vs the XLA reference, JAX's own
 Pallas `mha` (kv heads repeated for it; it has no window) and cuDNN, over seq 1k/4k/16k, head
-dim 64/128, window none/1k/4k. RMSNorm (alone and fused with the residual add) vs XLA and JAX's
-Pallas `rms_norm`, as a share of measured copy bandwidth. Fused cross-entropy vs XLA, with the
-compiled temp memory of each. Every kernel is first checked against its reference.
+dim 64/128, window none/1k/4k. RMSNorm (alone and fused with the residual add), ours in Pallas
+and in jax-triton, vs XLA and JAX's Pallas `rms_norm`, as a share of measured copy bandwidth.
+Fused cross-entropy vs XLA, with the compiled temp memory of each. Every kernel is first checked
+against its reference.
 
     python benchmarks/kernels_gpu.py [--smoke] [--max-seconds 270]
 
 Without a GPU the script runs its smoke form: tiny shapes in the Pallas interpreter, checks
-only (the times are the interpreter's and mean nothing). TFLOP/s count useful matmul FLOPs:
-attention forward 4 x visible (query, key) pairs x head_dim per head, backward twice that.
+only (the times are the interpreter's and mean nothing), and no jax-triton kernel (GPU only).
+TFLOP/s count useful matmul FLOPs: attention forward 4 x visible (query, key) pairs x head_dim
+per head, backward twice that.
 """
 
 from __future__ import annotations
@@ -217,41 +219,51 @@ def _with_speedups(rows: list[Row]) -> list[Row]:
 # ---- RMSNorm ------------------------------------------------------------------------------------
 
 
-def check_norms(shape, dtype, interpret, repeats) -> list[Row]:
+def norm_kernels(interpret: bool, on_gpu: bool) -> dict[str, tuple[Callable, Callable]]:
+    """Our (rms_norm, add_rms_norm) by impl: Pallas, and on a GPU the jax-triton kernel."""
+    impls = {
+        "pallas (ours)": (
+            functools.partial(rn.rms_norm, eps=1e-5, interpret=interpret),
+            functools.partial(rn.add_rms_norm, eps=1e-5, interpret=interpret),
+        )
+    }
+    if on_gpu:
+        from pallas_kernels import triton_rms_norm as trn  # imports jax-triton: GPU only
+
+        impls["triton (ours)"] = (
+            functools.partial(trn.rms_norm, eps=1e-5),
+            functools.partial(trn.add_rms_norm, eps=1e-5),
+        )
+    return impls
+
+
+def check_norms(shape, dtype, interpret, on_gpu, repeats) -> list[Row]:
     x, residual = normal(shape, dtype, 0), normal(shape, dtype, 1)
     scale = 1.0 + 0.1 * normal(shape[-1:], jnp.float32, 2)
     cotangent = normal(shape, dtype, 3)
     rows = []
     cases = {
-        "rms_norm": (
-            functools.partial(rn.rms_norm, eps=1e-5, interpret=interpret),
-            rn.reference,
-            (x, scale),
-            cotangent,
-        ),
-        "add_rms_norm": (
-            functools.partial(rn.add_rms_norm, eps=1e-5, interpret=interpret),
-            rn.reference_add,
-            (x, residual, scale),
-            (cotangent, cotangent),
-        ),
+        # kernel: (which of our pair, reference, arguments, cotangent)
+        "rms_norm": (0, rn.reference, (x, scale), cotangent),
+        "add_rms_norm": (1, rn.reference_add, (x, residual, scale), (cotangent, cotangent)),
     }
-    for kernel, (ours, reference, args, ct) in cases.items():
+    for kernel, (which, reference, args, ct) in cases.items():
         as32 = jax.tree.map(lambda a: a.astype(jnp.float32), (args, ct))
         expected = forward_and_backward(reference)(*as32)
-        step = forward_and_backward(ours)
-        got = step(args, ct)
-        rows.append(
-            {
-                "kernel": kernel,
-                "check": f"{shape}",
-                "impl": "pallas (ours)",
-                "dtype": jnp.dtype(dtype).name,
-                "max_error": relative_error(got, expected),
-                "tolerance": TOLERANCE[jnp.dtype(dtype).name],
-                "ms": time_ms(step, args, ct, repeats=repeats),
-            }
-        )
+        for name, pair in norm_kernels(interpret, on_gpu).items():
+            step = forward_and_backward(pair[which])
+            got = step(args, ct)
+            rows.append(
+                {
+                    "kernel": kernel,
+                    "check": f"{shape}",
+                    "impl": name,
+                    "dtype": jnp.dtype(dtype).name,
+                    "max_error": relative_error(got, expected),
+                    "tolerance": TOLERANCE[jnp.dtype(dtype).name],
+                    "ms": time_ms(step, args, ct, repeats=repeats),
+                }
+            )
     return rows
 
 
@@ -262,10 +274,11 @@ def copy_bandwidth_gbps(shape, repeats) -> float:
     return 2 * x.nbytes / ms / 1e6
 
 
-def time_norms(shape, interpret, repeats, bandwidth_gbps) -> list[Row]:
+def time_norms(shape, interpret, on_gpu, repeats, bandwidth_gbps) -> list[Row]:
     x, residual = normal(shape, jnp.bfloat16, 0), normal(shape, jnp.bfloat16, 1)
     scale = jnp.ones(shape[-1:], jnp.float32)
     zeros = jnp.zeros(shape[-1:], jnp.float32)
+    ours = norm_kernels(interpret, on_gpu)
     rows = []
     cases = {
         # case: (arguments, bytes read + written, {impl: function})
@@ -273,7 +286,7 @@ def time_norms(shape, interpret, repeats, bandwidth_gbps) -> list[Row]:
             (x, scale),
             2 * x.nbytes,
             {
-                "pallas (ours)": functools.partial(rn.rms_norm, interpret=interpret),
+                **{name: pair[0] for name, pair in ours.items()},
                 "xla": rn.reference,
                 "jax pallas rms_norm": lambda x, s: jax_rms_norm.rms_norm(
                     x, s, zeros, interpret=interpret
@@ -284,7 +297,7 @@ def time_norms(shape, interpret, repeats, bandwidth_gbps) -> list[Row]:
             (x, residual, scale),
             4 * x.nbytes,
             {
-                "pallas (ours)": functools.partial(rn.add_rms_norm, interpret=interpret),
+                **{name: pair[1] for name, pair in ours.items()},
                 "xla": rn.reference_add,
             },
         ),
@@ -446,7 +459,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             checks += check_attention(shape, window, segments, dtype, interpret, on_gpu, repeats)
     for shape in norm_shapes:
         for dtype in norm_dtypes:
-            checks += check_norms(shape, dtype, interpret, repeats)
+            checks += check_norms(shape, dtype, interpret, on_gpu, repeats)
     tokens, embed, vocab = ce_shape
     for dtype in ce_dtypes:
         checks += check_cross_entropy(tokens, embed, vocab, dtype, interpret, ce_blocks, repeats)
@@ -461,7 +474,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     bandwidth = copy_bandwidth_gbps(norm_shapes[0], repeats)
     print(f"measured copy bandwidth: {bandwidth:.0f} GB/s")
     for shape in norm_shapes:
-        timings += time_norms(shape, interpret, repeats, bandwidth)
+        timings += time_norms(shape, interpret, on_gpu, repeats, bandwidth)
     for shape, window in attention_timings:
         if time.perf_counter() - started > args.max_seconds:
             print(f"time budget spent: skipped attention {shape} window={window}")
