@@ -6,6 +6,11 @@ Runs `configs/small.yaml` (smaller batch) on one CPU device, in this process:
     saves hold the loop;
 (c) save throughput (start to finalized on disk) and restore throughput, in MB/s.
 
+It also measures the CPU time one save costs (user + system, every thread) and the ratio that
+cost allows at best when the steps already keep every core busy, as they do on a CPU-only
+machine: there the background write and the step share the same cores, while on an accelerator
+the step runs on the device and the write on otherwise idle host cores.
+
     python benchmarks/checkpoint_overhead.py [--steps 16] [--global-batch 1] [--seq-len 256]
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -55,24 +61,31 @@ def loop_throughput(overrides: list[str]) -> tuple[float, list[float], float]:
     return tokens / elapsed, pauses, step_times[len(step_times) // 2]
 
 
-def save_restore_mb_per_s(overrides: list[str]) -> tuple[float, float, float]:
-    """(state MB, save MB/s until finalized, restore MB/s) for one checkpoint of the state."""
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far, every thread counted."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def save_restore_mb_per_s(overrides: list[str]) -> tuple[float, float, float, float]:
+    """(state MB, save MB/s until finalized, restore MB/s, CPU s of the save) for one save."""
     config = load_config(REPO / "configs" / "small.yaml", overrides)
     program = build_program(config, build_mesh(config.mesh))
     state = program.init_state()
     state_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 1e6
     with tempfile.TemporaryDirectory() as root:
         checkpointer = Checkpointer(Path(root), config.checkpoint)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds()
         checkpointer.save(1, state, {"config": config.to_dict()})
         checkpointer.wait()
         save_s = time.perf_counter() - started
+        save_cpu_s = cpu_seconds() - cpu_started
         started = time.perf_counter()
         restored = checkpointer.restore(1, program.abstract_state())
         jax.block_until_ready(restored.state)
         restore_s = time.perf_counter() - started
         checkpointer.close()
-    return state_mb, state_mb / save_s, state_mb / restore_s
+    return state_mb, state_mb / save_s, state_mb / restore_s, save_cpu_s
 
 
 def main() -> None:
@@ -94,7 +107,10 @@ def main() -> None:
     )
     without, _, _ = loop_throughput([*base, "checkpoint.enabled=false"])
     with_saves, pauses, step_s = loop_throughput([*base, "checkpoint.every_steps=5"])
-    state_mb, save_rate, restore_rate = save_restore_mb_per_s(base)
+    state_mb, save_rate, restore_rate, save_cpu_s = save_restore_mb_per_s(base)
+    cores = len(os.sched_getaffinity(0))
+    # saves every 5 steps; each takes save_cpu_s of CPU from steps that already use every core
+    best_ratio = 5 * step_s / (5 * step_s + save_cpu_s / cores)
     mean_pause = sum(pauses) / max(len(pauses), 1)
     print(f"{'no checkpoints':<40} {without:10,.1f} tokens/s")
     print(f"{'a save every 5 steps (async)':<40} {with_saves:10,.1f} tokens/s")
@@ -108,6 +124,10 @@ def main() -> None:
     print(f"{'state size':<40} {state_mb:10,.1f} MB")
     print(f"{'save, start to finalized on disk':<40} {save_rate:10,.1f} MB/s")
     print(f"{'restore onto the mesh':<40} {restore_rate:10,.1f} MB/s")
+    print(
+        f"{'CPU time of one save':<40} {save_cpu_s:10.2f} s on {cores} cores: with the steps "
+        f"using every core, the ratio can reach at most {best_ratio:.3f} here"
+    )
 
 
 if __name__ == "__main__":

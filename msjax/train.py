@@ -195,6 +195,8 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     progress.started = time.perf_counter()
 
     resilience.starting(start_step)
+    if config.checkpoint.enabled:
+        checkpointer.prepare(abstract_state)
     compile_started = time.perf_counter()
     batch_shape = (config.train.global_batch, config.data.seq_len)  # no process reads it all
     abstract_batch = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,3 +51,37 @@ def test_fingerprints_do_not_depend_on_the_sharding():
         for spec in [(None, None), ("a", "b"), ("b", None), (None, ("a", "b"))]
     ]
     assert len({fingerprints({"x": array})["x"] for array in placed}) == 1
+
+
+def test_a_prepared_checkpointer_compiles_nothing_in_its_first_save(tmp_path):
+    from msjax.checkpoint.manager import Checkpointer
+    from msjax.config import CheckpointConfig
+
+    compiles: list[str] = []
+
+    def on_event(event: str, duration_s: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    def first_save_compiles(prepare: bool, shape: tuple[int, int]) -> int:
+        # a fresh shape for each run: nothing compiled by an earlier test or run is reused
+        state = {"w": jnp.ones(shape, jnp.float32), "step": jnp.zeros((), jnp.int32)}
+        checkpointer = Checkpointer(tmp_path / f"{prepare}", CheckpointConfig())
+        if prepare:
+            checkpointer.prepare(jax.eval_shape(lambda: state))
+            for thread in threading.enumerate():  # let the background compile finish first
+                if thread.name == "msjax-fingerprint-compile":
+                    thread.join()
+        compiles.clear()
+        checkpointer.save(1, state, {})
+        during_save = len(compiles)
+        checkpointer.wait()
+        checkpointer.close()
+        return during_save
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        assert first_save_compiles(prepare=False, shape=(3, 37)) >= 1  # the check can see one
+        assert first_save_compiles(prepare=True, shape=(3, 41)) == 0
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)

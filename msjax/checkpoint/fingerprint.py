@@ -48,6 +48,11 @@ def _fingerprints(tree: Any) -> Any:
     return jax.tree.map(_array_fingerprint, tree)
 
 
+def compile_fingerprints(abstract_tree: Any) -> None:
+    """Compile the fingerprint program for these shapes and shardings ahead of the first use."""
+    _fingerprints.lower(abstract_tree).compile()
+
+
 def leaf_name(path: tuple[Any, ...]) -> str:
     """A leaf's path as `params/layers/mlp/gate`, the same for dicts, lists and dataclasses."""
     parts = []

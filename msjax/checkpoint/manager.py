@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from msjax.checkpoint.fingerprint import PendingFingerprints, fingerprints
+from msjax.checkpoint.fingerprint import (
+    PendingFingerprints,
+    compile_fingerprints,
+    fingerprints,
+)
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
 
@@ -127,7 +132,9 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             directory.absolute(),
             item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
+                # float weights and moments barely compress; zstd would only take host CPU
+                # from the steps that overlap the write
+                "state": ocp.PyTreeCheckpointHandler(use_compression=False),
                 "meta": _MetaHandler(META_FILE),
             },
             options=ocp.CheckpointManagerOptions(
@@ -141,6 +148,21 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
         self.save_blocked_s: list[float] = []  # how long each save() held up the loop
+        self._compiling: threading.Thread | None = None
+
+    def prepare(self, abstract_state: Any) -> None:
+        """Compile the fingerprint program in the background, so the first save() need not.
+
+        Call it once the state's shapes and shardings are known, before training starts: the
+        compile overlaps the train step's.
+        """
+        self._compiling = threading.Thread(
+            target=compile_fingerprints,
+            args=(abstract_state,),
+            name="msjax-fingerprint-compile",
+            daemon=True,
+        )
+        self._compiling.start()
 
     def due(self, step: int) -> bool:
         """Whether a periodic save falls after `step` updates."""
@@ -158,6 +180,9 @@ class Checkpointer:
         for them. Raises what Orbax raises (a failed earlier save surfaces here or in `wait`).
         """
         started = time.perf_counter()
+        if self._compiling is not None:
+            self._compiling.join()  # if it failed, the dispatch below compiles (and raises)
+            self._compiling = None
         meta = {
             **meta,
             "format_version": FORMAT_VERSION,
@@ -168,7 +193,7 @@ class Checkpointer:
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=_MetaSave(meta, pending)
+                state=ocp.args.PyTreeSave(state), meta=_MetaSave(meta, pending)
             ),
             force=True,
         )
@@ -192,7 +217,11 @@ class Checkpointer:
             restored = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=_MetaRestore()
+                    state=ocp.args.PyTreeRestore(
+                        abstract_state,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                    ),
+                    meta=_MetaRestore(),
                 ),
             )
         except Exception as error:  # Orbax and TensorStore raise many types for bad files
