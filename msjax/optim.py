@@ -86,8 +86,15 @@ def weight_decay_mask(logical_axes: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, logical_axes, is_leaf=_is_logical_axes)
 
 
+def stacked_over_layers(logical_axes: Any) -> Any:
+    """True for each parameter whose leading axis is "layers" (one slice per transformer layer)."""
+    return jax.tree.map(
+        lambda axes: bool(axes) and axes[0] == "layers", logical_axes, is_leaf=_is_logical_axes
+    )
+
+
 def make_optimizer(
-    optim: OptimConfig, total_steps: int, decay_mask: Any
+    optim: OptimConfig, total_steps: int, decay_mask: Any, stacked_layers: Any = None
 ) -> optax.GradientTransformation:
     """Global-norm clipping (unless grad_clip_norm is None), then AdamW or LAMB on the schedule.
 
@@ -95,8 +102,9 @@ def make_optimizer(
     and applied only where `decay_mask` (a bool tree shaped like the params, as from
     `weight_decay_mask`, or a function of the params returning one) is True. The optimizer
     state takes the params' dtype, so `init` insists on float32 params (the master copy).
-    LAMB is optax's: its trust ratio is per parameter array, so a parameter stacked over
-    "layers" gets one ratio for all layers rather than one per layer as in the paper.
+    LAMB's trust ratio is per layer, as in the paper: per parameter array, and per slice of an
+    array stacked over "layers" where `stacked_layers` (a bool tree shaped like the params, as
+    from `stacked_over_layers`) says so.
     """
     if optim.grad_clip_norm is not None and optim.grad_clip_norm <= 0:
         raise ConfigError(
@@ -114,20 +122,45 @@ def make_optimizer(
             mask=decay_mask,
         )
     elif optim.name == "lamb":
-        # You et al. 2020, Alg. 2: Adam direction plus weight decay, scaled by ||w|| / ||r + wd w||.
-        update_rule = optax.lamb(
-            schedule,
-            b1=optim.b1,
-            b2=optim.b2,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            mask=decay_mask,
+        # You et al. 2020, Alg. 2: Adam direction plus weight decay, scaled by ||w|| / ||r + wd w||
+        # (optax.lamb's chain, with the trust ratio taken per layer of a stacked parameter).
+        update_rule = optax.chain(
+            optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
+            optax.add_decayed_weights(optim.weight_decay, mask=decay_mask),
+            scale_by_layerwise_trust_ratio(stacked_layers),
+            optax.scale_by_learning_rate(schedule),
         )
     else:
         raise ConfigError(f"optim.name={optim.name!r} is not accepted; choose one of adamw, lamb")
     if optim.grad_clip_norm is not None:
         update_rule = optax.chain(optax.clip_by_global_norm(optim.grad_clip_norm), update_rule)
     return _float32_params_only(update_rule)
+
+
+def scale_by_layerwise_trust_ratio(stacked_layers: Any = None) -> optax.GradientTransformation:
+    """Scale each update by ||param|| / ||update|| (1 if either is 0), per layer.
+
+    stacked_layers: None (one ratio per array) or a bool tree shaped like the params; where True
+    the leading axis indexes layers and each layer's slice gets its own ratio.
+    """
+
+    def scale(update: jax.Array, param: jax.Array, stacked: bool) -> jax.Array:
+        axes = tuple(range(1, param.ndim)) if stacked and param.ndim > 1 else None
+        param_norm = jnp.sqrt(jnp.sum(jnp.square(param), axis=axes, keepdims=True))
+        update_norm = jnp.sqrt(jnp.sum(jnp.square(update), axis=axes, keepdims=True))
+        either_zero = (param_norm == 0) | (update_norm == 0)
+        ratio = jnp.where(either_zero, 1.0, param_norm / jnp.where(either_zero, 1.0, update_norm))
+        return update * ratio.astype(update.dtype)
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError("the layer-wise trust ratio needs the params")
+        stacked = stacked_layers
+        if stacked is None:
+            stacked = jax.tree.map(lambda _: False, params)
+        return jax.tree.map(scale, updates, params, stacked), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def _float32_params_only(inner: optax.GradientTransformation) -> optax.GradientTransformation:

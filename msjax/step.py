@@ -20,7 +20,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from msjax import ops
 from msjax.config import Config
 from msjax.models.transformer import Transformer
-from msjax.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
+from msjax.optim import (
+    learning_rate_schedule,
+    make_optimizer,
+    stacked_over_layers,
+    weight_decay_mask,
+)
 from msjax.parallel.rules import (
     activation_placement,
     logical_axes_of,
@@ -121,7 +126,12 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
     param_shardings = shardings_for(logical_axes, mesh, rules)
 
     schedule = learning_rate_schedule(config.optim, config.train.steps)
-    optimizer = make_optimizer(config.optim, config.train.steps, weight_decay_mask(logical_axes))
+    optimizer = make_optimizer(
+        config.optim,
+        config.train.steps,
+        weight_decay_mask(logical_axes),
+        stacked_over_layers(logical_axes),
+    )
     abstract_pure = nnx.to_pure_dict(abstract_params)
     opt_shapes = jax.eval_shape(optimizer.init, abstract_pure)
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -12,7 +12,12 @@ import optax
 import pytest
 
 from msjax.config import OptimConfig
-from msjax.optim import learning_rate_schedule, make_optimizer, weight_decay_mask
+from msjax.optim import (
+    learning_rate_schedule,
+    make_optimizer,
+    stacked_over_layers,
+    weight_decay_mask,
+)
 
 PEAK = 0.1
 FINAL_FRACTION = 0.1
@@ -185,8 +190,10 @@ def numpy_lr(step: int, warmup_steps: int, total_steps: int) -> float:
     return final + (PEAK - final) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_optimizer(optim: OptimConfig, total_steps: int, params, grads_per_step, mask=SMALL_MASK):
-    optimizer = make_optimizer(optim, total_steps, mask)
+def run_optimizer(
+    optim: OptimConfig, total_steps: int, params, grads_per_step, mask=SMALL_MASK, stacked=None
+):
+    optimizer = make_optimizer(optim, total_steps, mask, stacked)
     params = jax.tree.map(jnp.asarray, params)
     state = optimizer.init(params)
     step = jax.jit(optimizer.update)
@@ -219,8 +226,9 @@ def numpy_adamw(params, grads_per_step, decays, warmup_steps, total_steps):
     return params
 
 
-def numpy_lamb(params, grads_per_step, decays, warmup_steps, total_steps):
-    """LAMB as in You et al. 2020, Algorithm 2, with phi the identity and one "layer" per array.
+def numpy_lamb(params, grads_per_step, decays, warmup_steps, total_steps, stacked=()):
+    """LAMB as in You et al. 2020, Algorithm 2, with phi the identity; a layer is an array, or
+    one leading-axis slice of an array named in `stacked`.
 
     r = m_hat / (sqrt(v_hat) + eps) + wd * x;  x -= lr * ||x|| / ||r|| * r (ratio 1 if a norm
     is 0). The weight decay is inside the trust ratio, and every array (decayed or not) gets one.
@@ -233,9 +241,11 @@ def numpy_lamb(params, grads_per_step, decays, warmup_steps, total_steps):
         for k in params:
             direction, m[k], v[k] = numpy_adam_direction(grads[k].astype(np.float64), m[k], v[k], t)
             r = direction + (WEIGHT_DECAY * params[k] if decays[k] else 0.0)
-            param_norm, r_norm = np.linalg.norm(params[k]), np.linalg.norm(r)
-            trust = 1.0 if param_norm == 0 or r_norm == 0 else param_norm / r_norm
-            params[k] = params[k] - lr * trust * r
+            layers = list(range(len(r))) if k in stacked else [...]
+            for layer in layers:
+                param_norm, r_norm = np.linalg.norm(params[k][layer]), np.linalg.norm(r[layer])
+                trust = 1.0 if param_norm == 0 or r_norm == 0 else param_norm / r_norm
+                params[k][layer] = params[k][layer] - lr * trust * r[layer]
     return params
 
 
@@ -261,10 +271,9 @@ def test_adamw_first_step_with_zero_gradients_only_shrinks_decayed_params():
 
 
 def test_lamb_matches_numpy_reference_for_four_steps():
-    """optax.lamb follows the paper: eps outside the root (eps_root=0), the weight decay added
-    before the trust ratio, ratio ||x|| / ||r|| per array, 1 when either norm is 0. Two choices
-    the paper leaves open: optax also gives the undecayed 1-D scale a trust ratio (as here), and
-    a param stacked over "layers" gets one ratio for the whole stack, not one per layer.
+    """LAMB follows the paper: eps outside the root (eps_root=0), the weight decay added before
+    the trust ratio, ratio ||x|| / ||r|| per array, 1 when either norm is 0. A choice the paper
+    leaves open: the undecayed 1-D scale gets a trust ratio too (as in optax).
     """
     optim = optim_config("lamb", warmup_steps=2)
     grads = small_grads(4)  # lr per step: 0, peak / 2, peak, then cosine towards total_steps=6
@@ -277,6 +286,34 @@ def test_lamb_matches_numpy_reference_for_four_steps():
     assert moved > 0.1
     adamw = run_optimizer(optim_config("adamw"), 6, small_params(), grads)
     assert np.max(np.abs(got["w"] - adamw["w"])) > 1e-3
+
+
+def test_lamb_takes_one_trust_ratio_per_layer_of_a_stacked_parameter():
+    # Three layers whose weights differ in scale by 100x: one ratio for the stack would move
+    # the small layers by far more than their own norm allows.
+    rng = np.random.default_rng(3)
+    params = {
+        "w": (rng.normal(size=(3, 4, 3)) * np.array([1.0, 0.1, 0.01])[:, None, None]),
+        "scale": rng.normal(size=(3,)),
+    }
+    params = {k: v.astype(np.float32) for k, v in params.items()}
+    grads = [{k: (0.01 * rng.normal(size=v.shape)).astype(np.float32) for k, v in params.items()}]
+    grads *= 3
+    optim = optim_config("lamb", warmup_steps=0)  # cosine from the peak, as numpy_lr
+    mask, stacked = {"w": True, "scale": False}, {"w": True, "scale": False}
+    got = run_optimizer(optim, 10, params, grads, mask, stacked)
+    want = numpy_lamb(params, grads, mask, 0, 10, stacked={"w"})
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7)
+    whole_stack = numpy_lamb(params, grads, mask, 0, 10)
+    assert np.max(np.abs(whole_stack["w"][2] - want["w"][2])) > 10 * np.abs(want["w"][2]).max()
+    unstacked = run_optimizer(optim, 10, params, grads, mask)  # no stacking named: per array
+    np.testing.assert_allclose(unstacked["w"], whole_stack["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_stacked_over_layers_reads_the_leading_logical_axis():
+    axes = {"w": ("layers", "embed", "mlp"), "scale": ("layers", "embed"), "emb": ("vocab", "e")}
+    assert stacked_over_layers(axes) == {"w": True, "scale": True, "emb": False}
 
 
 def test_lamb_trust_ratio_is_one_for_an_all_zero_parameter():

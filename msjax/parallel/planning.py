@@ -21,7 +21,7 @@ from flax import nnx
 
 from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.models.transformer import Transformer
-from msjax.optim import make_optimizer, weight_decay_mask
+from msjax.optim import make_optimizer, stacked_over_layers, weight_decay_mask
 from msjax.parallel.candidates import MeshShape, config_for_mesh
 from msjax.parallel.rules import logical_axes_of, logical_axis_rules, logical_to_spec
 from pallas_kernels.cross_entropy import BlockSizes
@@ -60,7 +60,9 @@ def state_layout(
     _, abstract_params = nnx.split(abstract_model, nnx.Param)
     logical_axes = logical_axes_of(abstract_params)
     pure = nnx.to_pure_dict(abstract_params)
-    optimizer = make_optimizer(optim, steps, weight_decay_mask(logical_axes))
+    optimizer = make_optimizer(
+        optim, steps, weight_decay_mask(logical_axes), stacked_over_layers(logical_axes)
+    )
     opt_shapes = jax.eval_shape(optimizer.init, pure)
     wrapped = jax.tree.map(_Axes, logical_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
     opt_axes = optax.tree_map_params(
