@@ -163,6 +163,23 @@ def scale_by_layerwise_trust_ratio(stacked_layers: Any = None) -> optax.Gradient
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def advance_schedule(opt_state: Any) -> Any:
+    """opt_state with the learning-rate schedule one step further and nothing else changed.
+
+    For a skipped step: the schedule follows the step counter, while the moments and Adam's
+    bias-correction count stay as they were (no gradient was taken in).
+    """
+
+    def advance(node: Any) -> Any:
+        if isinstance(node, optax.ScaleByScheduleState):
+            return node._replace(count=node.count + 1)
+        return node
+
+    return jax.tree.map(
+        advance, opt_state, is_leaf=lambda node: isinstance(node, optax.ScaleByScheduleState)
+    )
+
+
 def _float32_params_only(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """`inner` whose init raises TypeError unless every floating-point param is float32."""
 

@@ -13,6 +13,7 @@ import pytest
 
 from msjax.config import OptimConfig
 from msjax.optim import (
+    advance_schedule,
     learning_rate_schedule,
     make_optimizer,
     stacked_over_layers,
@@ -368,3 +369,21 @@ def test_optimizer_refuses_bfloat16_params():
     params = {k: jnp.asarray(p, jnp.bfloat16) for k, p in small_params().items()}
     with pytest.raises(TypeError, match="float32"):
         optimizer.init(params)
+
+
+def test_a_skipped_step_advances_the_schedule_but_not_the_moments():
+    optim = optim_config("adamw", warmup_steps=4)  # lr 0, peak/4, peak/2, ...: steps differ
+    optimizer = make_optimizer(optim, 10, SMALL_MASK)
+    params = jax.tree.map(jnp.asarray, small_params())
+    first, second = (jax.tree.map(jnp.asarray, grads) for grads in small_grads(2))
+    state = optimizer.init(params)
+    _, state = optimizer.update(first, state, params)  # step 0 (lr 0) updates the moments
+    _, state = optimizer.update(first, state, params)  # step 1 at lr peak / 4
+    kept, _ = optimizer.update(second, state, params)  # step 2, nothing skipped
+    skipped, _ = optimizer.update(second, advance_schedule(state), params)  # after a skip
+    schedule = learning_rate_schedule(optim, 10)
+    ratio = float(schedule(3) / schedule(2))
+    assert ratio == pytest.approx(1.5)
+    # the same direction (moments and bias correction unchanged), taken at the next step's lr
+    for key in kept:
+        np.testing.assert_allclose(skipped[key], ratio * kept[key], rtol=1e-6)

@@ -88,13 +88,19 @@ def leave_job_now(code: int) -> None:
 
 
 def skip_update(state: Any) -> Any:
-    """The state after a skipped step: the same parameters and optimizer state, step + 1."""
+    """The state after a skipped step: the same parameters and moments; step + 1, and the
+    learning-rate schedule with it, so later steps get the rates they would have had."""
     import jax
+
+    from msjax.optim import advance_schedule
 
     global _skip_update
     if _skip_update is None:
         _skip_update = jax.jit(
-            lambda state: dataclasses.replace(state, step=state.step + 1), donate_argnums=0
+            lambda state: dataclasses.replace(
+                state, step=state.step + 1, opt_state=advance_schedule(state.opt_state)
+            ),
+            donate_argnums=0,
         )
     return _skip_update(state)
 
