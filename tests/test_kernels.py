@@ -484,6 +484,39 @@ def test_cross_entropy_forward_and_backward_lower_to_triton():
     assert text.count("__gpu$xla.gpu.triton") == 2  # forward, d_logits (inside the chunk loop)
 
 
+def test_vocab_parallel_cross_entropy_lowers_to_triton_with_its_merges_as_all_reduces():
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"), abstract_device=h200)
+    specs = (PartitionSpec("data"), PartitionSpec(None, "tensor"), PartitionSpec("data"))
+    hidden, unembedding, labels = (
+        jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        for shape, dtype, spec in zip(
+            [(4096, 1024), (1024, 32768), (4096,)],
+            [jnp.bfloat16, jnp.bfloat16, jnp.int32],
+            specs,
+            strict=True,
+        )
+    )
+
+    def local(hidden, unembedding, labels):
+        return ce.cross_entropy(hidden, unembedding, labels, vocab_axis="tensor", interpret=False)
+
+    def loss(hidden, unembedding, labels):
+        per_device = jax.shard_map(
+            local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec("data"), check_vma=False
+        )
+        return jnp.sum(per_device(hidden, unembedding, labels))
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(hidden, unembedding, labels)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2  # forward, d_logits
+    # forward: pmax and psum of the log-sum-exps, psum of the label logits; backward: the
+    # cotangent's psum over tensor, then shard_map's sums of dhidden over tensor and of
+    # dunembedding over data
+    assert text.count("all_reduce") == 6
+
+
 # ---- 5. dispatch and config --------------------------------------------------------------------
 
 
