@@ -6,209 +6,21 @@ MFU, loss, goodput, incidents, stragglers, the flight recorder's verdict and a p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import textwrap
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
-from msjax.observe.plots import HeatMap, RankRow, text_heatmap
+from msjax.observe.plots import text_heatmap
+from msjax.observe.run_files import Run, is_step, load_run
 from msjax.resilience.goodput import step_time_split
 
 _PROG = "msjax.report"
-WARMUP_STEPS = 2  # each attempt's first steps compile and fill caches: kept out of medians
 PLOTS = ("loss.png", "throughput.png", "heatmap.png", "goodput.png")
-
-
-@dataclass
-class RankTimes:
-    """RUN_DIR/ranks.jsonl: who the ranks are, their per-step times, the stragglers flagged."""
-
-    rows: list[RankRow]  # as the newest header describes them
-    attempts: int
-    work_by_step: dict[int, list[float | None]]  # the last record of each step wins
-    warmup_steps: set[int]
-    stragglers: list[dict[str, Any]]
-
-    def heatmap(self) -> HeatMap | None:
-        if not self.rows or not self.work_by_step:
-            return None
-        flagged = {event["rank"] for event in self.stragglers if "rank" in event}
-        return HeatMap.build(self.rows, self.work_by_step, self.warmup_steps, flagged)
-
-
-@dataclass
-class Run:
-    """Everything the report reads from one run directory."""
-
-    path: Path
-    name: str
-    total_steps: int | None
-    records: list[dict[str, Any]]  # metrics.jsonl, in order
-    steps: dict[int, dict[str, Any]]  # step -> its last training record
-    warmup_steps: set[int]  # kept steps among the first WARMUP_STEPS of their attempt
-    attempt_starts: list[int]  # first step of each attempt
-    eval_loss: dict[int, float]
-    skipped: list[int]
-    goodput: dict[str, Any] | None
-    incidents: list[dict[str, Any]]
-    ranks: RankTimes | None
-    unreadable_lines: dict[str, int] = field(default_factory=dict)
-
-
-# --- reading -------------------------------------------------------------------------------
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise MsjaxError(f"cannot read {path}: {error}") from None
-
-
-def _read_jsonl(
-    path: Path, unreadable: dict[str, int], required: str | None = None
-) -> list[dict[str, Any]]:
-    """The JSON objects (with the `required` key) of a .jsonl file; any other line, such as one
-    cut short by a killed writer, is counted, not fatal."""
-    records, bad = [], 0
-    for line in _read_text(path).splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(record, dict) and (required is None or required in record):
-            records.append(record)
-        else:
-            bad += 1
-    if bad:
-        unreadable[path.name] = bad
-    return records
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    for name, parse in (("config.yaml", yaml.safe_load), ("config.json", json.loads)):
-        path = run_dir / name
-        if path.exists():
-            try:
-                config = parse(_read_text(path))
-            except (yaml.YAMLError, ValueError) as error:
-                raise MsjaxError(f"{path} is not valid {name[7:]}: {error}") from None
-            return config if isinstance(config, dict) else {}
-    return {}
-
-
-def _is_step(record: dict[str, Any]) -> bool:
-    return "loss" in record and "step_time_s" in record
-
-
-def load_run(run_dir: Path) -> Run:
-    """Read a run directory; MsjaxError if it is not one or a file in it cannot be read."""
-    if not run_dir.is_dir():
-        raise MsjaxError(f"{run_dir} is not a directory; give a run directory (run.dir)")
-    metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise MsjaxError(f"{run_dir} has no metrics.jsonl; is it a run directory (run.dir)?")
-    unreadable: dict[str, int] = {}
-    records = _read_jsonl(metrics_path, unreadable, required="step")
-    config = _read_config(run_dir)
-    run_section = config.get("run") or {}
-    train_section = config.get("train") or {}
-
-    # An attempt starts at a resume record, or where a step number goes back (a restart
-    # without a checkpoint); its first steps are warm-up.
-    steps: dict[int, dict[str, Any]] = {}
-    warm_index: dict[int, bool] = {}
-    attempt_starts: list[int] = []
-    in_attempt, previous_step = WARMUP_STEPS, None
-    eval_loss: dict[int, float] = {}
-    skipped: set[int] = set()
-    for record in records:
-        if record.get("event") == "resume":
-            in_attempt = None
-        elif record.get("event") == "skipped":
-            skipped.add(record["step"])
-        elif "eval_loss" in record:
-            eval_loss[record["step"]] = record["eval_loss"]
-        elif _is_step(record):
-            step = record["step"]
-            if in_attempt is None or previous_step is None or step <= previous_step:
-                attempt_starts.append(step)
-                in_attempt = 0
-            steps[step] = record
-            warm_index[step] = in_attempt < WARMUP_STEPS
-            in_attempt, previous_step = in_attempt + 1, step
-    goodput = None
-    if (run_dir / "goodput.json").exists():
-        try:
-            goodput = json.loads(_read_text(run_dir / "goodput.json"))
-        except ValueError as error:
-            raise MsjaxError(f"{run_dir / 'goodput.json'} is not valid JSON: {error}") from None
-    incidents = []
-    if (run_dir / "incidents.jsonl").exists():
-        incidents = _read_jsonl(run_dir / "incidents.jsonl", unreadable)
-    ranks = None
-    if (run_dir / "ranks.jsonl").exists():
-        ranks = _read_ranks(_read_jsonl(run_dir / "ranks.jsonl", unreadable))
-    return Run(
-        path=run_dir,
-        name=str(run_section.get("name") or run_dir.name),
-        total_steps=train_section.get("steps"),
-        records=records,
-        steps=dict(sorted(steps.items())),
-        warmup_steps={step for step, warm in warm_index.items() if warm},
-        attempt_starts=attempt_starts,
-        eval_loss=dict(sorted(eval_loss.items())),
-        skipped=sorted(skipped - set(steps)),
-        goodput=goodput,
-        incidents=incidents,
-        ranks=ranks,
-        unreadable_lines=unreadable,
-    )
-
-
-def _read_ranks(records: list[dict[str, Any]]) -> RankTimes:
-    rows: list[RankRow] = []
-    attempts = 0
-    work_by_step: dict[int, list[float | None]] = {}
-    warmup: dict[int, bool] = {}
-    since_header = 0
-    stragglers = []
-    for record in records:
-        if record.get("event") == "ranks":
-            attempts += 1
-            since_header = 0
-            rows = [
-                RankRow(int(r["rank"]), str(r.get("host", "?")), dict(r.get("mesh") or {}))
-                for r in record.get("ranks", [])
-                if "rank" in r
-            ]
-        elif record.get("event") == "straggler":
-            stragglers.append(record)
-        elif "step" in record and isinstance(record.get("work_s"), list):
-            work_by_step[record["step"]] = record["work_s"]
-            warmup[record["step"]] = since_header < WARMUP_STEPS
-            since_header += 1
-    if not rows and work_by_step:  # no header survived: number the ranks as the records do
-        count = max(len(values) for values in work_by_step.values())
-        rows = [RankRow(rank, "?", {}) for rank in range(count)]
-    return RankTimes(
-        rows,
-        attempts,
-        dict(sorted(work_by_step.items())),
-        {step for step, warm in warmup.items() if warm},
-        stragglers,
-    )
 
 
 # --- the summary ---------------------------------------------------------------------------
@@ -241,7 +53,7 @@ def goodput_breakdown(run: Run) -> tuple[dict[str, float], float | None, str]:
         return dict(run.goodput["breakdown_s"]), ratio, source
     split = step_time_split(run.records)
     recorded_step_s = sum(
-        record["step_time_s"] for record in run.records if _is_step(record)
+        record["step_time_s"] for record in run.records if is_step(record)
     )  # every attempt's every step, as measured
     breakdown = {
         "step_s": split["kept_step_s"] - split["data_s"],

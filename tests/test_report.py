@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msjax.report import PLOTS, WARMUP_STEPS, main
+from msjax.observe.run_files import WARMUP_STEPS
+from msjax.report import PLOTS, main
 
 STEPS = 6
 TINY_RUN = [
