@@ -250,40 +250,46 @@ def _backward_call(x, rstd, scale, dout, dtotal, static: _Static):
     return dx, dscale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _norm(x, scale, static: _Static):
-    return _forward(x, None, scale, static)[0]
+def norms_with_vjp(forward, backward):
+    """(norm, add_norm) with custom VJPs, from a forward and a backward kernel call.
+
+    forward(x, residual | None, scale, static) -> (out, total, rstd) normalises x (+ residual);
+    backward(x, rstd, scale, dout, dtotal | None, static) -> (dx, dscale), where x is what was
+    normalised (the sum, when fused) and dtotal the sum's own cotangent. The pair returned:
+    norm(x, scale, static) -> out and add_norm(x, residual, scale, static) -> (total, out).
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def norm(x, scale, static):
+        return forward(x, None, scale, static)[0]
+
+    def norm_forward(x, scale, static):
+        out, _, rstd = forward(x, None, scale, static)
+        return out, (x, rstd, scale)
+
+    def norm_backward(static, residuals, dout):
+        x, rstd, scale = residuals
+        return backward(x, rstd, scale, dout, None, static)
+
+    norm.defvjp(norm_forward, norm_backward)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def add_norm(x, residual, scale, static):
+        out, total, _ = forward(x, residual, scale, static)
+        return total, out
+
+    def add_norm_forward(x, residual, scale, static):
+        out, total, rstd = forward(x, residual, scale, static)
+        return (total, out), (total, rstd, scale)
+
+    def add_norm_backward(static, residuals, cotangents):
+        total, rstd, scale = residuals
+        dtotal, dout = cotangents
+        dx, dscale = backward(total, rstd, scale, dout, dtotal, static)
+        return dx, dx, dscale
+
+    add_norm.defvjp(add_norm_forward, add_norm_backward)
+    return norm, add_norm
 
 
-def _norm_forward(x, scale, static):
-    out, _, rstd = _forward(x, None, scale, static)
-    return out, (x, rstd, scale)
-
-
-def _norm_backward(static, residuals, dout):
-    x, rstd, scale = residuals
-    return _backward_call(x, rstd, scale, dout, None, static)
-
-
-_norm.defvjp(_norm_forward, _norm_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _add_norm(x, residual, scale, static: _Static):
-    out, total, _ = _forward(x, residual, scale, static)
-    return total, out
-
-
-def _add_norm_forward(x, residual, scale, static):
-    out, total, rstd = _forward(x, residual, scale, static)
-    return (total, out), (total, rstd, scale)
-
-
-def _add_norm_backward(static, residuals, cotangents):
-    total, rstd, scale = residuals
-    dtotal, dout = cotangents
-    dx, dscale = _backward_call(total, rstd, scale, dout, dtotal, static)
-    return dx, dx, dscale
-
-
-_add_norm.defvjp(_add_norm_forward, _add_norm_backward)
+_norm, _add_norm = norms_with_vjp(_forward, _backward_call)

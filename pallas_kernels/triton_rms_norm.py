@@ -10,7 +10,6 @@ jax-triton load with this module, and jax-triton does not import on a CPU-only j
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -19,7 +18,7 @@ import jax_triton
 import triton
 import triton.language as tl
 
-from pallas_kernels.rms_norm import reference, reference_add
+from pallas_kernels.rms_norm import norms_with_vjp, reference, reference_add
 
 __all__ = ["add_rms_norm", "reference", "reference_add", "rms_norm"]
 
@@ -268,40 +267,4 @@ def _backward(x, rstd, scale, dout, dtotal, static: _Static):
     return dx, dscale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _norm(x, scale, static: _Static):
-    return _forward(x, None, scale, static)[0]
-
-
-def _norm_forward(x, scale, static):
-    out, _, rstd = _forward(x, None, scale, static)
-    return out, (x, rstd, scale)
-
-
-def _norm_backward(static, residuals, dout):
-    x, rstd, scale = residuals
-    return _backward(x, rstd, scale, dout, None, static)
-
-
-_norm.defvjp(_norm_forward, _norm_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _add_norm(x, residual, scale, static: _Static):
-    out, total, _ = _forward(x, residual, scale, static)
-    return total, out
-
-
-def _add_norm_forward(x, residual, scale, static):
-    out, total, rstd = _forward(x, residual, scale, static)
-    return (total, out), (total, rstd, scale)
-
-
-def _add_norm_backward(static, residuals, cotangents):
-    total, rstd, scale = residuals
-    dtotal, dout = cotangents
-    dx, dscale = _backward(total, rstd, scale, dout, dtotal, static)
-    return dx, dx, dscale
-
-
-_add_norm.defvjp(_add_norm_forward, _add_norm_backward)
+_norm, _add_norm = norms_with_vjp(_forward, _backward)
