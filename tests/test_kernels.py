@@ -536,6 +536,10 @@ def test_model_config_accepts_the_impl_keys_and_names_the_choices_for_a_bad_one(
         config_from_dict({"model": {"attention_impl": "flash"}})
     with pytest.raises(ConfigError, match="auto, xla, pallas"):
         config_from_dict({"model": {"norm_impl": "cudnn"}})
+    assert config_from_dict({"model": {"loss_impl": "pallas"}}).model.loss_impl == "pallas"
+    with pytest.raises(ConfigError, match="auto, xla, pallas") as error:
+        config_from_dict({"model": {"loss_impl": "triton"}})
+    assert "model.loss_impl" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_pallas_dispatch_off_gpu_runs_the_interpreted_kernel_not_the_reference():
