@@ -51,9 +51,7 @@ def rms_norm(
     interpret: bool | None = None,
 ) -> jax.Array:
     """The kernel form of `reference`: x [..., dim], scale [dim]."""
-    static = _static(x, scale, eps, block_rows, interpret)
-    rows = x.reshape(-1, x.shape[-1])
-    return _norm(rows, scale, static).reshape(x.shape)
+    return _norm(x, scale, _static(x, scale, eps, block_rows, interpret))
 
 
 def add_rms_norm(
@@ -66,14 +64,7 @@ def add_rms_norm(
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel form of `reference_add`: one pass over x and residual gives both outputs."""
-    if residual.shape != x.shape:
-        raise ValueError(f"residual {residual.shape} must have the shape of x {x.shape}")
-    static = _static(x, scale, eps, block_rows, interpret)
-    dim = x.shape[-1]
-    total, normed = _add_norm(
-        x.reshape(-1, dim), residual.astype(x.dtype).reshape(-1, dim), scale, static
-    )
-    return total.reshape(x.shape), normed.reshape(x.shape)
+    return _add_norm(x, residual, scale, _static(x, scale, eps, block_rows, interpret))
 
 
 def _static(x, scale, eps, block_rows, interpret) -> _Static:
@@ -255,12 +246,13 @@ def norms_with_vjp(forward, backward):
 
     forward(x, residual | None, scale, static) -> (out, total, rstd) normalises x (+ residual);
     backward(x, rstd, scale, dout, dtotal | None, static) -> (dx, dscale), where x is what was
-    normalised (the sum, when fused) and dtotal the sum's own cotangent. The pair returned:
-    norm(x, scale, static) -> out and add_norm(x, residual, scale, static) -> (total, out).
+    normalised (the sum, when fused) and dtotal the sum's own cotangent; both see [rows, dim].
+    The pair returned takes x [..., dim]: norm(x, scale, static) -> out and
+    add_norm(x, residual, scale, static) -> (total, out).
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-    def norm(x, scale, static):
+    def norm_rows(x, scale, static):
         return forward(x, None, scale, static)[0]
 
     def norm_forward(x, scale, static):
@@ -271,10 +263,10 @@ def norms_with_vjp(forward, backward):
         x, rstd, scale = residuals
         return backward(x, rstd, scale, dout, None, static)
 
-    norm.defvjp(norm_forward, norm_backward)
+    norm_rows.defvjp(norm_forward, norm_backward)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def add_norm(x, residual, scale, static):
+    def add_norm_rows(x, residual, scale, static):
         out, total, _ = forward(x, residual, scale, static)
         return total, out
 
@@ -288,7 +280,20 @@ def norms_with_vjp(forward, backward):
         dx, dscale = backward(total, rstd, scale, dout, dtotal, static)
         return dx, dx, dscale
 
-    add_norm.defvjp(add_norm_forward, add_norm_backward)
+    add_norm_rows.defvjp(add_norm_forward, add_norm_backward)
+
+    def norm(x, scale, static):
+        return norm_rows(x.reshape(-1, x.shape[-1]), scale, static).reshape(x.shape)
+
+    def add_norm(x, residual, scale, static):
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {residual.shape} must have the shape of x {x.shape}")
+        dim = x.shape[-1]
+        total, normed = add_norm_rows(
+            x.reshape(-1, dim), residual.astype(x.dtype).reshape(-1, dim), scale, static
+        )
+        return total.reshape(x.shape), normed.reshape(x.shape)
+
     return norm, add_norm
 
 

@@ -44,9 +44,7 @@ def rms_norm(
     zero_outputs: clear every output buffer before its kernel runs (for tests: an element a
     kernel never writes then reads 0 rather than whatever the allocator left there).
     """
-    static = _static(x, scale, eps, zero_outputs)
-    rows = x.reshape(-1, x.shape[-1])  # [rows, dim]
-    return _norm(rows, scale, static).reshape(x.shape)
+    return _norm(x, scale, _static(x, scale, eps, zero_outputs))
 
 
 def add_rms_norm(
@@ -58,14 +56,7 @@ def add_rms_norm(
     zero_outputs: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel form of `reference_add`: one pass over x and residual gives both outputs."""
-    if residual.shape != x.shape:
-        raise ValueError(f"residual {residual.shape} must have the shape of x {x.shape}")
-    static = _static(x, scale, eps, zero_outputs)
-    dim = x.shape[-1]
-    total, normed = _add_norm(
-        x.reshape(-1, dim), residual.astype(x.dtype).reshape(-1, dim), scale, static
-    )
-    return total.reshape(x.shape), normed.reshape(x.shape)
+    return _add_norm(x, residual, scale, _static(x, scale, eps, zero_outputs))
 
 
 def _static(x, scale, eps, zero_outputs) -> _Static:
