@@ -27,11 +27,12 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
-from msjax.config import check_device_count, load_config  # noqa: E402
+from msjax.config import load_config  # noqa: E402
 from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.data.pipeline import sharded_batches  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
+from msjax.resolve import check_device_count  # noqa: E402
 from msjax.step import build_program  # noqa: E402
 
 WARMUP = 2  # batches or steps left out of each measurement (worker start-up, first dispatch)

@@ -27,11 +27,12 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
-from msjax.config import check_device_count, load_config  # noqa: E402
+from msjax.config import load_config  # noqa: E402
 from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.observe.flops import flops_per_step, measure_cpu_peak_tflops  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
+from msjax.resolve import check_device_count  # noqa: E402
 from msjax.step import build_program  # noqa: E402
 from msjax.train import train  # noqa: E402
 

@@ -1,16 +1,20 @@
-"""The run directory: choosing it, refusing to mix two different runs in it, never deleting one.
+"""The run directory: `RunDir` names every file and folder in it; choosing, creating and saving.
 
 Rerunning a command with the same `run.dir` continues that run. A config that differs in what
 defines the run (model, data, optimizer, batch, seed) is refused unless `run.overwrite=true`,
 which moves the earlier run's files into `previous-<UTC timestamp>/` inside the directory.
+Nothing outside this module spells a run directory's file names.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -18,7 +22,8 @@ from msjax.config import Config, config_from_dict
 from msjax.errors import ConfigError, MsjaxError
 
 # Keys that may change between the runs that share a run directory (a resume may run on another
-# mesh, train longer, or evaluate differently); everything else defines the run.
+# mesh, train longer, evaluate differently, or run the same math through another kernel);
+# everything else defines the run.
 MAY_CHANGE_ON_RESUME = frozenset(
     {
         "mesh",
@@ -35,17 +40,136 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "data.prefetch_batches",
         "data.num_workers",
         "data.cache_dir",
+        "model.attention_impl",
+        "model.norm_impl",
+        "model.loss_impl",
     }
 )
+PREVIOUS_PREFIX = "previous-"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every file and folder of one run directory, by name."""
+
+    path: Path
+
+    # What the run is: the resolved config, and the corpus it reads.
+    @property
+    def config_yaml(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def config_json(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def job_config(self) -> Path:
+        """The config msjax.launch hands its workers (a file, not arguments to parse again)."""
+        return self.path / "job_config.yaml"
+
+    @property
+    def data_facts(self) -> Path:
+        return self.path / "data.json"
+
+    # What the run measured.
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def ranks(self) -> Path:
+        return self.path / "ranks.jsonl"
+
+    @property
+    def goodput(self) -> Path:
+        return self.path / "goodput.json"
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report"
+
+    # What restarts need.
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.path / "compile_cache"
+
+    @property
+    def skipped_steps(self) -> Path:
+        return self.path / "skipped_steps.json"
+
+    @property
+    def faults(self) -> Path:
+        return self.path / "faults.jsonl"
+
+    # What each rank leaves behind, and what the supervisor collects after a fault.
+    @property
+    def heartbeats(self) -> Path:
+        return self.path / "heartbeats"
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeats / f"rank{rank}.json"
+
+    def stacks(self, rank: int) -> Path:
+        """Where rank's Python stacks go when it receives SIGUSR1."""
+        return self.heartbeats / f"stacks-rank{rank}.txt"
+
+    @property
+    def flight(self) -> Path:
+        return self.path / "flight"
+
+    def flight_record(self, rank: int) -> Path:
+        return self.flight / f"rank{rank}.json"
+
+    def log(self, rank: int) -> Path:
+        return self.path / "logs" / f"rank{rank}.log"
+
+    @property
+    def incidents_log(self) -> Path:
+        return self.path / "incidents.jsonl"
+
+    def incident(self, number: int) -> Path:
+        return self.path / "incidents" / str(number)
+
+    def previous(self, stamp: str) -> Path:
+        return self.path / f"{PREVIOUS_PREFIX}{stamp}"
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write text to path through a temporary file, fsync and rename: never half a file."""
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with temporary.open("w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def write_json(path: Path, value: Any, indent: int = 2) -> None:
+    write_text_atomically(path, json.dumps(value, indent=indent) + "\n")
+
+
+def save_config(config: Config, run_dir: RunDir) -> None:
+    """The resolved config, as YAML for people and JSON for tools."""
+    write_text_atomically(run_dir.config_yaml, config.to_yaml())
+    write_text_atomically(run_dir.config_json, json.dumps(config.to_dict(), indent=2))
 
 
 @dataclass(frozen=True)
 class RunDirPlan:
     """What to do with the run directory, decided before anything is written."""
 
-    path: Path
+    run_dir: RunDir
     continues_run: bool  # it holds a run of the same config: resume it
     set_aside: bool  # it holds a run of another config and run.overwrite=true
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir.path
 
 
 def differences(before: Config, after: Config) -> list[str]:
@@ -63,25 +187,23 @@ def differences(before: Config, after: Config) -> list[str]:
 
 
 def plan_run_dir(config: Config) -> RunDirPlan:
-    """Decide how to use run.dir (or a new timestamped one); raise if it holds another run."""
-    if config.run.dir:
-        path = Path(config.run.dir)
-    else:
-        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{config.run.name}-{stamp}"
+    """Decide how to use run.dir (set by msjax.resolve); raise if it holds another run."""
+    if not config.run.dir:
+        raise ValueError("plan_run_dir needs a resolved config (run.dir set)")
+    run_dir = RunDir(Path(config.run.dir))
+    path = run_dir.path
     if path.exists() and not path.is_dir():
         raise MsjaxError(f"run.dir={path} exists and is not a directory")
-    saved_config = path / "config.yaml"
-    if not saved_config.exists():
-        return RunDirPlan(path, continues_run=False, set_aside=False)
+    if not run_dir.config_yaml.exists():
+        return RunDirPlan(run_dir, continues_run=False, set_aside=False)
     try:
-        previous = config_from_dict(yaml.safe_load(saved_config.read_text()) or {})
+        previous = config_from_dict(yaml.safe_load(run_dir.config_yaml.read_text()) or {})
     except (ConfigError, yaml.YAMLError) as error:
         previous, changed = None, [f"its config.yaml is not readable ({error})"]
     else:
         changed = differences(previous, config)
     if not changed:
-        return RunDirPlan(path, continues_run=True, set_aside=False)
+        return RunDirPlan(run_dir, continues_run=True, set_aside=False)
     if not config.run.overwrite:
         shown = "; ".join(changed[:3]) + (
             f"; and {len(changed) - 3} more" if len(changed) > 3 else ""
@@ -90,7 +212,7 @@ def plan_run_dir(config: Config) -> RunDirPlan:
             f"run.dir={path} holds a run of another config ({shown}); choose another run.dir, "
             "or set run.overwrite=true to start afresh there (the old files are kept aside)"
         )
-    return RunDirPlan(path, continues_run=False, set_aside=True)
+    return RunDirPlan(run_dir, continues_run=False, set_aside=True)
 
 
 def create_run_dir(plan: RunDirPlan) -> Path | None:
@@ -98,10 +220,9 @@ def create_run_dir(plan: RunDirPlan) -> Path | None:
     plan.path.mkdir(parents=True, exist_ok=True)
     if not plan.set_aside:
         return None
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    aside = plan.path / f"previous-{stamp}"
+    aside = plan.run_dir.previous(datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
     aside.mkdir()
     for entry in plan.path.iterdir():
-        if entry != aside and not entry.name.startswith("previous-"):
+        if entry != aside and not entry.name.startswith(PREVIOUS_PREFIX):
             shutil.move(str(entry), aside / entry.name)
     return aside

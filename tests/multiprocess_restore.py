@@ -73,8 +73,9 @@ def main() -> None:
 
     from msjax.checkpoint.fingerprint import fingerprints, leaf_name
     from msjax.checkpoint.manager import Checkpointer
-    from msjax.config import CheckpointConfig, check_device_count, config_from_dict
+    from msjax.config import CheckpointConfig, config_from_dict
     from msjax.parallel.mesh import build_mesh
+    from msjax.resolve import check_device_count
     from msjax.step import build_program
 
     reader = Checkpointer(args.checkpoints, CheckpointConfig(), read_only=True)

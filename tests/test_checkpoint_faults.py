@@ -372,8 +372,9 @@ def restore_in_this_process(checkpoints: Path, step: int) -> tuple[dict[str, np.
 
     from msjax.checkpoint.fingerprint import leaf_name
     from msjax.checkpoint.manager import Checkpointer
-    from msjax.config import CheckpointConfig, check_device_count, config_from_dict
+    from msjax.config import CheckpointConfig, config_from_dict
     from msjax.parallel.mesh import build_mesh
+    from msjax.resolve import check_device_count
     from msjax.step import build_program
 
     reader = Checkpointer(checkpoints, CheckpointConfig(), read_only=True)

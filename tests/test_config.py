@@ -13,12 +13,11 @@ from msjax.config import (
     Config,
     MeshConfig,
     TrainConfig,
-    check_device_count,
     config_from_dict,
     load_config,
-    resolve_mesh_shape,
 )
 from msjax.errors import ConfigError
+from msjax.resolve import check_device_count, resolve_mesh_shape
 from msjax.train import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from msjax.config import Config, check_device_count, config_from_dict
+from msjax.config import Config, config_from_dict
 from msjax.data.packing import pack_rows
 from msjax.data.tokenizer import ByteTokenizer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
+from msjax.resolve import check_device_count
 from msjax.step import build_program
 
 STEPS = 5

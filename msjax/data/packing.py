@@ -11,8 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-Batch = dict[str, np.ndarray]  # inputs, targets, positions, segment_ids: [rows, seq] int32
-BATCH_FIELDS = ("inputs", "targets", "positions", "segment_ids")
+Batch = dict[str, np.ndarray]  # msjax.batch.BATCH_FIELDS: [rows, seq] int32
 
 
 class TokenPiece(Protocol):

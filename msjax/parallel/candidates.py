@@ -1,7 +1,7 @@
 """Which meshes can run a config: parsing `data,fsdp,tensor` triples and enumerating factorisations.
 
 A mesh is rejected here, before any compile, when its sizes do not multiply to the device count or
-when the config's divisibility checks (`msjax.config.check_device_count`) fail for it.
+when the config's divisibility checks (`msjax.resolve.check_device_count`) fail for it.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from msjax.config import Config, check_device_count, resolve_mesh_shape
+from msjax.config import Config
 from msjax.errors import ConfigError, MsjaxError
+from msjax.resolve import check_device_count, resolve_mesh_shape
 
 
 @dataclass(frozen=True, order=True)

@@ -6,37 +6,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-from msjax.config import Config, MeshConfig, resolve_mesh_shape
+from msjax.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
-def configure_cpu_devices(config: Config) -> int | None:
-    """Before JAX starts: simulate as many CPU devices as the mesh needs.
+def mesh_device_count(mesh: MeshConfig, unknown: int = 1) -> int:
+    """The devices a mesh config asks for; an axis of -1 counts as `unknown`."""
+    return math.prod(unknown if size == -1 else size for size in mesh.axis_sizes().values())
 
-    `JAX_NUM_CPU_DEVICES`, when set, wins; otherwise the product of the mesh axes in the config
-    (an axis of -1 counts as 1). Only the CPU backend reads this, so GPU runs are unaffected.
-    Returns the count asked for, or None when the environment decides.
+
+def configure_cpu_devices(count: int) -> bool:
+    """Before JAX starts: simulate `count` CPU devices, unless `JAX_NUM_CPU_DEVICES` decides.
+
+    Only the CPU backend reads this, so GPU runs are unaffected. Returns whether it was set; a
+    backend that has already started keeps the devices it has.
     """
     if os.environ.get("JAX_NUM_CPU_DEVICES"):
-        return None
-    count = 1
-    for size in config.mesh.axis_sizes().values():
-        count *= max(size, 1)
-    jax.config.update("jax_num_cpu_devices", count)
-    return count
+        return False
+    with contextlib.suppress(RuntimeError):  # the backend already started (as in tests)
+        jax.config.update("jax_num_cpu_devices", count)
+        return True
+    return False
 
 
 def build_mesh(mesh: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh over devices (all of them by default) with -1 resolved; GSPMD (Auto) axes."""
+    """A mesh over devices (all of them by default) of a resolved mesh config; GSPMD axes."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh_shape(mesh, len(devices))
+    sizes = mesh.axis_sizes()
+    if -1 in sizes.values() or math.prod(sizes.values()) != len(devices):
+        raise ValueError(f"build_mesh needs a mesh resolved for {len(devices)} devices: {sizes}")
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     return jax.make_mesh(
         shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices

@@ -1,0 +1,173 @@
+"""Checks of a config that need no devices: ranges, combinations, divisibility by the mesh.
+
+`validate` runs on every loaded config; `check_divisible_by_mesh` runs again once the mesh
+sizes are resolved for the devices (msjax.resolve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from msjax.errors import ConfigError
+
+if TYPE_CHECKING:
+    from msjax.config import Config, ObserveConfig, ResilienceConfig
+
+
+def validate(config: Config) -> None:
+    """Check every combination that can be checked without devices; raise ConfigError if bad."""
+    model, mesh, train, data = config.model, config.mesh, config.train, config.data
+    for section in dataclasses.fields(config):
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
+    for index, source in enumerate(data.sources):
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(f"data.sources[{index}].weight={source.weight} must be positive")
+        if not source.path.strip():
+            raise ConfigError(f"data.sources[{index}].path is empty; give a path, glob or stdlib")
+    if data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
+    if data.prefetch_batches < 0:
+        raise ConfigError(f"data.prefetch_batches={data.prefetch_batches} must be >= 0")
+    positive = {
+        "model.vocab_size": model.vocab_size,
+        "model.num_layers": model.num_layers,
+        "model.embed_dim": model.embed_dim,
+        "model.num_heads": model.num_heads,
+        "model.num_kv_heads": model.num_kv_heads,
+        "model.mlp_dim": model.mlp_dim,
+        "data.seq_len": data.seq_len,
+        "data.max_corpus_mib": data.max_corpus_mib,
+        "train.steps": train.steps,
+        "train.global_batch": train.global_batch,
+        "train.eval_batches": train.eval_batches,
+        "optim.learning_rate": config.optim.learning_rate,
+    }
+    for name, value in positive.items():
+        if not value > 0:  # also catches NaN
+            raise ConfigError(f"{name}={value} must be positive")
+    if model.head_dim is not None and model.head_dim <= 0:
+        raise ConfigError(f"model.head_dim={model.head_dim} must be positive (or null)")
+    if model.head_dim is None and model.embed_dim % model.num_heads:
+        raise ConfigError(
+            f"model.embed_dim={model.embed_dim} is not divisible by model.num_heads="
+            f"{model.num_heads}; set model.head_dim or change one of them"
+        )
+    if model.resolved_head_dim % 2:
+        raise ConfigError(
+            f"the head dimension {model.resolved_head_dim} (model.embed_dim / model.num_heads, "
+            "or model.head_dim) must be even for rotary embeddings"
+        )
+    if model.num_heads % model.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={model.num_heads} must be a multiple of "
+            f"model.num_kv_heads={model.num_kv_heads} (grouped-query attention)"
+        )
+    if model.attention_window is not None and model.attention_window <= 0:
+        raise ConfigError(f"model.attention_window={model.attention_window} must be positive")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    checkpoint = config.checkpoint
+    if checkpoint.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps={checkpoint.every_steps} must be >= 0")
+    if checkpoint.every_minutes is not None and not checkpoint.every_minutes > 0:
+        raise ConfigError(f"checkpoint.every_minutes={checkpoint.every_minutes} must be positive")
+    if checkpoint.max_to_keep < 1:
+        raise ConfigError(f"checkpoint.max_to_keep={checkpoint.max_to_keep} must be at least 1")
+    if checkpoint.keep_every_steps is not None and checkpoint.keep_every_steps < 1:
+        raise ConfigError(
+            f"checkpoint.keep_every_steps={checkpoint.keep_every_steps} must be positive (or null)"
+        )
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={train.eval_every} must be 0 (never) or positive")
+    if config.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
+    if train.peak_tflops is not None and not train.peak_tflops > 0:
+        raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
+    _check_resilience(config.resilience)
+    _check_observe(config.observe)
+
+    sizes = mesh.axis_sizes()
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
+    check_divisible_by_mesh(config, sizes)
+
+
+def _check_observe(observe: ObserveConfig) -> None:
+    for key in ("straggler_window_steps", "straggler_windows"):
+        if getattr(observe, key) < 1:
+            raise ConfigError(f"observe.{key}={getattr(observe, key)} must be at least 1")
+    for key in ("straggler_min_excess", "straggler_min_score"):
+        if not getattr(observe, key) > 0:
+            raise ConfigError(f"observe.{key}={getattr(observe, key)} must be positive")
+    if observe.flight_recorder_events < 0:
+        raise ConfigError(
+            f"observe.flight_recorder_events={observe.flight_recorder_events} must be >= 0"
+        )
+
+
+def _check_resilience(resilience: ResilienceConfig) -> None:
+    for key in (
+        "heartbeat_every_s",
+        "step_deadline_s",
+        "compile_deadline_s",
+        "checkpoint_deadline_s",
+        "stop_grace_s",
+    ):
+        value = getattr(resilience, key)
+        if not value > 0:
+            raise ConfigError(f"resilience.{key}={value} must be positive")
+    if resilience.heartbeat_every_s >= resilience.step_deadline_s:
+        raise ConfigError(
+            f"resilience.heartbeat_every_s={resilience.heartbeat_every_s} must be shorter than "
+            f"resilience.step_deadline_s={resilience.step_deadline_s}"
+        )
+    if resilience.restart_backoff_s < 0:
+        raise ConfigError(
+            f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"
+        )
+    if resilience.max_restarts < 0:
+        raise ConfigError(f"resilience.max_restarts={resilience.max_restarts} must be >= 0")
+    if resilience.compile_cache_dir is not None and not resilience.compile_cache_dir.strip():
+        raise ConfigError("resilience.compile_cache_dir is empty; give a path (or null)")
+
+
+def check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:
+    """Checks against mesh axes whose sizes are known (an axis of -1 is checked later)."""
+    model, mesh = config.model, config.mesh
+    data_parallel = sizes["data"] * sizes["fsdp"]
+    if sizes["data"] > 0 and sizes["fsdp"] > 0 and config.train.global_batch % data_parallel:
+        raise ConfigError(
+            f"train.global_batch={config.train.global_batch} is not divisible by the "
+            f"data-parallel size mesh.data x mesh.fsdp = {data_parallel}"
+        )
+    tensor = sizes["tensor"]
+    if tensor > 0:
+        if model.num_heads % tensor:
+            raise ConfigError(
+                f"model.num_heads={model.num_heads} is not divisible by mesh.tensor={tensor}"
+            )
+        if model.mlp_dim % tensor:
+            raise ConfigError(
+                f"model.mlp_dim={model.mlp_dim} is not divisible by mesh.tensor={tensor}"
+            )
+        if model.vocab_size % tensor:
+            raise ConfigError(
+                f"model.vocab_size={model.vocab_size} is not divisible by mesh.tensor={tensor}; "
+                "pad the vocabulary to a multiple of it"
+            )
+        if mesh.sequence_parallel and config.data.seq_len % tensor:
+            raise ConfigError(
+                f"data.seq_len={config.data.seq_len} is not divisible by mesh.tensor={tensor}, "
+                "which mesh.sequence_parallel=true needs"
+            )
+    if sizes["fsdp"] > 0 and model.embed_dim % sizes["fsdp"]:
+        raise ConfigError(
+            f"model.embed_dim={model.embed_dim} is not divisible by mesh.fsdp={sizes['fsdp']}"
+        )

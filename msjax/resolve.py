@@ -1,0 +1,118 @@
+"""Resolve once: a loaded config plus the devices and backend it runs on give the run's config.
+
+Resolution fills in every choice that depends on where the run happens: the `-1` mesh axis, the
+kernel behind each `model.*_impl` (`auto` becomes what will actually run), and `run.dir`. It also
+checks that the mesh fits the devices. The resolved config is saved in the run directory and is
+what every part of a run reads; nothing downstream derives these choices again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import get_args
+
+from msjax.config import Config, MeshConfig, ModelConfig, check_divisible_by_mesh
+from msjax.errors import ConfigError
+
+RUNS_FOLDER = Path("runs")
+# Kernels with no interpreter: they run on a GPU or not at all.
+GPU_ONLY_IMPLS = ("cudnn", "triton")
+
+
+def impl_choices(key: str) -> tuple[str, ...]:
+    """What `model.<key>` accepts besides `auto`, read from the config's own type."""
+    choices = get_args(ModelConfig.__annotations__[key])
+    if not choices:  # annotations are strings under `from __future__ import annotations`
+        import typing
+
+        choices = get_args(typing.get_type_hints(ModelConfig)[key])
+    return tuple(choice for choice in choices if choice != "auto")
+
+
+IMPL_KEYS = ("attention_impl", "norm_impl", "loss_impl")
+
+
+def resolve_impl(impl: str, key: str, backend: str) -> str:
+    """`auto` -> `pallas` on GPU and `xla` elsewhere; a GPU-only kernel off GPU is a ConfigError.
+
+    key is the config knob's name in its section (`attention_impl`), so the message names the fix.
+    """
+    choices = impl_choices(key)
+    if impl not in ("auto", *choices):
+        raise ConfigError(
+            f"model.{key}={impl!r} is not accepted; choose one of auto, {', '.join(choices)}"
+        )
+    if impl == "auto":
+        return "pallas" if backend == "gpu" else "xla"
+    if impl in GPU_ONLY_IMPLS and backend != "gpu":
+        runnable = [choice for choice in ("auto", *choices) if choice not in GPU_ONLY_IMPLS]
+        raise ConfigError(
+            f"model.{key}={impl} needs a GPU, but this run's backend is {backend}; "
+            f"use {', '.join(runnable)}"
+        )
+    return impl
+
+
+def resolve_model(model: ModelConfig, backend: str) -> ModelConfig:
+    """The model section with each `*_impl` resolved to the implementation that will run."""
+    return dataclasses.replace(
+        model, **{key: resolve_impl(getattr(model, key), key, backend) for key in IMPL_KEYS}
+    )
+
+
+def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+    """Mesh axis sizes with -1 filled in; ConfigError if they cannot cover device_count exactly."""
+    sizes = mesh.axis_sizes()
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
+    known = 1
+    for size in sizes.values():
+        if size != -1:
+            known *= size
+    shape_text = " x ".join(f"{axis} {size}" for axis, size in sizes.items())
+    if -1 in sizes.values():
+        if device_count % known:
+            raise ConfigError(
+                f"mesh ({shape_text}) cannot fill {device_count} devices: "
+                f"{device_count} is not divisible by {known}"
+            )
+        sizes = {
+            axis: device_count // known if size == -1 else size for axis, size in sizes.items()
+        }
+    elif known != device_count:
+        raise ConfigError(
+            f"mesh ({shape_text}) has {known} devices but {device_count} are available; "
+            "make mesh.data x mesh.fsdp x mesh.tensor equal the device count or set one axis to -1"
+        )
+    return sizes
+
+
+def check_device_count(config: Config, device_count: int) -> Config:
+    """The config with -1 mesh axes resolved for device_count; ConfigError if it does not fit."""
+    sizes = resolve_mesh_shape(config.mesh, device_count)
+    resolved = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
+    check_divisible_by_mesh(resolved, sizes)
+    return resolved
+
+
+def default_run_dir(name: str, now: datetime | None = None) -> Path:
+    """runs/<name>-<UTC timestamp>: where a run goes when run.dir is not set."""
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+    return RUNS_FOLDER / f"{name}-{stamp}"
+
+
+def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
+    """The config with run.dir chosen (kept when set)."""
+    if config.run.dir:
+        return config
+    path = default_run_dir(config.run.name, now)
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
+
+
+def resolve(config: Config, device_count: int, backend: str) -> Config:
+    """The run's resolved config: mesh filled in and checked, kernels chosen, run.dir set."""
+    config = check_device_count(config, device_count)
+    config = dataclasses.replace(config, model=resolve_model(config.model, backend))
+    return resolve_run_dir(config)
