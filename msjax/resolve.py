@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import get_args
 
-from msjax.config import Config, MeshConfig, ModelConfig, check_divisible_by_mesh
+from msjax.config import Config, MeshConfig, ModelConfig
+from msjax.config_checks import check_divisible_by_mesh
 from msjax.errors import ConfigError
 
 RUNS_FOLDER = Path("runs")

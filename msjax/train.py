@@ -20,16 +20,11 @@ from typing import Any
 
 from msjax import __version__
 from msjax.cli import user_error
-from msjax.config import (
-    Config,
-    check_device_count,
-    config_from_dict,
-    load_config,
-    save_config,
-)
+from msjax.config import Config, config_from_dict, load_config
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.worker import NonFiniteLoss, leave_job_now
+from msjax.resolve import check_device_count, resolve_run_dir
 
 
 @dataclass(frozen=True)
@@ -108,28 +103,29 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
     import jax
     import jax.numpy as jnp
 
+    from msjax.batch import BATCH_FIELDS
     from msjax.checkpoint.manager import Checkpointer, checkpoint_dir, parse_resume_source
     from msjax.data.dataset import build_training_data
-    from msjax.data.packing import BATCH_FIELDS
     from msjax.data.pipeline import sharded_batches
     from msjax.launch.distributed import JobEnv, initialize_distributed
     from msjax.observe.flops import flops_per_step, mfu, peak_tflops_per_device
     from msjax.observe.loop_observer import LoopObserver
     from msjax.observe.metrics import MetricsWriter, ProgressLine
     from msjax.ops.dispatch import ATTENTION_IMPLS, LOSS_IMPLS, NORM_IMPLS, resolve_impl
-    from msjax.parallel.mesh import build_mesh, configure_cpu_devices
+    from msjax.parallel.mesh import build_mesh, configure_cpu_devices, mesh_device_count
     from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
     from msjax.resilience.worker import WorkerResilience, skip_update
-    from msjax.run_dir import create_run_dir, differences, plan_run_dir
+    from msjax.run_dir import RunDir, create_run_dir, differences, plan_run_dir, save_config
     from msjax.step import build_program
 
     started = time.perf_counter()
+    config = resolve_run_dir(config)
     plan = plan_run_dir(config)
     run_dir = plan.path
     resume_source = None
     if config.checkpoint.resume_from:
         resume_source = parse_resume_source(config.checkpoint.resume_from)
-    configure_cpu_devices(config)
+    configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
     compile_cache = enable_compile_cache(config.resilience, run_dir, job.launched)
@@ -150,7 +146,7 @@ def train(config: Config, progress_stream: Any = None) -> TrainResult:
         aside = create_run_dir(plan)
         if aside is not None:
             progress.message(f"run.overwrite=true: the earlier run in {run_dir} moved to {aside}")
-        save_config(config, run_dir)
+        save_config(config, RunDir(run_dir))
         (run_dir / "data.json").write_text(json.dumps(data.facts(), indent=2) + "\n")
     resilience = WorkerResilience(config, run_dir, jax.process_index(), job.attempt)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
