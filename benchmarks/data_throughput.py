@@ -32,7 +32,7 @@ from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.data.pipeline import sharded_batches  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
-from msjax.resolve import check_device_count  # noqa: E402
+from msjax.resolve import resolve  # noqa: E402
 from msjax.step import build_program  # noqa: E402
 
 WARMUP = 2  # batches or steps left out of each measurement (worker start-up, first dispatch)
@@ -97,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = [f"train.global_batch={args.global_batch}", "train.eval_every=0"]
     config = load_config(REPO / "configs" / "small.yaml", overrides)
-    config = check_device_count(config, jax.device_count())
+    config = resolve(config, jax.device_count(), jax.default_backend())
     data = build_training_data(config, print)
     program = build_program(config, build_mesh(config.mesh))
     print(

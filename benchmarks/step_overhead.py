@@ -32,7 +32,7 @@ from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.observe.flops import flops_per_step, measure_cpu_peak_tflops  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
-from msjax.resolve import check_device_count  # noqa: E402
+from msjax.resolve import resolve  # noqa: E402
 from msjax.step import build_program  # noqa: E402
 from msjax.train import train  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
         "mesh.data=-1",
     ]
     config = load_config(REPO / "configs" / "small.yaml", config_overrides)
-    config = check_device_count(config, jax.device_count())
+    config = resolve(config, jax.device_count(), jax.default_backend())
     print(
         f"configs/small.yaml on 1 {jax.devices()[0].platform} device, "
         f"batch {args.global_batch} x seq {args.seq_len}, {args.steps} steps "

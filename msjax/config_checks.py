@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 from msjax.errors import ConfigError
 
 if TYPE_CHECKING:
-    from msjax.config import Config, ObserveConfig, ResilienceConfig
+    from msjax.config import (
+        CheckpointConfig,
+        Config,
+        ModelConfig,
+        ObserveConfig,
+        ResilienceConfig,
+    )
 
 
 def validate(config: Config) -> None:
@@ -49,6 +55,29 @@ def validate(config: Config) -> None:
     for name, value in positive.items():
         if not value > 0:  # also catches NaN
             raise ConfigError(f"{name}={value} must be positive")
+    _check_model(model)
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
+    _check_checkpoint(config.checkpoint)
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={train.eval_every} must be 0 (never) or positive")
+    if config.optim.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
+    if train.peak_tflops is not None and not train.peak_tflops > 0:
+        raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
+    _check_resilience(config.resilience)
+    _check_observe(config.observe)
+
+    sizes = mesh.axis_sizes()
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
+    check_divisible_by_mesh(config, sizes)
+
+
+def _check_model(model: ModelConfig) -> None:
     if model.head_dim is not None and model.head_dim <= 0:
         raise ConfigError(f"model.head_dim={model.head_dim} must be positive (or null)")
     if model.head_dim is None and model.embed_dim % model.num_heads:
@@ -68,9 +97,9 @@ def validate(config: Config) -> None:
         )
     if model.attention_window is not None and model.attention_window <= 0:
         raise ConfigError(f"model.attention_window={model.attention_window} must be positive")
-    if not 0.0 <= data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
-    checkpoint = config.checkpoint
+
+
+def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
     if checkpoint.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps={checkpoint.every_steps} must be >= 0")
     if checkpoint.every_minutes is not None and not checkpoint.every_minutes > 0:
@@ -81,22 +110,6 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"checkpoint.keep_every_steps={checkpoint.keep_every_steps} must be positive (or null)"
         )
-    if train.eval_every < 0:
-        raise ConfigError(f"train.eval_every={train.eval_every} must be 0 (never) or positive")
-    if config.optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
-    if train.peak_tflops is not None and not train.peak_tflops > 0:
-        raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
-    _check_resilience(config.resilience)
-    _check_observe(config.observe)
-
-    sizes = mesh.axis_sizes()
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
-    if list(sizes.values()).count(-1) > 1:
-        raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
-    check_divisible_by_mesh(config, sizes)
 
 
 def _check_observe(observe: ObserveConfig) -> None:

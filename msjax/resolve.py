@@ -9,6 +9,7 @@ what every part of a run reads; nothing downstream derives these choices again.
 from __future__ import annotations
 
 import dataclasses
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import get_args
@@ -61,6 +62,11 @@ def resolve_model(model: ModelConfig, backend: str) -> ModelConfig:
     return dataclasses.replace(
         model, **{key: resolve_impl(getattr(model, key), key, backend) for key in IMPL_KEYS}
     )
+
+
+def mesh_device_count(mesh: MeshConfig, unknown: int = 1) -> int:
+    """The devices a mesh config asks for; an axis of -1 counts as `unknown`."""
+    return math.prod(unknown if size == -1 else size for size in mesh.axis_sizes().values())
 
 
 def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from msjax import ops
-from msjax.config import Config
+from msjax.batch import BATCH_FIELDS
+from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.models.transformer import Transformer
 from msjax.optim import (
     learning_rate_schedule,
@@ -26,14 +27,16 @@ from msjax.optim import (
     stacked_over_layers,
     weight_decay_mask,
 )
+from msjax.parallel.context import LogicalAxes
 from msjax.parallel.rules import (
     activation_placement,
     logical_axes_of,
     logical_axis_rules,
+    logical_to_spec,
     shardings_for,
 )
 
-Batch = dict[str, jax.Array]  # inputs, targets, positions, segment_ids: [batch, seq] int32
+Batch = dict[str, jax.Array]  # msjax.batch.BATCH_FIELDS: [batch, seq] int32
 Params = dict[str, Any]  # a pure nested dict of float32 arrays
 
 
@@ -112,53 +115,87 @@ class TrainProgram:
         )
 
 
-def build_program(config: Config, mesh: Mesh) -> TrainProgram:
-    """Shardings for state and batches, the optimizer, and the jitted train and eval steps."""
-    rules = logical_axis_rules(config)
+@dataclass(frozen=True)
+class ArrayAxes:
+    """The logical axis names of one optimizer-state array, as one pytree leaf.
+
+    A bare tuple would be flattened, and optax's states are themselves tuples (NamedTuples).
+    """
+
+    names: LogicalAxes  # () for arrays kept whole on every device (counters)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The train state of a config without its values: abstract arrays and their logical axes."""
+
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State  # nnx.Param variables holding jax.ShapeDtypeStruct
+    param_axes: Any  # pure dict like the params: a tuple of logical axis names per parameter
+    optimizer: optax.GradientTransformation
+    opt_state_shapes: optax.OptState  # jax.ShapeDtypeStruct leaves
+    opt_state_axes: optax.OptState  # the same tree with an ArrayAxes per array
+
+
+def state_layout(model: ModelConfig, optim: OptimConfig, total_steps: int) -> StateLayout:
+    """Parameter shapes and axes, the optimizer, and its state's shapes and axes; nothing allocated.
+
+    Optimizer moments take the axes of the parameter they follow; everything else (step counters)
+    is replicated. total_steps is `train.steps`, which the learning-rate schedule spans.
+    """
 
     def create() -> Transformer:
-        return Transformer(config.model, nnx.Rngs(params=config.run.seed))
+        return Transformer(model, nnx.Rngs(params=0))  # shapes only: the seed makes no values
 
     with nnx.use_eager_sharding(False):
         abstract_model = nnx.eval_shape(create)
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-    logical_axes = logical_axes_of(abstract_params)
-    param_shardings = shardings_for(logical_axes, mesh, rules)
-
-    schedule = learning_rate_schedule(config.optim, config.train.steps)
+    param_axes = logical_axes_of(abstract_params)
     optimizer = make_optimizer(
-        config.optim,
-        config.train.steps,
-        weight_decay_mask(logical_axes),
-        stacked_over_layers(logical_axes),
+        optim, total_steps, weight_decay_mask(param_axes), stacked_over_layers(param_axes)
     )
-    abstract_pure = nnx.to_pure_dict(abstract_params)
-    opt_shapes = jax.eval_shape(optimizer.init, abstract_pure)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shardings = optax.tree_map_params(
+    opt_state_shapes = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract_params))
+    wrapped = jax.tree.map(ArrayAxes, param_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
+    opt_state_axes = optax.tree_map_params(
         optimizer,
-        lambda _, sharding: sharding,
-        opt_shapes,
-        param_shardings,
-        transform_non_params=lambda _: replicated,
+        lambda _, axes: axes,
+        opt_state_shapes,
+        wrapped,
+        transform_non_params=lambda _: ArrayAxes(()),
+        is_leaf=lambda leaf: isinstance(leaf, ArrayAxes),
     )
+    return StateLayout(
+        graphdef, abstract_params, param_axes, optimizer, opt_state_shapes, opt_state_axes
+    )
+
+
+def build_program(config: Config, mesh: Mesh) -> TrainProgram:
+    """Shardings for state and batches, the optimizer, and the jitted train and eval steps."""
+    rules = logical_axis_rules(config)
+    layout = state_layout(config.model, config.optim, config.train.steps)
+    param_shardings = shardings_for(layout.param_axes, mesh, rules)
+    opt_shardings = jax.tree.map(
+        lambda axes: NamedSharding(mesh, logical_to_spec(axes.names, rules)),
+        layout.opt_state_axes,
+    )
+    schedule = learning_rate_schedule(config.optim, config.train.steps)
+    optimizer = layout.optimizer
+    replicated = NamedSharding(mesh, PartitionSpec())
     state_shardings = TrainState(replicated, param_shardings, opt_shardings)
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules["batch"], None))
 
     program = TrainProgram(
         config=config,
         mesh=mesh,
-        graphdef=graphdef,
-        abstract_params=abstract_params,
-        logical_axes=logical_axes,
+        graphdef=layout.graphdef,
+        abstract_params=layout.abstract_params,
+        logical_axes=layout.param_axes,
         optimizer=optimizer,
         schedule=schedule,
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
     )
-    batch_shardings = {
-        key: batch_sharding for key in ("inputs", "targets", "positions", "segment_ids")
-    }
+    batch_shardings = dict.fromkeys(BATCH_FIELDS, batch_sharding)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads = jax.value_and_grad(program.loss)(state.params, batch)

@@ -1,14 +1,5 @@
-"""Fused unembedding + cross-entropy in Pallas (Triton backend), never holding [tokens, vocab].
-
-The forward streams vocab tiles through an online log-sum-exp (as flash attention streams keys),
-so only [tokens] float32 leave the kernel. The backward walks the vocabulary in chunks: a kernel
-recomputes one chunk's logits and writes (softmax - onehot) * dloss in the compute dtype, and
-XLA's matmuls fold it into dhidden and dunembedding. `reference` is the plain-JAX loss.
-
-Under `shard_map` with the vocabulary split over a mesh axis (Megatron's vocab-parallel
-cross-entropy), each shard reduces its own columns and the shards merge their log-sum-exps and
-label logits with two small collectives over [tokens]; the backward needs only the merged
-log-sum-exp, so no shard ever sees another shard's logits.
+"""Fused unembedding + cross-entropy in Pallas (Triton backend), never holding [tokens, vocab],
+vocab-parallel under `shard_map`. `reference` is the plain-JAX loss.
 """
 
 from __future__ import annotations
@@ -23,6 +14,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+# The forward streams vocab tiles through an online log-sum-exp (as flash attention streams
+# keys), so only [tokens] float32 leave the kernel. The backward walks the vocabulary in chunks:
+# a kernel recomputes one chunk's logits and writes (softmax - onehot) * dloss in the compute
+# dtype, and XLA's matmuls fold it into dhidden and dunembedding.
+#
+# Under `shard_map` with the vocabulary split over a mesh axis (Megatron's vocab-parallel
+# cross-entropy), each shard reduces its own columns and the shards merge their log-sum-exps
+# and label logits with two small collectives over [tokens]; the backward needs only the merged
+# log-sum-exp, so no shard ever sees another shard's logits.
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 

@@ -1,9 +1,6 @@
 """Flash attention in Pallas (Triton backend): causal, sliding window, packed documents, GQA.
-
-FlashAttention-2 (Dao, 2023) forward and backward under one `jax.custom_vjp`. Key blocks that
-lie wholly outside a query block's causal window are never visited (the loop bounds skip them;
-MegaScale §3.1 needs this for sliding windows to pay off); only blocks on the window's edges
-are masked. The plain-XLA reference with the same signature is `reference` below.
+FlashAttention-2 (Dao, 2023) forward and backward under one `jax.custom_vjp`; `reference` is the
+plain-JAX attention with the same signature (from pallas_kernels.attention_reference).
 """
 
 from __future__ import annotations
@@ -18,9 +15,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from msjax.models.attention import dot_product_attention
+from pallas_kernels.attention_blocks import (
+    key_block_range,
+    loop_in_three,
+    query_block_range,
+    visible,
+)
+from pallas_kernels.attention_reference import dot_product_attention
 
-reference = dot_product_attention  # the plain-XLA attention every test compares against
+reference = dot_product_attention  # the plain-JAX attention every test compares against
+
+# Key blocks that lie wholly outside a query block's causal window are never visited, forward
+# or backward (the loop bounds of pallas_kernels.attention_blocks skip them; MegaScale §3.1
+# needs this for sliding windows to pay off); only blocks on the window's edges are masked.
 
 LOG2_E = math.log2(math.e)  # scores are kept in base 2: exp(x) == exp2(x * log2(e))
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, so max() of a masked row works
@@ -137,68 +144,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-# ---- which key blocks a query block visits (and which query blocks a key block visits) ----------
-
-
-def _key_block_range(q_start, block_q: int, block_k: int, window: int | None, num_k_blocks):
-    """(first, first_unmasked, end_unmasked, end) key-block indices for queries [q_start, +block_q).
-
-    Blocks in [first, first_unmasked) and [end_unmasked, end) straddle the window's far edge or
-    the diagonal and are masked; blocks in between are wholly visible; the rest are skipped.
-    """
-    q_end = q_start + block_q
-    end = jnp.minimum(pl.cdiv(q_end, block_k), num_k_blocks)
-    end_unmasked = (q_start + 1) // block_k  # key blocks ending at or before the first query
-    if window is None:
-        first = jnp.int32(0)
-        first_unmasked = jnp.int32(0)
-    else:
-        first = jnp.maximum(q_start - window + 1, 0) // block_k
-        first_unmasked = pl.cdiv(jnp.maximum(q_end - window, 0), block_k)
-    first_unmasked = jnp.clip(first_unmasked, first, end)
-    end_unmasked = jnp.clip(end_unmasked, first_unmasked, end)
-    return first, first_unmasked, end_unmasked, end
-
-
-def _query_block_range(k_start, block_q: int, block_k: int, window: int | None, num_q_blocks):
-    """(first, first_unmasked, end_unmasked, end) query blocks that see keys [k_start, +block_k)."""
-    k_end = k_start + block_k
-    first = k_start // block_q
-    first_unmasked = pl.cdiv(k_end - 1, block_q)  # query blocks starting at or after the last key
-    if window is None:
-        end = jnp.int32(num_q_blocks)
-        end_unmasked = jnp.int32(num_q_blocks)
-    else:
-        end = jnp.minimum(pl.cdiv(k_end - 1 + window, block_q), num_q_blocks)
-        end_unmasked = (k_start + window) // block_q
-    first_unmasked = jnp.clip(first_unmasked, first, end)
-    end_unmasked = jnp.clip(end_unmasked, first_unmasked, end)
-    return first, first_unmasked, end_unmasked, end
-
-
-def _visible(q_positions, k_positions, window: int | None, causal: bool, q_segments, k_segments):
-    """[block_q, block_k] booleans, or None when every pair is visible."""
-    mask = None
-    if causal:
-        mask = k_positions[None, :] <= q_positions[:, None]
-        if window is not None:
-            mask = mask & (q_positions[:, None] - k_positions[None, :] < window)
-    if q_segments is not None:
-        same = q_segments[:, None] == k_segments[None, :]
-        mask = same if mask is None else mask & same
-    return mask
-
-
-def _loop_in_three(bounds, body, carry):
-    """Run body(index, carry, masked) over the masked edge, the unmasked middle, the far edge."""
-    first, first_unmasked, end_unmasked, end = bounds
-    carry = lax.fori_loop(first, first_unmasked, functools.partial(body, masked=True), carry)
-    carry = lax.fori_loop(
-        first_unmasked, end_unmasked, functools.partial(body, masked=False), carry
-    )
-    return lax.fori_loop(end_unmasked, end, functools.partial(body, masked=True), carry)
-
-
 def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
@@ -230,7 +175,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, o_ref, lse_ref, *, static:
         v = v_ref[pl.ds(k_start, block_k), :]
         scores = _dot_t(q, k) * score_scale  # [block_q, block_k], base 2
         k_segments = None if segment_ref is None else segment_ref[pl.ds(k_start, block_k)]
-        mask = _visible(
+        mask = visible(
             q_positions, k_start + jnp.arange(block_k), window, masked, q_segments, k_segments
         )
         if mask is not None:
@@ -247,8 +192,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, segment_ref, o_ref, lse_ref, *, static:
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    bounds = _key_block_range(q_start, block_q, block_k, window, seq_len // block_k)
-    acc, row_max, row_sum = _loop_in_three(bounds, body, carry)
+    bounds = key_block_range(q_start, block_q, block_k, window, seq_len // block_k)
+    acc, row_max, row_sum = loop_in_three(bounds, body, carry)
     o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
     lse_ref[...] = row_max + jnp.log2(row_sum)  # base-2 log-sum-exp of the scaled scores
 
@@ -306,7 +251,7 @@ def _dkv_kernel(
     k_positions = k_start + jnp.arange(block_k)
     k_segments = None if segment_ref is None else segment_ref[pl.ds(k_start, block_k)]
     score_scale = static.scale * LOG2_E
-    bounds = _query_block_range(k_start, block_q, block_k, window, seq_len // block_q)
+    bounds = query_block_range(k_start, block_q, block_k, window, seq_len // block_q)
 
     def head(g, carry):
         def body(q_block, carry, masked: bool):
@@ -318,7 +263,7 @@ def _dkv_kernel(
             delta = delta_ref[g, pl.ds(q_start, block_q)]
             scores = _dot_t(q, k) * score_scale  # [block_q, block_k]
             q_segments = None if segment_ref is None else segment_ref[pl.ds(q_start, block_q)]
-            mask = _visible(
+            mask = visible(
                 q_start + jnp.arange(block_q), k_positions, window, masked, q_segments, k_segments
             )
             if mask is not None:
@@ -330,7 +275,7 @@ def _dkv_kernel(
             dk = dk + _dot(d_scores.T.astype(q.dtype), q)
             return dk, dv
 
-        return _loop_in_three(bounds, body, carry)
+        return loop_in_three(bounds, body, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -358,7 +303,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, segment_ref, do_ref, lse_ref, delta_ref, dq_
         v = v_ref[pl.ds(k_start, block_k), :]
         scores = _dot_t(q, k) * score_scale
         k_segments = None if segment_ref is None else segment_ref[pl.ds(k_start, block_k)]
-        mask = _visible(
+        mask = visible(
             q_positions, k_start + jnp.arange(block_k), window, masked, q_segments, k_segments
         )
         if mask is not None:
@@ -367,8 +312,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, segment_ref, do_ref, lse_ref, delta_ref, dq_
         d_scores = probs * (_dot_t(do, v) - delta[:, None])
         return dq + _dot(d_scores.astype(k.dtype), k)
 
-    bounds = _key_block_range(q_start, block_q, block_k, window, seq_len // block_k)
-    dq = _loop_in_three(bounds, body, jnp.zeros(q.shape, jnp.float32))
+    bounds = key_block_range(q_start, block_q, block_k, window, seq_len // block_k)
+    dq = loop_in_three(bounds, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
 
 

@@ -1,8 +1,6 @@
 """Fused RMSNorm in Pallas (Triton backend), optionally fused with the residual add before it.
 
-One read of x (and the residual), one write of the output (and the sum); the backward reads x,
-the upstream gradient and a per-row 1/rms saved by the forward, and sums the scale gradient
-over row blocks. `reference` and `reference_add` are the plain-JAX versions, same signatures.
+`reference` and `reference_add` are the plain-JAX versions, same signatures.
 """
 
 from __future__ import annotations
@@ -15,6 +13,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+# One read of x (and the residual), one write of the output (and the sum); the backward reads x,
+# the upstream gradient and a per-row 1/rms saved by the forward, and sums the scale gradient
+# over row blocks.
 
 
 def reference(x: jax.Array, scale: jax.Array, *, eps: float = 1e-5) -> jax.Array:

@@ -1,10 +1,5 @@
 """RMSNorm as raw Triton kernels called through jax-triton, alone or fused with the residual add.
-
-The one jax-triton op: a row-wise norm is the simplest kernel there is, and a raw Triton kernel
-states its schedule (one row per program, num_warps across the row) directly instead of through
-Pallas block specs. The backward saves nothing but a per-row 1/rms from the forward and sums the
-scale gradient from per-program partial sums in JAX. Import it on a GPU only: triton and
-jax-triton load with this module, and jax-triton does not import on a CPU-only jaxlib.
+Import it on a GPU only: triton and jax-triton load with it, and not on a CPU-only jaxlib.
 `reference` and `reference_add` are the plain-JAX versions from `pallas_kernels.rms_norm`.
 """
 
@@ -21,6 +16,11 @@ import triton.language as tl
 from pallas_kernels.rms_norm import norms_with_vjp, reference, reference_add
 
 __all__ = ["add_rms_norm", "reference", "reference_add", "rms_norm"]
+
+# The one jax-triton op: a row-wise norm is the simplest kernel there is, and a raw Triton kernel
+# states its schedule (one row per program, num_warps across the row) directly instead of
+# through Pallas block specs. The backward saves nothing but a per-row 1/rms from the forward
+# and sums the scale gradient from per-program partial sums in JAX.
 
 # The backward's per-program partial scale gradients ([programs, padded_dim] float32) stay at
 # most 1024 rows, 16 MiB at dim 4096, however many rows x has.

@@ -26,6 +26,7 @@ from msjax.data.stdlib_corpus import is_eval_document, load_corpus, stdlib_sourc
 from msjax.data.token_store import TokenStore
 from msjax.data.tokenizer import ByteTokenizer
 from msjax.models.transformer import Transformer
+from msjax.resolve import resolve_model
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
@@ -206,7 +207,7 @@ def test_model_on_a_packed_row_gives_each_document_the_logits_it_gets_alone():
         init_std=0.2,
     )  # fmt: skip
     with nnx.use_eager_sharding(False):
-        model = Transformer(config, nnx.Rngs(params=0))
+        model = Transformer(resolve_model(config, jax.default_backend()), nnx.Rngs(params=0))
     window = documents_stream([5, 9, 12, 20], seed=8)[: SEQ_LEN + 1]
     batch = pack_rows([window], SEQ_LEN, EOS, cross_document_attention=False)
     packed = model(

@@ -28,6 +28,7 @@ from msjax.config import MeshConfig, config_from_dict
 from msjax.errors import ConfigError
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import activation_placement
+from msjax.resolve import resolve_impl
 from pallas_kernels import cross_entropy as ce
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import rms_norm as rn
@@ -521,12 +522,28 @@ def test_vocab_parallel_cross_entropy_lowers_to_triton_with_its_merges_as_all_re
 
 
 def test_auto_picks_the_xla_reference_off_gpu_and_cudnn_there_is_a_one_line_error():
-    assert jax.default_backend() == "cpu"
-    assert ops.resolve_impl("auto", "model.attention_impl", ("xla", "pallas", "cudnn")) == "xla"
-    query, key = normal((1, 4, 2, 8), 0), normal((1, 4, 1, 8), 1)
+    backend = jax.default_backend()
+    assert backend == "cpu"
+    assert resolve_impl("auto", "attention_impl", backend) == "xla"
     with pytest.raises(ConfigError, match=r"model.attention_impl=cudnn needs a GPU") as error:
-        ops.attention(query, key, key, impl="cudnn")
+        resolve_impl("cudnn", "attention_impl", backend)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("impl", ["auto", "flash"])
+@pytest.mark.parametrize("op", ["attention", "rms_norm", "add_rms_norm", "token_losses"])
+def test_an_op_given_an_unresolved_impl_refuses_and_names_msjax_resolve(op, impl):
+    # `auto` depends on the backend: msjax.resolve chooses once per run, ops never guess.
+    qkv, hidden, scale = normal((1, 4, 2, 8), 0), normal((1, 4, 8), 1), jnp.ones(8)
+    unembedding, targets = normal((8, 16), 2), jnp.zeros((1, 4), jnp.int32)
+    calls = {
+        "attention": lambda: ops.attention(qkv, qkv, qkv, impl=impl),
+        "rms_norm": lambda: ops.rms_norm(hidden, scale, eps=1e-5, impl=impl),
+        "add_rms_norm": lambda: ops.add_rms_norm(hidden, hidden, scale, eps=1e-5, impl=impl),
+        "token_losses": lambda: ops.token_losses(hidden, unembedding, targets, impl=impl),
+    }
+    with pytest.raises(ValueError, match=rf"model\.\w+_impl='{impl}'.*msjax\.resolve"):
+        calls[op]()
 
 
 def test_model_config_accepts_the_impl_keys_and_names_the_choices_for_a_bad_one():

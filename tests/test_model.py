@@ -17,10 +17,12 @@ import pytest
 from flax import nnx
 
 from msjax.config import ModelConfig
-from msjax.models.attention import attention_mask, dot_product_attention, rotary_embedding
-from msjax.models.logical import constrain
+from msjax.models.attention import rotary_embedding
 from msjax.models.transformer import Transformer
 from msjax.observe.flops import count_params
+from msjax.parallel.context import constrain
+from msjax.resolve import resolve_model
+from pallas_kernels.attention_reference import attention_mask, dot_product_attention
 
 TINY = ModelConfig(
     vocab_size=64, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64
@@ -48,9 +50,10 @@ def random_qkv(
 
 
 def build(config: ModelConfig, seed: int = 0) -> Transformer:
-    # Parameters carry logical axis names; without eager sharding they need no mesh.
+    # Parameters carry logical axis names; without eager sharding they need no mesh. The ops run
+    # what a run on this backend would resolve `auto` to.
     with nnx.use_eager_sharding(False):
-        return Transformer(config, nnx.Rngs(params=seed))
+        return Transformer(resolve_model(config, jax.default_backend()), nnx.Rngs(params=seed))
 
 
 @nnx.jit

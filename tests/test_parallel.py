@@ -15,7 +15,7 @@ from msjax.data.packing import pack_rows
 from msjax.data.tokenizer import ByteTokenizer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
-from msjax.resolve import check_device_count
+from msjax.resolve import resolve
 from msjax.step import build_program
 
 STEPS = 5
@@ -59,7 +59,7 @@ def fixed_batches(config: Config) -> list[dict[str, np.ndarray]]:
 def train_losses(config: Config) -> list[float]:
     sizes = config.mesh.axis_sizes()
     device_count = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
-    config = check_device_count(config, device_count)
+    config = resolve(config, device_count, jax.default_backend())  # as a run does: impls chosen
     mesh = build_mesh(config.mesh, jax.devices()[:device_count])
     program = build_program(config, mesh)
     state = program.init_state()
@@ -107,7 +107,7 @@ def test_single_device_losses_fall_step_after_step(single_device_losses: list[fl
 
 
 def test_parameters_and_optimizer_state_are_born_sharded():
-    config = check_device_count(small_config(2, 2, 2), 8)
+    config = resolve(small_config(2, 2, 2), 8, jax.default_backend())
     mesh = build_mesh(config.mesh, jax.devices()[:8])
     program = build_program(config, mesh)
     state = program.init_state()

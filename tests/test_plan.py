@@ -14,12 +14,12 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 from msjax.config import ModelConfig, load_config
-from msjax.parallel.aot import compile_step
-from msjax.parallel.candidates import MeshShape, config_for_mesh, parse_mesh, valid_meshes
 from msjax.parallel.mesh import MESH_AXES
-from msjax.parallel.planning import estimate_communication, estimate_memory
-from msjax.parallel.prediction import MEGASCALE_TABLE2, Hardware, compare_with_table2
 from msjax.plan import main
+from msjax.planner.aot import compile_step
+from msjax.planner.candidates import MeshShape, config_for_mesh, parse_mesh, valid_meshes
+from msjax.planner.planning import estimate_communication, estimate_memory
+from msjax.planner.prediction import MEGASCALE_TABLE2, Hardware, compare_with_table2
 from msjax.step import build_program
 
 TINY = load_config("configs/tiny.yaml", ["train.global_batch=8"])

@@ -1,6 +1,6 @@
 """The mesh sweep: a row per mesh with XLA's memory, the compiled collectives and measured speed.
 
-The tiny config at global batch 8 is compiled once per mesh per process (`msjax.parallel.aot`
+The tiny config at global batch 8 is compiled once per mesh per process (`msjax.planner.aot`
 caches compiles), so `tests/test_plan.py` checks the memory model on these same programs.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from msjax.config import load_config
-from msjax.parallel.candidates import MeshShape
-from msjax.sweep import main, measure_mesh, resolve_meshes
+from msjax.planner.candidates import MeshShape
+from msjax.planner.sweep import measure_mesh, resolve_meshes
+from msjax.sweep import main
 
 CONFIG = "configs/tiny.yaml"
 OVERRIDES = ["train.global_batch=8"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -15,6 +16,7 @@ import yaml
 from msjax.config import config_from_dict, load_config
 from msjax.observe.flops import flops_per_step
 from msjax.observe.metrics import read_metrics
+from msjax.resolve import resolve
 from msjax.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +88,11 @@ def test_loss_falls_and_validation_is_recorded(short_run):
 def test_resolved_config_is_saved_in_the_run_dir(short_run):
     config, result, _ = short_run
     saved = config_from_dict(yaml.safe_load((result.run_dir / "config.yaml").read_text()))
-    assert saved == config
+    assert saved == resolve(config, jax.device_count(), jax.default_backend())
+    # what resolution chose on this backend: the kernels that ran, not `auto`
+    assert (saved.model.attention_impl, saved.model.norm_impl, saved.model.loss_impl) == (
+        ("xla",) * 3 if jax.default_backend() != "gpu" else ("pallas",) * 3
+    )
 
 
 def test_same_seed_gives_the_same_losses_and_another_seed_does_not(short_run, tmp_path):

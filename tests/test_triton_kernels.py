@@ -25,8 +25,9 @@ from test_config import SMALL_RUN, assert_one_line_user_error, run_cli
 from test_kernels import assert_close, normal, rounded, value_and_vjp
 
 from msjax import ops
+from msjax.config import Config, ModelConfig
 from msjax.errors import ConfigError
-from msjax.ops.dispatch import NORM_IMPLS, resolve_impl
+from msjax.resolve import resolve, resolve_impl, resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = jax.default_backend() == "gpu"
@@ -36,8 +37,9 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="checks the refusal off GPU")
 # ---- 1. off GPU: nothing imports jax-triton, and `triton` is a one-line error -------------------
 
 # A fresh interpreter (pytest's own may hold anything) that records every attempt to import
-# triton or jax_triton, failed ones too: import msjax, its models and ops and every Pallas kernel
-# module, run the norm under each impl, then import the jax-triton kernel module.
+# triton or jax_triton, failed ones too: import msjax, its models, ops, kernel context and
+# resolution and every Pallas kernel module, resolve each norm impl as a run does and run the
+# norm under what it resolves to, then import the jax-triton kernel module.
 IMPORT_PROBE = """
 import importlib, importlib.abc, json, pkgutil, sys
 
@@ -50,8 +52,10 @@ class Watch(importlib.abc.MetaPathFinder):
         return None  # the ordinary finders still import it
 
 sys.meta_path.insert(0, Watch())
+import jax
 import jax.numpy as jnp
 import msjax, msjax.models, msjax.ops, msjax.train, pallas_kernels
+import msjax.models.attention, msjax.models.transformer, msjax.parallel.context, msjax.resolve
 from msjax.errors import ConfigError
 
 for module in pkgutil.iter_modules(pallas_kernels.__path__):
@@ -61,10 +65,12 @@ x = jnp.ones((2, 8))
 refused = []
 for impl in ("auto", "xla", "pallas", "triton"):
     try:
-        msjax.ops.add_rms_norm(x, x, jnp.ones(8), eps=1e-5, impl=impl)
-        msjax.ops.rms_norm(x, jnp.ones(8), eps=1e-5, impl=impl)
+        resolved = msjax.resolve.resolve_impl(impl, "norm_impl", jax.default_backend())
     except ConfigError:
         refused.append(impl)
+        continue
+    msjax.ops.add_rms_norm(x, x, jnp.ones(8), eps=1e-5, impl=resolved)
+    msjax.ops.rms_norm(x, jnp.ones(8), eps=1e-5, impl=resolved)
 before = list(asked)
 try:
     import pallas_kernels.triton_rms_norm
@@ -103,16 +109,18 @@ def test_the_triton_kernel_module_is_what_asks_for_jax_triton(import_probe):
 
 
 @cpu_only
-@pytest.mark.parametrize("op", ["resolve_impl", "rms_norm", "add_rms_norm"])
-def test_triton_norm_off_gpu_is_a_one_line_config_error(op):
-    x = normal((2, 8), 0)
+@pytest.mark.parametrize("step", ["resolve_impl", "resolve_model", "resolve"])
+def test_triton_norm_off_gpu_is_a_one_line_config_error(step):
+    # Refused where a run chooses its kernels, before any op could import jax-triton.
+    backend = jax.default_backend()
+    model = ModelConfig(norm_impl="triton")
     calls = {
-        "resolve_impl": lambda: resolve_impl("triton", "model.norm_impl", NORM_IMPLS),
-        "rms_norm": lambda: ops.rms_norm(x, x[0], eps=1e-5, impl="triton"),
-        "add_rms_norm": lambda: ops.add_rms_norm(x, x, x[0], eps=1e-5, impl="triton"),
+        "resolve_impl": lambda: resolve_impl("triton", "norm_impl", backend),
+        "resolve_model": lambda: resolve_model(model, backend),
+        "resolve": lambda: resolve(Config(model=model), jax.device_count(), backend),
     }
     with pytest.raises(ConfigError, match=r"model.norm_impl=triton needs a GPU") as error:
-        calls[op]()
+        calls[step]()
     assert "\n" not in str(error.value)
     assert "auto, xla, pallas" in str(error.value)  # what would run instead
 

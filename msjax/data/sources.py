@@ -7,7 +7,6 @@ document's tokens followed by EOS. Packing the streams into sequences is `pipeli
 from __future__ import annotations
 
 import glob
-import gzip
 import hashlib
 import json
 import os
@@ -22,6 +21,7 @@ import numpy as np
 
 from msjax.config import DataConfig, SourceConfig
 from msjax.data.stdlib_corpus import is_eval_document, select_stdlib_documents
+from msjax.data.text_files import decode_utf8, text_documents
 from msjax.data.token_store import (
     TokenStore,
     TokenStoreWriter,
@@ -29,7 +29,7 @@ from msjax.data.token_store import (
     open_token_store,
     write_atomically,
 )
-from msjax.data.tokenizer import INSTALL_HINT, ByteTokenizer, Tokenizer, token_dtype
+from msjax.data.tokenizer import ByteTokenizer, Tokenizer, token_dtype
 from msjax.errors import MsjaxError
 
 # Bump when what a cached store holds for the same inputs changes (document rule, EOS placement).
@@ -152,7 +152,7 @@ def _text_source(
     def documents() -> Iterator[tuple[bool, str | bytes, int]]:
         for path, relative in files:
             replaced_in_file = 0
-            for index, text, replaced in _text_documents(path, source.text_field):
+            for index, text, replaced in text_documents(path, source.text_field):
                 replaced_in_file += replaced
                 # The stdlib rule (is_eval_document) with the document's index in its file.
                 held_out = zlib.crc32(f"{relative}:{index}".encode()) < data.eval_fraction * 2**32
@@ -162,106 +162,6 @@ def _text_source(
 
     facts = {"kind": "text", "num_files": len(files), "files": files_facts}
     return _cached_streams(source.path, key, facts, documents, tokenizer, cache_dir, report)
-
-
-def _text_documents(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
-    """(document index, text, undecodable sequences replaced) of each non-empty document."""
-    name = path.name.lower()
-    if path.stat().st_size == 0:
-        raise MsjaxError(f"{path}: empty file; a data source file needs at least one document")
-    if name.endswith(".txt"):
-        text, replaced = _decode(path.read_bytes())
-        records: Iterator[tuple[int, str, int]] = iter([(0, text, replaced)])
-    elif name.endswith(".parquet"):
-        records = _parquet_records(path, text_field)
-    else:
-        records = _jsonl_records(path, text_field)
-    any_record = False
-    for index, text, replaced in records:
-        any_record = True
-        if text:
-            yield index, text, replaced
-    if not any_record:
-        raise MsjaxError(f"{path}: empty file; a data source file needs at least one document")
-
-
-def _jsonl_records(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    index = 0
-    with opener(path, "rb") as lines:
-        try:
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                decoded, replaced = _decode(line)
-                try:
-                    record = json.loads(decoded)
-                except json.JSONDecodeError:
-                    raise MsjaxError(f"{path} line {line_number}: not valid JSON") from None
-                if not isinstance(record, dict) or text_field not in record:
-                    raise MsjaxError(
-                        f"{path} line {line_number}: no field {text_field!r}; set text_field "
-                        "of this data source to the field holding the text"
-                    )
-                text = record[text_field]
-                if not isinstance(text, str):
-                    raise MsjaxError(
-                        f"{path} line {line_number}: field {text_field!r} holds "
-                        f"{type(text).__name__}, not text"
-                    )
-                text, replaced_in_text = _without_surrogates(text)
-                yield index, text, replaced + replaced_in_text
-                index += 1
-        except (gzip.BadGzipFile, EOFError, zlib.error):
-            raise MsjaxError(f"{path}: not a readable gzip file") from None
-
-
-def _parquet_records(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
-    try:
-        import pyarrow.parquet
-    except ImportError:
-        raise MsjaxError(
-            f"{path}: reading .parquet needs the pyarrow package; {INSTALL_HINT}"
-        ) from None
-    try:
-        parquet = pyarrow.parquet.ParquetFile(path)
-    except Exception:  # pyarrow raises ArrowInvalid / OSError variants for non-parquet bytes
-        raise MsjaxError(f"{path}: not a readable parquet file") from None
-    columns = parquet.schema_arrow.names
-    if text_field not in columns:
-        raise MsjaxError(
-            f"{path}: no column {text_field!r}; set text_field of this data source to one of "
-            + ", ".join(columns)
-        )
-    index = 0
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            replaced = 0
-            if value is None:
-                value = ""
-            elif isinstance(value, bytes):
-                value, replaced = _decode(value)
-            elif not isinstance(value, str):
-                raise MsjaxError(f"{path}: column {text_field!r} holds {type(value).__name__}")
-            yield index, value, replaced
-            index += 1
-
-
-def _decode(raw: bytes) -> tuple[str, int]:
-    """UTF-8 text of raw with each undecodable sequence as U+FFFD, and how many were replaced."""
-    text = raw.decode("utf-8", errors="replace")
-    # U+FFFD already in the input (EF BF BD) decodes to one character each and is not counted.
-    return text, text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
-
-
-def _without_surrogates(text: str) -> tuple[str, int]:
-    """JSON may escape lone surrogates (\\ud800), which no tokenizer can encode: replace them."""
-    try:
-        text.encode("utf-8")
-        return text, 0
-    except UnicodeEncodeError:
-        cleaned = text.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
-        return cleaned, cleaned.count("\ufffd") - text.count("\ufffd")
 
 
 def _report_replaced(report: Report, path: Path, replaced: int) -> None:
@@ -305,7 +205,7 @@ def _stdlib_source(
             if raw_bytes:
                 yield held_out, raw, 0
                 continue
-            text, replaced = _decode(raw)
+            text, replaced = decode_utf8(raw)
             if replaced:
                 _report_replaced(report, root / relative, replaced)
             yield held_out, text, replaced

@@ -7,18 +7,16 @@ with a code per outcome (msjax.resilience.exit_codes, launch/README.md).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
-from pathlib import Path
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.errors import MsjaxError
 from msjax.resilience.faults import parse_faults
+from msjax.resolve import mesh_device_count, resolve_run_dir
 
 DEFAULT_PORT = 29500
 
@@ -81,10 +79,9 @@ def slurm_layout(environ: Mapping[str, str]) -> tuple[int, int, str]:
 
 
 def default_devices_per_proc(config: Config, num_processes: int) -> int | None:
-    sizes = list(config.mesh.axis_sizes().values())
-    if -1 in sizes:
+    if -1 in config.mesh.axis_sizes().values():
         return None
-    total = math.prod(sizes)
+    total = mesh_device_count(config.mesh)
     if total % num_processes:
         raise MsjaxError(
             f"the mesh's {total} devices do not split over {num_processes} processes; "
@@ -93,24 +90,25 @@ def default_devices_per_proc(config: Config, num_processes: int) -> int | None:
     return total // num_processes
 
 
-def run_dir_for(config: Config) -> tuple[Path, list[str]]:
-    """The run dir every worker must agree on, and the override that pins it if unset."""
-    if config.run.dir:
-        return Path(config.run.dir), []
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    path = Path("runs") / f"{config.run.name}-{stamp}"
-    return path, [f"run.dir={path}"]
+def job_config(train_args: list[str], max_restarts: int | None) -> Config:
+    """The trainer's arguments read once: the config every worker runs, run.dir chosen."""
+    from msjax.train import parse_args as parse_train_args
+
+    train = parse_train_args(train_args)
+    if train.print_config:
+        raise MsjaxError("--print-config: run python -m msjax.train --print-config instead")
+    overrides = list(train.overrides)
+    if max_restarts is not None:
+        overrides.append(f"resilience.max_restarts={max_restarts}")
+    return resolve_run_dir(load_config(train.config, overrides))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from msjax.resilience.supervisor import JobLayout, Supervisor
-    from msjax.run_dir import create_run_dir, plan_run_dir
-    from msjax.train import parse_args as parse_train_args
+    from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
 
     try:
         args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
-        if args.max_restarts is not None:
-            train_args = [*train_args, f"resilience.max_restarts={args.max_restarts}"]
         nnodes, node_rank, coordinator = args.nnodes, args.node_rank, args.coordinator
         if args.cluster == "slurm":
             nnodes, node_rank, coordinator = slurm_layout(os.environ)
@@ -123,26 +121,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise MsjaxError("--nnodes > 1 needs --coordinator HOST:PORT (or --cluster slurm)")
         if args.fault:
             parse_faults(args.fault)
-        train = parse_train_args(train_args)
-        if train.print_config:
-            raise MsjaxError("--print-config: run python -m msjax.train --print-config instead")
-        config = load_config(train.config, train.overrides)
+        config = job_config(train_args, args.max_restarts)
         devices = args.devices_per_proc
         if devices is None:
             devices = default_devices_per_proc(config, args.nprocs * nnodes)
         elif devices < 1:
             raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
-        run_dir, pin = run_dir_for(config)
-        if pin:
-            config = load_config(train.config, [*train.overrides, *pin])
         plan = plan_run_dir(config)  # another run's config there: refused before any worker
         if node_rank == 0:
             aside = create_run_dir(plan)
             if aside is not None:
-                print(f"msjax.launch: the earlier run in {run_dir} moved to {aside}")
-        run_dir.mkdir(parents=True, exist_ok=True)
+                print(f"msjax.launch: the earlier run in {plan.path} moved to {aside}")
+        plan.path.mkdir(parents=True, exist_ok=True)
+        # Workers read this file rather than parsing the arguments again.
+        write_text_atomically(plan.run_dir.job_config, config.to_yaml())
+        worker_args = ["--config", str(plan.run_dir.job_config)]
         layout = JobLayout(args.nprocs, devices, nnodes, node_rank, coordinator)
-        supervisor = Supervisor(config, run_dir, [*train_args, *pin], layout, faults=args.fault)
+        supervisor = Supervisor(config, plan.path, worker_args, layout, faults=args.fault)
     except MsjaxError as error:
         return user_error("msjax.launch", error)
     return supervisor.run()

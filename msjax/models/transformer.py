@@ -13,7 +13,7 @@ from flax import nnx
 from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
-from msjax.models.logical import constrain
+from msjax.parallel.context import constrain
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
 
@@ -25,7 +25,7 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) 
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale, computed in float32 (msjax.ops: the XLA reference or a kernel)."""
 
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, impl: str = "auto"):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, impl: str = "xla"):
         self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
         self.eps = eps
         self.impl = impl

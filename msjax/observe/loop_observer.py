@@ -1,5 +1,5 @@
-"""What the training loop tells its observers: per-rank timing (rank_timing.py) and the flight
-recorder (flight_recorder.py), behind one object with one call per loop event."""
+"""Per-rank timing (rank_timing.py) and the flight recorder (flight_recorder.py) as one listener
+of the train loop's events."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from msjax.config import Config
+from msjax.loop_events import LoopEvents
 from msjax.observe.flight_recorder import FlightRecorder
 from msjax.observe.rank_timing import RankTiming
 
 
-class LoopObserver:
+class LoopObserver(LoopEvents):
     """Per-rank timing and flight recording for one process's loop; each may be off by config.
 
-    Use as a context manager around the loop: leaving it by an exception records `failed` and
-    dumps the flight record; a normal end calls close(final_step) after the last save.
+    A loop that fails records `failed` and dumps the flight record; a normal end closes it after
+    the last save.
     """
 
     def __init__(
@@ -53,15 +54,36 @@ class LoopObserver:
             self.timing.step_begin(step)
         self.record("step_begin", step)
 
-    def data_ready(self, data_wait_s: float) -> None:
+    def batch_ready(self, step: int, data_wait_s: float) -> None:
         if self.timing is not None:
             self.timing.data_ready(data_wait_s)
+
+    def step_dispatched(self, step: int) -> None:
+        self.record("step_dispatched", step)
 
     def result_fetched(self, step: int, waited_s: float) -> None:
         """The result of `step` arrived after waiting waited_s (for every rank's share of it)."""
         if self.timing is not None:
             self.timing.result_waited(waited_s)
         self.record("step_end", step)
+
+    def eval_begin(self, step: int) -> None:
+        self.record("eval_begin", step)
+
+    def eval_end(self, step: int, loss: float) -> None:
+        self.record("eval_end", step)
+
+    def save_begin(self, step: int) -> None:
+        self.record("checkpoint_begin", step)
+
+    def save_end(self, step: int, blocked_s: float | None) -> None:
+        self.record("checkpoint_end", step)
+
+    def run_end(self, final_step: int) -> None:
+        self.close(final_step)
+
+    def run_failed(self) -> None:
+        self.close(event="failed")
 
     def close(self, final_step: int | None = None, event: str = "finished") -> None:
         if self._closed:
@@ -71,10 +93,3 @@ class LoopObserver:
             self.recorder.close(event, final_step)
         if self.timing is not None:
             self.timing.close()
-
-    def __enter__(self) -> LoopObserver:
-        return self
-
-    def __exit__(self, error_type: type | None, *rest: object) -> None:
-        if error_type is not None:
-            self.close(event="failed")

@@ -1,7 +1,5 @@
 """Causal grouped-query attention: the XLA reference, the Pallas flash kernel, or cuDNN.
 
-All three take [batch, seq, heads, head_dim] queries and [batch, seq, kv_heads, head_dim] keys
-and values, a sliding window and segment ids, and return what `dot_product_attention` returns.
 The kernels run per shard: batch over the data axes, heads over `tensor`, whole sequences.
 """
 
@@ -11,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from msjax.models.attention import dot_product_attention
-from msjax.ops.dispatch import ATTENTION_IMPLS, interpret_kernels, resolve_impl
-from msjax.ops.sharding import installed_mesh, per_shard
+from msjax.ops.dispatch import resolved_impl
+from msjax.ops.sharding import per_shard
+from msjax.parallel.context import interpret_kernels, kernel_mesh
+from pallas_kernels.attention_reference import dot_product_attention
 from pallas_kernels.flash_attention import flash_attention
 
 QUERY = ("batch", None, "heads", None)  # seq and head_dim stay whole inside a kernel
@@ -28,10 +27,13 @@ def attention(
     *,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
-    impl: str = "auto",
+    impl: str = "xla",
 ) -> jax.Array:
-    """Causal attention by `impl` (auto | xla | pallas | cudnn); see msjax.models.attention."""
-    impl = resolve_impl(impl, "model.attention_impl", ATTENTION_IMPLS)
+    """Causal attention by `impl` (xla | pallas | cudnn), as `dot_product_attention` computes it.
+
+    query: [batch, seq, heads, head_dim]; key, value: [batch, seq, kv_heads, head_dim].
+    """
+    impl = resolved_impl(impl, "attention_impl")
     if impl == "xla":
         return dot_product_attention(query, key, value, window=window, segment_ids=segment_ids)
     num_heads, num_kv_heads = query.shape[2], key.shape[2]
@@ -63,7 +65,7 @@ def _kv_heads_of_local_queries(
     Query head h reads kv head h // group. With `tensor` splitting query heads and not kv heads
     (kv_heads not divisible by it), shard t holds query heads [t*local, (t+1)*local).
     """
-    mesh = installed_mesh()
+    mesh = kernel_mesh()
     if mesh is None or key.shape[2] != num_kv_heads or local_heads == num_heads:
         return key, value  # kv heads are split alongside the query heads (or nothing is split)
     group = num_heads // num_kv_heads

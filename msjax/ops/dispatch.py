@@ -1,39 +1,28 @@
-"""Which implementation an op runs: `auto` resolves by backend; impossible choices are errors."""
+"""The check every op makes of its `impl`: the concrete choice msjax.resolve made for the run."""
 
 from __future__ import annotations
 
-import jax
+import functools
 
-from msjax.errors import ConfigError
-
-# What each `model.*_impl` key accepts besides `auto`.
-ATTENTION_IMPLS = ("xla", "pallas", "cudnn")
-NORM_IMPLS = ("xla", "pallas", "triton")
-LOSS_IMPLS = ("xla", "pallas")
-GPU_ONLY_IMPLS = ("cudnn", "triton")  # no interpreter off GPU
+from msjax.resolve import impl_choices
 
 
-def resolve_impl(impl: str, key: str, choices: tuple[str, ...]) -> str:
-    """`auto` -> `pallas` on GPU and `xla` elsewhere; `cudnn` or `triton` off GPU is a ConfigError.
+def resolved_impl(impl: str, key: str) -> str:
+    """impl, if it is a concrete choice for `model.<key>` (`norm_impl`); ValueError otherwise.
 
-    key names the config knob (`model.attention_impl`) so the message points at the fix.
+    `auto` depends on the backend, which ops do not decide: msjax.resolve chooses once per run,
+    so every part of the run agrees on what runs.
     """
-    if impl not in ("auto", *choices):
-        raise ConfigError(
-            f"{key}={impl!r} is not accepted; choose one of auto, {', '.join(choices)}"
-        )
-    backend = jax.default_backend()
-    if impl == "auto":
-        return "pallas" if backend == "gpu" else "xla"
-    if impl in GPU_ONLY_IMPLS and backend != "gpu":
-        runnable = [choice for choice in ("auto", *choices) if choice not in GPU_ONLY_IMPLS]
-        raise ConfigError(
-            f"{key}={impl} needs a GPU, but this run's backend is {backend}; "
-            f"use {', '.join(runnable)}"
+    choices = _concrete_choices(key)
+    if impl not in choices:
+        raise ValueError(
+            f"model.{key}={impl!r} reached msjax.ops unresolved; ops run one of "
+            f"{', '.join(choices)}: resolve the config first with msjax.resolve "
+            "(resolve, or resolve_model for the model section)"
         )
     return impl
 
 
-def interpret_kernels() -> bool:
-    """Pallas kernels run in the interpreter (slow, exact) everywhere but on a GPU."""
-    return jax.default_backend() != "gpu"
+@functools.cache
+def _concrete_choices(key: str) -> tuple[str, ...]:
+    return impl_choices(key)  # read from ModelConfig's Literal types, once per key

@@ -1,9 +1,5 @@
-"""Per-token cross-entropy of the unembedding: XLA logits + optax, or the fused Pallas kernel.
-
-`xla` materialises [batch, seq, vocab] float32 logits (split over `tensor` along vocab) and
-takes optax's cross-entropy of them. `pallas` streams the vocabulary through the fused kernel
-per shard and never holds the logits; with the vocabulary split over `tensor`, the shards merge
-their partial log-sum-exps (vocab-parallel cross-entropy).
+"""Per-token cross-entropy of the unembedding: XLA logits + optax, or the fused Pallas kernel
+that never holds the logits (vocab-parallel per shard when `tensor` splits the vocabulary).
 """
 
 from __future__ import annotations
@@ -12,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from msjax.models.logical import constrain
-from msjax.ops.dispatch import LOSS_IMPLS, interpret_kernels, resolve_impl
-from msjax.ops.sharding import installed_mesh, per_shard
+from msjax.ops.dispatch import resolved_impl
+from msjax.ops.sharding import per_shard
+from msjax.parallel.context import constrain, interpret_kernels, kernel_mesh
 from pallas_kernels.cross_entropy import cross_entropy
 
 HIDDEN = ("batch", "seq", None)  # the final norm's output: embed gathered whole in a kernel
@@ -31,12 +27,18 @@ def logits(hidden: jax.Array, unembedding: jax.Array) -> jax.Array:
 
 
 def token_losses(
-    hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, impl: str = "auto"
+    hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, impl: str = "xla"
 ) -> jax.Array:
-    """-log softmax(hidden @ unembedding)[target] per token: [batch, seq] float32."""
-    if resolve_impl(impl, "model.loss_impl", LOSS_IMPLS) == "xla":
+    """-log softmax(hidden @ unembedding)[target] per token: [batch, seq] float32.
+
+    `xla` materialises [batch, seq, vocab] float32 logits (split over `tensor` along vocab) and
+    takes optax's cross-entropy of them. `pallas` streams the vocabulary through the fused kernel
+    per shard; with the vocabulary split over `tensor`, the shards merge their partial
+    log-sum-exps (vocab-parallel cross-entropy).
+    """
+    if resolved_impl(impl, "loss_impl") == "xla":
         return optax.softmax_cross_entropy_with_integer_labels(logits(hidden, unembedding), targets)
-    mesh = installed_mesh()
+    mesh = kernel_mesh()
     vocab_axes = None if mesh is None else mesh.spec(("vocab",))[0]
 
     def local(hidden, unembedding, targets):

@@ -1,8 +1,5 @@
-"""RMSNorm, alone or fused with the residual add before it: the XLA reference or a kernel.
-
-The kernels (Pallas, or raw Triton through jax-triton) run per shard over the residual stream's
-logical axes (batch over the data axes, seq over `tensor` under sequence parallelism); the scale
-is gathered whole on every shard. jax-triton is imported only once `triton` has resolved, on a GPU.
+"""RMSNorm, alone or fused with the residual add before it: the XLA reference or a kernel, run per
+shard over the residual stream's logical axes with the scale whole on every shard.
 """
 
 from __future__ import annotations
@@ -12,9 +9,9 @@ from types import ModuleType
 
 import jax
 
-from msjax.models.logical import LogicalAxes
-from msjax.ops.dispatch import NORM_IMPLS, interpret_kernels, resolve_impl
+from msjax.ops.dispatch import resolved_impl
 from msjax.ops.sharding import per_shard
+from msjax.parallel.context import LogicalAxes, interpret_kernels
 from pallas_kernels import rms_norm as kernels
 
 STREAM = ("batch", "residual_seq", "act_embed")  # the residual stream between blocks
@@ -26,14 +23,14 @@ def rms_norm(
     scale: jax.Array,
     *,
     eps: float,
-    impl: str = "auto",
+    impl: str = "xla",
     axes: LogicalAxes = STREAM,
 ) -> jax.Array:
     """x / rms(x) * scale over the last axis, in float32, returned in x's dtype."""
-    resolved = resolve_impl(impl, "model.norm_impl", NORM_IMPLS)
-    if resolved == "xla":
+    impl = resolved_impl(impl, "norm_impl")
+    if impl == "xla":
         return kernels.reference(x, scale, eps=eps)
-    if resolved == "triton":
+    if impl == "triton":
         local = functools.partial(_triton_kernels().rms_norm, eps=eps)
     else:
         local = functools.partial(kernels.rms_norm, eps=eps, interpret=interpret_kernels())
@@ -46,14 +43,14 @@ def add_rms_norm(
     scale: jax.Array,
     *,
     eps: float,
-    impl: str = "auto",
+    impl: str = "xla",
     axes: LogicalAxes = STREAM,
 ) -> tuple[jax.Array, jax.Array]:
     """(x + residual, rms_norm(x + residual)): one pass over memory with a kernel."""
-    resolved = resolve_impl(impl, "model.norm_impl", NORM_IMPLS)
-    if resolved == "xla":
+    impl = resolved_impl(impl, "norm_impl")
+    if impl == "xla":
         return kernels.reference_add(x, residual, scale, eps=eps)
-    if resolved == "triton":
+    if impl == "triton":
         local = functools.partial(_triton_kernels().add_rms_norm, eps=eps)
     else:
         local = functools.partial(kernels.add_rms_norm, eps=eps, interpret=interpret_kernels())
@@ -61,7 +58,7 @@ def add_rms_norm(
 
 
 def _triton_kernels() -> ModuleType:
-    """pallas_kernels.triton_rms_norm, imported on first use: it imports jax-triton (GPU only)."""
+    """pallas_kernels.triton_rms_norm, imported only for `triton`: it loads jax-triton (GPU)."""
     from pallas_kernels import triton_rms_norm
 
     return triton_rms_norm

@@ -1,8 +1,5 @@
 """Run a kernel on each device's shard: `jax.shard_map` over the mesh the parallel layer installed.
-
-A `pallas_call` is one program per device; inside a sharded step it must see local blocks, so
-ops wrap it here with specs made from logical axis names. Without an installed mesh (a CPU unit
-test, a single-device run) the kernel runs on the whole arrays.
+Without an installed mesh (a CPU unit test, a single-device run) a kernel runs on whole arrays.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from typing import Any
 
 import jax
 
-from msjax.models.logical import KernelMesh, LogicalAxes, kernel_mesh
+from msjax.parallel.context import LogicalAxes, kernel_mesh
 
 
 def _is_axes(leaf: Any) -> bool:
@@ -23,6 +20,8 @@ def per_shard(
     fn: Callable[..., Any], in_axes: tuple[LogicalAxes, ...], out_axes: Any
 ) -> Callable[..., Any]:
     """fn under shard_map with in/out specs from logical axes (out_axes: axes or a tuple of them).
+
+    A `pallas_call` is one program per device: inside a sharded step it must see local blocks.
 
     check_vma=False: pallas_call has no varying-manual-axes rule; the transpose then sums the
     gradients of inputs replicated over some mesh axes (scales, unsplit kv heads) over them.
@@ -37,8 +36,3 @@ def per_shard(
         out_specs=jax.tree.map(mesh.spec, out_axes, is_leaf=_is_axes),
         check_vma=False,
     )
-
-
-def installed_mesh() -> KernelMesh | None:
-    """The installed kernel mesh (ops that need axis names, e.g. to slice kv heads)."""
-    return kernel_mesh()

@@ -19,11 +19,6 @@ from msjax.config import MeshConfig
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
-def mesh_device_count(mesh: MeshConfig, unknown: int = 1) -> int:
-    """The devices a mesh config asks for; an axis of -1 counts as `unknown`."""
-    return math.prod(unknown if size == -1 else size for size in mesh.axis_sizes().values())
-
-
 def configure_cpu_devices(count: int) -> bool:
     """Before JAX starts: simulate `count` CPU devices, unless `JAX_NUM_CPU_DEVICES` decides.
 

@@ -1,11 +1,5 @@
-"""One table from logical axis names to mesh axes, for parameters and activations alike.
-
-- ZeRO-3 (FSDP): parameters and optimizer state are sharded along `embed` over `fsdp`; XLA
-  all-gathers a layer's weights before use and reduce-scatters its gradients.
-- Megatron tensor parallelism: `heads`, `kv_heads`, `mlp` and `vocab` are split over `tensor`.
-- Data parallelism: `batch` is split over `data` and `fsdp` together.
-- Sequence parallelism (a switch): the residual stream between blocks is split along the
-  sequence over `tensor`, so norms and residual adds are not repeated on every tensor rank.
+"""One table from logical axis names to mesh axes, for parameters and activations alike, and the
+placement that installs it in the context (msjax.parallel.context) while model code is traced.
 """
 
 from __future__ import annotations
@@ -19,14 +13,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from msjax.config import Config
-from msjax.models.logical import KernelMesh, LogicalAxes, use_kernel_mesh, use_placement
+from msjax.parallel.context import KernelMesh, LogicalAxes, use_kernel_mesh, use_placement
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = dict[str, MeshAxes]
 
 
 def logical_axis_rules(config: Config) -> Rules:
-    """The mapping for this config; kv heads stay whole when `tensor` does not divide them."""
+    """The mapping for this config; kv heads stay whole when `tensor` does not divide them.
+
+    - ZeRO-3 (FSDP): parameters and optimizer state are sharded along `embed` over `fsdp`; XLA
+      all-gathers a layer's weights before use and reduce-scatters its gradients.
+    - Megatron tensor parallelism: `heads`, `kv_heads`, `mlp` and `vocab` split over `tensor`.
+    - Data parallelism: `batch` is split over `data` and `fsdp` together.
+    - Sequence parallelism (a switch): the residual stream between blocks is split along the
+      sequence over `tensor`, so norms and residual adds are not repeated on every tensor rank.
+    """
     kv_heads_split = config.model.num_kv_heads % config.mesh.tensor == 0
     return {
         # parameters

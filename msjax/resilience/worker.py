@@ -1,5 +1,5 @@
-"""The train loop's side of resilience: one object holding this rank's heartbeat, injected faults
-and skip list, with a hook for each place in the loop; plus the non-finite-loss stop."""
+"""The train loop's side of resilience: this rank's heartbeat, injected faults and skip list as
+one listener of the loop's events; plus the non-finite-loss stop."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax.config import Config
+from msjax.loop_events import LoopEvents, StepRecord
 from msjax.resilience.faults import FaultInjector
 from msjax.resilience.heartbeat import Heartbeat, Phase
 from msjax.resilience.skips import read_skipped_steps
@@ -30,48 +31,68 @@ class NonFiniteLoss(Exception):
         self.loss = loss
 
 
-class WorkerResilience:
-    """Heartbeat, fault injection and skipped steps of one rank, for the train loop."""
+class WorkerResilience(LoopEvents):
+    """Heartbeat, fault injection and skipped steps of one rank, listening to the train loop.
 
-    def __init__(self, config: Config, run_dir: Path, rank: int, attempt: int):
+    Heartbeat phases: `init` until the state is ready, `compile` through the first step, then
+    `step`, `eval` and `checkpoint` as the loop moves, `done` at the end.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        rank: int,
+        attempt: int,
+        wait_for_saves: Callable[[], None],
+    ):
         self.heartbeat = Heartbeat(run_dir, rank, config.resilience.heartbeat_every_s, attempt)
         self.heartbeat.dump_stacks_on_sigusr1(run_dir)
         self.faults = FaultInjector.from_env(run_dir, rank, attempt)
         self.skipped_steps = read_skipped_steps(run_dir)
+        self.wait_for_saves = wait_for_saves
         self.heartbeat.beat("init")
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
         self.heartbeat.beat(phase, step)
-
-    def starting(self, start_step: int) -> None:
-        """The state is restored (or initialized) at start_step; compiling comes next."""
-        self.heartbeat.start_step = start_step
-        self.heartbeat.beat("compile", start_step)
-
-    def before_step(self, step: int, wait_for_saves: Callable[[], None]) -> None:
-        self.faults.before_step(step, wait_for_saves)
 
     def skips(self, step: int) -> bool:
         """Whether step's batch is to be dropped (a rollback after a non-finite loss)."""
         return step in self.skipped_steps
 
     def loss(self, step: int, loss: float) -> float:
+        """The loss as this rank reads it back (an injected `nan` fault replaces it)."""
         return self.faults.loss(step, loss)
 
-    def step_done(self, step: int, loss: float) -> None:
-        """After step's metrics are read back: a heartbeat, or NonFiniteLoss."""
+    def run_start(self, start_step: int, restored_from: Path | None) -> None:
+        self.heartbeat.start_step = start_step
+        self.heartbeat.beat("compile", start_step)
+
+    def step_begin(self, step: int) -> None:
+        self.faults.before_step(step, self.wait_for_saves)
+
+    def step_end(self, record: StepRecord) -> None:
+        """A heartbeat, or NonFiniteLoss before any save of that state."""
+        step, loss = record["step"], record["loss"]
         if not math.isfinite(loss):
             self.heartbeat.beat("nonfinite", step)  # step: the index whose loss was bad
             raise NonFiniteLoss(step, loss)
         self.heartbeat.beat("step", step + 1)
 
-    def saving(self, step: int) -> None:
+    def eval_begin(self, step: int) -> None:
+        self.heartbeat.beat("eval")
+
+    def save_begin(self, step: int) -> None:
         self.heartbeat.beat("checkpoint", step)
 
-    def save_started(self, step: int) -> None:
-        self.faults.after_save_started(step)
+    def save_end(self, step: int, blocked_s: float | None) -> None:
+        if blocked_s is not None:
+            self.faults.after_save_started(step)
 
-    def close(self, final_step: int) -> None:
+    def saves_draining(self) -> None:
+        self.heartbeat.beat("checkpoint")
+
+    def run_end(self, final_step: int) -> None:
         self.heartbeat.beat("done", final_step)
         self.heartbeat.close()
 

@@ -16,28 +16,19 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
+from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
-from msjax.models.transformer import Transformer
-from msjax.optim import make_optimizer, stacked_over_layers, weight_decay_mask
-from msjax.parallel.candidates import MeshShape, config_for_mesh
-from msjax.parallel.rules import logical_axes_of, logical_axis_rules, logical_to_spec
+from msjax.parallel.context import LogicalAxes
+from msjax.parallel.rules import logical_axis_rules, logical_to_spec
+from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
+from msjax.step import state_layout
 from pallas_kernels.cross_entropy import BlockSizes
 
-LogicalAxes = tuple[str | None, ...]
 F32_BYTES = 4
 INT32_BYTES = 4
-BATCH_ARRAYS = 4  # inputs, targets, positions, segment_ids
 STEP_BYTES = 4  # the train state's int32 step counter, counted with the optimizer state
-
-
-@dataclass(frozen=True)
-class _Axes:
-    """Logical axes as one opaque pytree leaf (a bare tuple would be flattened)."""
-
-    names: LogicalAxes
 
 
 @dataclass(frozen=True)
@@ -50,44 +41,25 @@ class ArrayLayout:
     stacked: bool  # has a "layers" axis: lives inside the scanned blocks
 
 
+def _array_layout(shape: jax.ShapeDtypeStruct, axes: LogicalAxes) -> ArrayLayout:
+    itemsize = np.dtype(shape.dtype).itemsize
+    return ArrayLayout(tuple(shape.shape), itemsize, axes, "layers" in axes)
+
+
 @functools.cache
-def state_layout(
-    model: ModelConfig, optim: OptimConfig, steps: int
+def state_arrays(
+    model: ModelConfig, optim: OptimConfig, total_steps: int
 ) -> tuple[tuple[ArrayLayout, ...], tuple[ArrayLayout, ...]]:
-    """(parameters, optimizer state) of a model, from abstract shapes only (nothing allocated)."""
-    with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(params=0)))
-    _, abstract_params = nnx.split(abstract_model, nnx.Param)
-    logical_axes = logical_axes_of(abstract_params)
-    pure = nnx.to_pure_dict(abstract_params)
-    optimizer = make_optimizer(
-        optim, steps, weight_decay_mask(logical_axes), stacked_over_layers(logical_axes)
+    """(parameters, optimizer state) of the train state, as `msjax.step.state_layout` has it."""
+    layout = state_layout(model, optim, total_steps)
+    param_shapes = jax.tree.leaves(nnx.to_pure_dict(layout.abstract_params))
+    param_axes = jax.tree.leaves(layout.param_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
+    opt_shapes = jax.tree.leaves(layout.opt_state_shapes)
+    opt_axes = [axes.names for axes in jax.tree.leaves(layout.opt_state_axes)]
+    return (
+        tuple(_array_layout(*pair) for pair in zip(param_shapes, param_axes, strict=True)),
+        tuple(_array_layout(*pair) for pair in zip(opt_shapes, opt_axes, strict=True)),
     )
-    opt_shapes = jax.eval_shape(optimizer.init, pure)
-    wrapped = jax.tree.map(_Axes, logical_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
-    opt_axes = optax.tree_map_params(
-        optimizer,
-        lambda _, axes: axes,
-        opt_shapes,
-        wrapped,
-        transform_non_params=lambda _: _Axes(()),
-        is_leaf=lambda leaf: isinstance(leaf, _Axes),
-    )
-
-    def layouts(shapes: Any, axes: Any) -> tuple[ArrayLayout, ...]:
-        shape_leaves = jax.tree.leaves(shapes)
-        axes_leaves = jax.tree.leaves(axes, is_leaf=lambda leaf: isinstance(leaf, _Axes))
-        return tuple(
-            ArrayLayout(
-                tuple(leaf.shape),
-                np.dtype(leaf.dtype).itemsize,
-                names.names,
-                "layers" in names.names,
-            )
-            for leaf, names in zip(shape_leaves, axes_leaves, strict=True)
-        )
-
-    return layouts(pure, wrapped), layouts(opt_shapes, opt_axes)
 
 
 def _shard_elements(array: ArrayLayout, rules: dict[str, Any], sizes: dict[str, int]) -> int:
@@ -123,21 +95,18 @@ class LocalDims:
     fused_loss: bool  # the fused cross-entropy kernel: no [batch, seq, vocab] logits are kept
 
 
-def attention_is_fused(model: ModelConfig, platform: str) -> bool:
-    """Whether attention runs as a kernel on `platform` (as msjax.ops decides for `auto`)."""
-    impl = getattr(model, "attention_impl", "xla")  # older configs: always the XLA reference
-    if impl == "auto":
-        return platform == "gpu"
-    return impl in ("pallas", "cudnn")
+def attention_is_fused(model: ModelConfig) -> bool:
+    """Whether a resolved model's attention runs as a flash-attention kernel."""
+    return model.attention_impl in ("pallas", "cudnn")
 
 
-def loss_is_fused(model: ModelConfig, platform: str) -> bool:
-    """Whether the loss runs as the fused cross-entropy kernel on `platform`."""
-    impl = getattr(model, "loss_impl", "xla")  # older configs: always the XLA reference
-    return platform == "gpu" if impl == "auto" else impl == "pallas"
+def loss_is_fused(model: ModelConfig) -> bool:
+    """Whether a resolved model's loss runs as the fused cross-entropy kernel."""
+    return model.loss_impl == "pallas"
 
 
-def local_dims(config: Config, mesh: MeshShape, platform: str = "gpu") -> LocalDims:
+def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
+    """Per-device activation sizes of a config made for `mesh` (see `config_for_mesh`)."""
     model, tensor = config.model, mesh.tensor
     return LocalDims(
         batch=config.train.global_batch // (mesh.data * mesh.fsdp),
@@ -155,8 +124,8 @@ def local_dims(config: Config, mesh: MeshShape, platform: str = "gpu") -> LocalD
         act_bytes=np.dtype(model.compute_dtype).itemsize,
         residual_split=tensor if config.mesh.sequence_parallel else 1,
         parallel_block=model.parallel_block,
-        fused_attention=attention_is_fused(model, platform),
-        fused_loss=loss_is_fused(model, platform),
+        fused_attention=attention_is_fused(model),
+        fused_loss=loss_is_fused(model),
     )
 
 
@@ -256,10 +225,10 @@ class _StateBytes:
 
 
 def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
-    config = config_for_mesh(config, mesh)
+    """Per-device state of a config made for `mesh` (see `config_for_mesh`)."""
     rules = logical_axis_rules(config)
     sizes = mesh.sizes()
-    params, opt_state = state_layout(config.model, config.optim, config.train.steps)
+    params, opt_state = state_arrays(config.model, config.optim, config.train.steps)
     unsharded = dict(sizes, fsdp=1)
     layer_gathered = sum(
         _shard_elements(array, rules, unsharded) * array.itemsize
@@ -275,15 +244,17 @@ def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
     )
 
 
-def estimate_memory(config: Config, mesh: MeshShape, platform: str = "gpu") -> MemoryEstimate:
+def estimate_memory(
+    config: Config, mesh: MeshShape, platform: str = PLANNED_BACKEND
+) -> MemoryEstimate:
     """Per-device memory of the train step of `config` on `mesh` (ConfigError if it cannot run).
 
-    `platform` (gpu, cpu, tpu) decides what `model.attention_impl=auto` runs: on GPUs a
-    flash-attention kernel that keeps no [seq, seq] scores, elsewhere the XLA reference.
+    `platform` (gpu, cpu, tpu) is the backend the kernels are resolved for: `auto` runs a
+    flash-attention kernel that keeps no [seq, seq] scores on GPUs, the XLA reference elsewhere.
     """
-    config = config_for_mesh(config, mesh)
+    config = config_for_mesh(config, mesh, platform)
     state = _state_bytes(config, mesh)
-    dims = local_dims(config, mesh, platform)
+    dims = local_dims(config, mesh)
     remat = config.model.remat
     b, s = dims.batch, dims.seq
     # Outside the layers: the embedding output, the final norm's input and output, the softmax
@@ -295,7 +266,7 @@ def estimate_memory(config: Config, mesh: MeshShape, platform: str = "gpu") -> M
     return MemoryEstimate(
         params_bytes=state.params,
         optimizer_bytes=state.optimizer,
-        batch_bytes=BATCH_ARRAYS * b * s * INT32_BYTES,
+        batch_bytes=len(BATCH_FIELDS) * b * s * INT32_BYTES,
         gradients_bytes=state.params,  # float32, sharded like the parameters
         activations_bytes=round(dims.layers * _saved_per_layer(dims, remat) + head),
         working_bytes=round(_working_set(dims, remat) + gathered),

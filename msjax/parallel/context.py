@@ -1,9 +1,5 @@
-"""Logical-axis hints for activations: models name axes, the parallel layer decides placement.
-
-A model calls `constrain(x, ("batch", "seq", "act_embed"))`. With no placement installed (a plain
-CPU run, a unit test) it returns x unchanged; `msjax.parallel.rules.activation_placement` installs
-one that maps the names to mesh axes and constrains the sharding. Kernels that must run per
-shard (Pallas calls under `shard_map`) read the mesh from `kernel_mesh()`, installed alongside.
+"""The tracing context through which model code reaches the mesh without naming one: activation
+placement behind `constrain`, the mesh per-shard kernels run on, and whether Pallas is interpreted.
 """
 
 from __future__ import annotations
@@ -12,9 +8,9 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import jax
+from jax.sharding import Mesh, PartitionSpec
 
 LogicalAxes = tuple[str | None, ...]
 Placement = Callable[[jax.Array, LogicalAxes], jax.Array]
@@ -25,7 +21,12 @@ _placement: contextvars.ContextVar[Placement | None] = contextvars.ContextVar(
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
-    """x with its sharding constrained to the logical axes, when a placement is installed."""
+    """x with its sharding constrained to the logical axes, when a placement is installed.
+
+    Models call `constrain(x, ("batch", "seq", "act_embed"))` and never see a mesh: with no
+    placement installed (a plain CPU run, a unit test) x comes back unchanged, and
+    `msjax.parallel.rules.activation_placement` installs one that maps the names to mesh axes.
+    """
     if len(axes) != x.ndim:
         raise ValueError(f"{len(axes)} logical axes {axes} for an array of shape {x.shape}")
     placement = _placement.get()
@@ -46,8 +47,8 @@ def use_placement(placement: Placement | None) -> Iterator[None]:
 class KernelMesh:
     """What an op needs to run a kernel per shard: the mesh and the logical-axis mapping."""
 
-    mesh: Any  # a jax.sharding.Mesh; models never look inside
-    spec: Callable[[LogicalAxes], Any]  # logical axis names -> PartitionSpec
+    mesh: Mesh
+    spec: Callable[[LogicalAxes], PartitionSpec]  # logical axis names -> mesh axes
 
 
 _kernel_mesh: contextvars.ContextVar[KernelMesh | None] = contextvars.ContextVar(
@@ -68,3 +69,8 @@ def use_kernel_mesh(mesh: KernelMesh | None) -> Iterator[None]:
         yield
     finally:
         _kernel_mesh.reset(token)
+
+
+def interpret_kernels() -> bool:
+    """Pallas kernels run in the interpreter (slow, exact) everywhere but on a GPU."""
+    return jax.default_backend() != "gpu"

@@ -1,7 +1,8 @@
 """Which meshes can run a config: parsing `data,fsdp,tensor` triples and enumerating factorisations.
 
 A mesh is rejected here, before any compile, when its sizes do not multiply to the device count or
-when the config's divisibility checks (`msjax.resolve.check_device_count`) fail for it.
+when the config's divisibility checks (`msjax.resolve.check_device_count`) fail for it. A config
+made for a mesh is resolved for a backend, as a run would be: compiles never see `auto`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 
 from msjax.config import Config
 from msjax.errors import ConfigError, MsjaxError
-from msjax.resolve import check_device_count, resolve_mesh_shape
+from msjax.resolve import check_device_count, resolve_mesh_shape, resolve_model
+
+PLANNED_BACKEND = "gpu"  # what plans are for unless a backend is named
 
 
 @dataclass(frozen=True, order=True)
@@ -59,33 +62,43 @@ def factorisations(device_count: int) -> list[MeshShape]:
     return sorted(meshes, reverse=True)
 
 
-def config_for_mesh(config: Config, mesh: MeshShape) -> Config:
-    """The config with its mesh replaced by `mesh`; ConfigError naming the mesh if it cannot run."""
-    replaced = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **mesh.sizes()))
+def config_for_mesh(config: Config, mesh: MeshShape, backend: str = PLANNED_BACKEND) -> Config:
+    """The config on `mesh` with its kernels resolved for `backend`.
+
+    ConfigError naming the mesh if the config cannot run on it, or naming the kernel if `backend`
+    cannot run it.
+    """
+    model = resolve_model(config.model, backend)
+    sizes = dataclasses.replace(config.mesh, **mesh.sizes())
+    replaced = dataclasses.replace(config, model=model, mesh=sizes)
     try:
         return check_device_count(replaced, mesh.devices)
     except ConfigError as error:
         raise ConfigError(f"mesh {mesh} (data,fsdp,tensor): {error}") from None
 
 
-def valid_meshes(config: Config, device_count: int) -> list[MeshShape]:
+def valid_meshes(
+    config: Config, device_count: int, backend: str = PLANNED_BACKEND
+) -> list[MeshShape]:
     """The factorisations of device_count that pass the config's checks."""
     valid = []
     for mesh in factorisations(device_count):
         try:
-            config_for_mesh(config, mesh)
+            config_for_mesh(config, mesh, backend)
         except ConfigError:
             continue
         valid.append(mesh)
     return valid
 
 
-def mesh_of_config(config: Config, device_count: int) -> MeshShape | None:
+def mesh_of_config(
+    config: Config, device_count: int, backend: str = PLANNED_BACKEND
+) -> MeshShape | None:
     """The config's own mesh on device_count devices (-1 filled in), or None if it cannot run."""
     try:
         filled = resolve_mesh_shape(config.mesh, device_count)
         mesh = MeshShape(**filled)
-        config_for_mesh(config, mesh)
+        config_for_mesh(config, mesh, backend)
     except ConfigError:
         return None
     return mesh

@@ -16,8 +16,8 @@ import numpy as np
 
 from msjax.config import Config
 from msjax.observe.flops import count_params, flops_per_step
-from msjax.parallel.candidates import MeshShape, config_for_mesh, mesh_of_config
-from msjax.parallel.planning import (
+from msjax.planner.candidates import MeshShape, config_for_mesh, mesh_of_config
+from msjax.planner.planning import (
     estimate_communication,
     forward_passes,
     ring_all_gather_bytes,

@@ -1,0 +1,127 @@
+"""Ahead-of-time compilation of the train step for one mesh, and what XLA says about it; lowering
+for an abstract mesh of any size, which needs no devices.
+
+A mesh of k devices is built on the first k local devices, so a smaller mesh (1,1,1 among eight)
+runs beside the full ones. The config is resolved for this host's backend, and compiles are cached
+per resolved (config, mesh): the sweep, the plan's XLA check and their tests compile each pair once
+per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType
+
+from msjax.batch import BATCH_FIELDS
+from msjax.config import Config
+from msjax.errors import MsjaxError
+from msjax.observe.collectives import CollectiveStats, count_collectives
+from msjax.observe.memory import CompiledMemory, compiled_memory
+from msjax.parallel.mesh import MESH_AXES, build_mesh
+from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
+from msjax.step import TrainProgram, build_program
+
+LOWERING_PLATFORMS = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}  # backend -> JAX's platform name
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """The train step of one config on one mesh, compiled, with XLA's accounts of it."""
+
+    config: Config  # with the mesh filled in and the kernels resolved
+    mesh: MeshShape
+    program: TrainProgram
+    compiled: Any  # jax.stages.Compiled: (state, batch) -> (state, metrics)
+    compile_s: float
+    memory: CompiledMemory | None
+    collectives: dict[str, CollectiveStats]
+
+    @property
+    def collective_executions(self) -> int:
+        return sum(stats.executions for stats in self.collectives.values())
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(stats.result_bytes for stats in self.collectives.values())
+
+
+def abstract_batch(program: TrainProgram) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and shardings of one global batch: [global_batch, seq_len] int32 arrays."""
+    config = program.config
+    shape = (config.train.global_batch, config.data.seq_len)
+    return {
+        key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=program.batch_sharding)
+        for key in BATCH_FIELDS
+    }
+
+
+def compile_step(config: Config, mesh: MeshShape) -> CompiledStep:
+    """Compile `config`'s train step on the first `mesh.devices` local devices."""
+    available = jax.device_count()
+    if mesh.devices > available:
+        raise MsjaxError(
+            f"mesh {mesh} (data,fsdp,tensor) needs {mesh.devices} devices; {available} are here"
+        )
+    return _compile_resolved(config_for_mesh(config, mesh, jax.default_backend()), mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
+    """The compile behind compile_step, cached on the config as resolved for this host."""
+    device_mesh = build_mesh(config.mesh, jax.devices()[: mesh.devices])
+    started = time.perf_counter()
+    program = build_program(config, device_mesh)
+    lowered = program.train_step.lower(program.abstract_state(), abstract_batch(program))
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - started
+    return CompiledStep(
+        config=config,
+        mesh=mesh,
+        program=program,
+        compiled=compiled,
+        compile_s=compile_s,
+        memory=compiled_memory(compiled),
+        collectives=count_collectives(compiled.as_text()),
+    )
+
+
+@dataclass(frozen=True)
+class LoweredStep:
+    """The train step of one config lowered for an abstract mesh, and its state's shard sizes."""
+
+    config: Config  # with the mesh filled in and the kernels resolved
+    mesh: MeshShape
+    platform: str  # what it was lowered for: `cuda`, `tpu` or `cpu`
+    lower_s: float
+    state_bytes_per_device: int  # parameters and optimizer state, from JAX's shardings
+
+
+def lower_on_abstract_mesh(
+    config: Config, mesh: MeshShape, backend: str = PLANNED_BACKEND
+) -> LoweredStep:
+    """Trace and lower the step for `mesh` with no devices: the program and its shardings hold.
+
+    JAX lowers for an `AbstractMesh` when given a platform; compiling needs real devices (a
+    device assignment), so XLA's memory analysis is out of reach. Raises if the step does not
+    trace or its shardings do not fit the mesh.
+    """
+    config = config_for_mesh(config, mesh, backend)
+    platform = LOWERING_PLATFORMS[backend]
+    sizes = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
+    abstract = AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(sizes))
+    started = time.perf_counter()
+    program = build_program(config, abstract)  # type: ignore[arg-type]
+    state = program.abstract_state()
+    program.train_step.trace(state, abstract_batch(program)).lower(lowering_platforms=(platform,))
+    state_bytes = sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(state)
+    )
+    return LoweredStep(config, mesh, platform, time.perf_counter() - started, state_bytes)

@@ -1,0 +1,130 @@
+"""The loop's checkpoints: where a run starts (restored or fresh), and its saves with their
+record of the data position, reported to the loop's listeners."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from msjax import __version__
+from msjax.checkpoint.manager import Checkpointer, Restored, parse_resume_source
+from msjax.config import Config, config_from_dict
+from msjax.errors import MsjaxError
+from msjax.loop_events import LoopEvents
+from msjax.run_dir import differences
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """The state a run starts from, and where in the data order it stands."""
+
+    state: Any
+    step: int
+    first_sample: int  # the global sample position of the first batch this run draws
+    restored: Restored | None
+
+
+def restore_or_init(
+    config: Config,
+    checkpointer: Checkpointer,
+    program: Any,
+    message: Callable[[str], None],
+) -> StartingPoint:
+    """The newest valid checkpoint (of checkpoint.resume_from, or of this run), else a new state."""
+    import jax
+
+    abstract_state = program.abstract_state()
+    if config.checkpoint.resume_from:
+        source_dir, source_step = parse_resume_source(config.checkpoint.resume_from)
+        source = Checkpointer(source_dir, config.checkpoint, read_only=True)
+        restored = source.restore_newest_valid(abstract_state, message, source_step)
+        if restored is None:
+            raise MsjaxError(f"checkpoint.resume_from: no valid checkpoint in {source_dir}")
+    else:
+        restored = checkpointer.restore_newest_valid(abstract_state, message)
+    if restored is None:
+        return StartingPoint(program.init_state(), 0, 0, None)
+    check_same_model(config, restored)
+    message(f"resumed from {restored.path} (step {restored.step})")
+    step = int(jax.device_get(restored.state.step))
+    # The data position is a global sample position, independent of processes and workers.
+    samples_seen = restored.meta.get("data", {}).get("samples_seen")
+    first_sample = step * config.train.global_batch if samples_seen is None else int(samples_seen)
+    return StartingPoint(restored.state, step, first_sample, restored)
+
+
+def check_same_model(config: Config, restored: Restored) -> None:
+    """A checkpoint restores only into the model it was saved from (kernels may differ)."""
+    saved = config_from_dict(restored.meta["config"])
+    changed = [line for line in differences(saved, config) if line.startswith("model.")]
+    if changed:
+        raise MsjaxError(
+            f"checkpoint {restored.path} holds another model ({'; '.join(changed)}); "
+            "resume with the model config it was saved with"
+        )
+
+
+class CheckpointSaves:
+    """Saves of the train state with the run's config and data position; failures follow
+    checkpoint.on_save_error (continue with a warning, or stop)."""
+
+    def __init__(
+        self,
+        config: Config,
+        checkpointer: Checkpointer,
+        start: StartingPoint,
+        events: LoopEvents,
+        warn: Callable[[str], None],
+    ):
+        self.config = config
+        self.checkpointer = checkpointer
+        self.start = start
+        self.events = events
+        self.warn = warn
+
+    @property
+    def directory(self) -> Path:
+        return self.checkpointer.directory
+
+    def save(self, step: int, state: Any) -> None:
+        """Start an asynchronous checkpoint of `state`, which has `step` updates."""
+        samples_seen = self.start.first_sample + (step - self.start.step) * (
+            self.config.train.global_batch
+        )
+        meta = {
+            "config": self.config.to_dict(),
+            "data": {"next_step": step, "samples_seen": samples_seen},
+            "seed": self.config.run.seed,
+            "msjax_version": __version__,
+        }
+        self.events.save_begin(step)
+        try:
+            self.checkpointer.save(step, state, meta)
+        except Exception as error:
+            self._report_error(step, error)
+            self.events.save_end(step, None)
+        else:
+            self.events.save_end(step, self.checkpointer.save_blocked_s[-1])
+
+    def finish(self, state: Any, final_step: int) -> None:
+        """The last save (unless the state is saved already), then wait for every save."""
+        saved_already = self.checkpointer.last_saved_step == final_step
+        if self.config.checkpoint.enabled and final_step > self.start.step and not saved_already:
+            self.save(final_step, state)
+        self.events.saves_draining()
+        try:
+            self.checkpointer.wait()
+        except Exception as error:
+            self._report_error(final_step, error)
+        self.checkpointer.close()
+
+    def _report_error(self, step: int, error: Exception) -> None:
+        message = (
+            f"checkpoint save at step {step} failed ({type(error).__name__}: {error}); "
+            "earlier checkpoints are untouched"
+        )
+        if self.config.checkpoint.on_save_error == "stop":
+            raise MsjaxError(message + "; stopping (checkpoint.on_save_error=stop)") from None
+        self.warn("warning: " + message + "; training continues")

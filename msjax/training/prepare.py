@@ -1,0 +1,186 @@
+"""Everything a run needs before its first step: JAX joined and the config resolved, the run
+directory, the mesh, the data, the compiled program, the starting state, and the listeners.
+
+Every check that can fail on user input runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import IO, Any
+
+from msjax.batch import BATCH_FIELDS
+from msjax.checkpoint.manager import Checkpointer, parse_resume_source
+from msjax.config import Config
+from msjax.data.dataset import TrainingData, build_training_data
+from msjax.launch.distributed import JobEnv, initialize_distributed  # TEMP
+from msjax.loop_events import EventFanOut, LoopEvents
+from msjax.observe.flops import flops_per_step, peak_tflops_per_device
+from msjax.observe.loop_observer import LoopObserver
+from msjax.observe.metrics import ProgressLine
+from msjax.parallel.mesh import build_mesh, configure_cpu_devices
+from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
+from msjax.resilience.worker import WorkerResilience
+from msjax.resolve import mesh_device_count, resolve
+from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
+from msjax.step import TrainProgram, build_program
+from msjax.training.checkpoints import CheckpointSaves, StartingPoint, restore_or_init
+from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
+
+
+@dataclass
+class PreparedRun:
+    """A run ready for its loop: the resolved config and everything built from it."""
+
+    config: Config  # resolved: what every part of the run reads
+    run_dir: RunDir
+    program: TrainProgram
+    train_step: Any  # the compiled (state, batch) -> (state, metrics)
+    start: StartingPoint
+    data: TrainingData
+    validation: list[dict[str, Any]]  # the validation batches, on the devices
+    events: EventFanOut
+    results: StepResults
+    saves: CheckpointSaves
+    resilience: WorkerResilience
+    progress: ProgressLine
+    started: float  # time.perf_counter() when preparing began
+
+    def batches(self) -> AbstractContextManager[Any]:
+        """The training batches from the starting step on, prefetched onto the devices."""
+        from msjax.data.pipeline import sharded_batches
+
+        return sharded_batches(
+            self.data.train,
+            self.program.batch_sharding,
+            self.start.step,
+            self.config.data.prefetch_batches,
+            self.config.data.num_workers,
+            self.start.first_sample,
+        )
+
+
+def join_job(config: Config) -> tuple[Config, JobEnv]:
+    """Simulated CPU devices, the distributed job, then the run's resolved config."""
+    import jax
+
+    if config.checkpoint.resume_from:
+        parse_resume_source(config.checkpoint.resume_from)  # a bad path fails before JAX starts
+    configure_cpu_devices(mesh_device_count(config.mesh))
+    job = JobEnv.read()
+    initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
+    return resolve(config, jax.device_count(), jax.default_backend()), job
+
+
+def prepare_run(
+    config: Config,
+    progress_stream: IO[str] | None = None,
+    extra_listeners: Sequence[LoopEvents] = (),
+) -> PreparedRun:
+    """Join the job, resolve the config, then build everything the loop needs."""
+    import jax
+
+    started = time.perf_counter()
+    config, job = join_job(config)
+    plan = plan_run_dir(config)
+    run_dir = plan.run_dir
+    compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
+    mesh = build_mesh(config.mesh)
+    progress = ProgressLine(config.train.steps, stream=progress_stream)
+    data = build_training_data(config, progress.message)
+    peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+    is_writer = jax.process_index() == 0
+    if is_writer:
+        write_run_record(plan, config, data, progress.message)
+    shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
+    progress.message(
+        f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"({shape}); run dir {run_dir.path}"
+    )
+
+    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
+    resilience = WorkerResilience(
+        config, run_dir.path, jax.process_index(), job.attempt, checkpointer.wait
+    )
+    program = build_program(config, mesh)
+    start = restore_or_init(config, checkpointer, program, progress.message)
+    describe_data(data, config, start, progress.message)
+    observer = LoopObserver(config, run_dir.path, mesh, job.attempt, progress.message)
+    listeners: list[LoopEvents] = [observer]
+    if is_writer:
+        listeners.append(MetricsLog(run_dir.metrics))
+    listeners += [ProgressReport(progress), resilience, *extra_listeners]
+    events = EventFanOut(listeners)
+    events.run_start(start.step, None if start.restored is None else start.restored.path)
+    if config.checkpoint.enabled:
+        checkpointer.prepare(program.abstract_state())
+    train_step = compile_train_step(program, config, compile_cache, progress.message)
+    events.compiled(train_step)
+
+    tokens_per_step = config.train.global_batch * config.data.seq_len
+    results = StepResults(
+        events, tokens_per_step, flops_per_step(config), jax.device_count(), peak_tflops,
+        resilience.loss,
+    )  # fmt: skip
+    return PreparedRun(
+        config=config,
+        run_dir=run_dir,
+        program=program,
+        train_step=train_step,
+        start=start,
+        data=data,
+        validation=[jax.device_put(batch, program.batch_sharding) for batch in data.validation],
+        events=events,
+        results=results,
+        saves=CheckpointSaves(config, checkpointer, start, events, progress.message),
+        resilience=resilience,
+        progress=progress,
+        started=started,
+    )
+
+
+def write_run_record(
+    plan: RunDirPlan, config: Config, data: TrainingData, message: Callable[[str], None]
+) -> None:
+    """Process 0: the run directory with the resolved config and the corpus it reads."""
+    aside = create_run_dir(plan)
+    if aside is not None:
+        message(f"run.overwrite=true: the earlier run in {plan.path} moved to {aside}")
+    save_config(config, plan.run_dir)
+    write_json(plan.run_dir.data_facts, data.facts())
+
+
+def compile_train_step(
+    program: TrainProgram, config: Config, cache: Any, message: Callable[[str], None]
+) -> Any:
+    """The train step compiled for the batch's known shape (no process reads a whole batch)."""
+    import jax
+    import jax.numpy as jnp
+
+    compile_started = time.perf_counter()
+    batch_shape = (config.train.global_batch, config.data.seq_len)
+    abstract_batch = {
+        key: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=program.batch_sharding)
+        for key in BATCH_FIELDS
+    }
+    lowered = program.train_step.lower(program.abstract_state(), abstract_batch)
+    train_step = compile_cached(lowered, cache, "train_step")
+    message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
+    return train_step
+
+
+def describe_data(
+    data: TrainingData, config: Config, start: StartingPoint, message: Callable[[str], None]
+) -> None:
+    """One line per source: what it holds and how much of it the run will have seen."""
+    remaining_steps = max(config.train.steps - start.step, 0)
+    samples_at_end = start.first_sample + remaining_steps * config.train.global_batch
+    epochs = data.train.epochs_at(samples_at_end)
+    for streams, packed, seen in zip(data.sources, data.train.sources, epochs, strict=True):
+        message(
+            f"data: {streams.label}: {packed.num_tokens:,} train tokens in "
+            f"{packed.num_sequences:,} sequences; {seen:.2f} epochs by step {config.train.steps}"
+        )
