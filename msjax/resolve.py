@@ -104,10 +104,14 @@ def check_device_count(config: Config, device_count: int) -> Config:
     return resolved
 
 
+def utc_stamp(now: datetime | None = None) -> str:
+    """A UTC timestamp for names that must sort by time: 20261130-174252."""
+    return (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+
+
 def default_run_dir(name: str, now: datetime | None = None) -> Path:
     """runs/<name>-<UTC timestamp>: where a run goes when run.dir is not set."""
-    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
-    return RUNS_FOLDER / f"{name}-{stamp}"
+    return RUNS_FOLDER / f"{name}-{utc_stamp(now)}"
 
 
 def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import yaml
 
 from msjax.config import Config, config_from_dict
 from msjax.errors import ConfigError, MsjaxError
+from msjax.resolve import utc_stamp
 
 # Keys that may change between the runs that share a run directory (a resume may run on another
 # mesh, train longer, evaluate differently, or run the same math through another kernel);
@@ -220,7 +220,7 @@ def create_run_dir(plan: RunDirPlan) -> Path | None:
     plan.path.mkdir(parents=True, exist_ok=True)
     if not plan.set_aside:
         return None
-    aside = plan.run_dir.previous(datetime.now(UTC).strftime("%Y%m%d-%H%M%S"))
+    aside = plan.run_dir.previous(utc_stamp())
     aside.mkdir()
     for entry in plan.path.iterdir():
         if entry != aside and not entry.name.startswith(PREVIOUS_PREFIX):

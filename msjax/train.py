@@ -161,10 +161,11 @@ def end_run(
         )
     else:
         message(f"nothing to do: the run is already at step {final_step}")
-    outputs = "config.yaml, data.json, metrics.jsonl" + (
-        ", checkpoints/" if run.config.checkpoint.enabled else ""
-    )
-    message(f"outputs in {run.run_dir.path}: {outputs}")
+    run_dir = run.run_dir
+    outputs = [run_dir.config_yaml.name, run_dir.data_facts.name, run_dir.metrics.name]
+    if run.config.checkpoint.enabled:
+        outputs.append(run_dir.checkpoints.name + "/")
+    message(f"outputs in {run_dir.path}: {', '.join(outputs)}")
     run.progress.close()
     run.events.run_end(final_step)
     return TrainResult(

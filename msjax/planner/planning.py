@@ -96,8 +96,9 @@ class LocalDims:
 
 
 def attention_is_fused(model: ModelConfig) -> bool:
-    """Whether a resolved model's attention runs as a flash-attention kernel."""
-    return model.attention_impl in ("pallas", "cudnn")
+    """Whether a resolved model's attention runs as a flash-attention kernel (every kernel
+    does; only the XLA reference holds the [seq, seq] scores)."""
+    return model.attention_impl != "xla"
 
 
 def loss_is_fused(model: ModelConfig) -> bool:
