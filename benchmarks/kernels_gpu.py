@@ -34,54 +34,22 @@ import numpy as np  # noqa: E402
 from jax.experimental.pallas.ops.gpu import attention as jax_attention  # noqa: E402
 from jax.experimental.pallas.ops.gpu import rms_norm as jax_rms_norm  # noqa: E402
 
+from benchmarks.kernel_timing import (  # noqa: E402
+    Row,
+    failed_row,
+    forward_and_backward,
+    normal,
+    print_checks,
+    print_timings,
+    relative_error,
+    time_ms,
+    with_speedups,
+)
 from pallas_kernels import cross_entropy as ce  # noqa: E402
 from pallas_kernels import flash_attention as fa  # noqa: E402
 from pallas_kernels import rms_norm as rn  # noqa: E402
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max error / max |reference|, forward and grads
-Row = dict[str, object]
-
-
-# ---- measuring ----------------------------------------------------------------------------------
-
-
-def time_ms(fn: Callable, *args, repeats: int) -> float:
-    """Median wall time of one call, after a compile-and-warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - started)
-    return 1e3 * float(np.median(times))
-
-
-def relative_error(actual, expected) -> float:
-    """Max |actual - expected| over max |expected| (at least 1), over every leaf."""
-    worst = 0.0
-    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        if not np.isfinite(got).all():
-            return float("inf")
-        worst = max(
-            worst, float(np.max(np.abs(got - want))) / max(1.0, float(np.max(np.abs(want))))
-        )
-    return worst
-
-
-def forward_and_backward(fn: Callable) -> Callable:
-    """jit of (output, gradients of <output, cotangent> wrt the float arguments)."""
-
-    def run(args, cotangent):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(cotangent)
-
-    return jax.jit(run)
-
-
-def normal(shape, dtype, seed: int) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
 
 # ---- attention ----------------------------------------------------------------------------------
 
@@ -184,7 +152,7 @@ def time_attention(shape, window, interpret, on_gpu, repeats) -> list[Row]:
         try:
             ms = time_ms(forward_and_backward(impl), (q, k, v), cotangent, repeats=repeats)
         except Exception as error:
-            rows.append(_failed("flash_attention", shape, window, name, error))
+            rows.append(failed_row("flash_attention", shape, window, name, error))
             continue
         rows.append(
             {
@@ -195,25 +163,7 @@ def time_attention(shape, window, interpret, on_gpu, repeats) -> list[Row]:
                 "rate": f"{flops / ms / 1e9:.1f} TFLOP/s",
             }
         )
-    return _with_speedups(rows)
-
-
-def _failed(kernel, shape, window, name, error) -> Row:
-    return {
-        "kernel": kernel,
-        "case": f"{shape} window={window}",
-        "impl": name,
-        "ms": float("nan"),
-        "rate": f"failed: {type(error).__name__}",
-    }
-
-
-def _with_speedups(rows: list[Row]) -> list[Row]:
-    """Speed-up of our kernel over each baseline (baseline ms / our ms) on the baseline's row."""
-    ours = next((row["ms"] for row in rows if row["impl"].endswith("(ours)")), float("nan"))
-    for row in rows:
-        row["ours_vs_this"] = row["ms"] / ours if ours == ours and ours > 0 else float("nan")
-    return rows
+    return with_speedups(rows)
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------------
@@ -308,7 +258,7 @@ def time_norms(shape, interpret, on_gpu, repeats, bandwidth_gbps) -> list[Row]:
             try:
                 ms = time_ms(jax.jit(fn), *arguments, repeats=repeats)
             except Exception as error:
-                case_rows.append(_failed(case, shape, None, name, error))
+                case_rows.append(failed_row(case, shape, None, name, error))
                 continue
             gbps = moved / ms / 1e6
             case_rows.append(
@@ -320,7 +270,7 @@ def time_norms(shape, interpret, on_gpu, repeats, bandwidth_gbps) -> list[Row]:
                     "rate": f"{gbps:.0f} GB/s = {100 * gbps / bandwidth_gbps:.0f}% of copy",
                 }
             )
-        rows.extend(_with_speedups(case_rows))
+        rows.extend(with_speedups(case_rows))
     return rows
 
 
@@ -374,7 +324,7 @@ def time_cross_entropy(tokens, embed, vocab, interpret, repeats) -> list[Row]:
             temp_mib = getattr(analysis, "temp_size_in_bytes", 0) / 2**20 if analysis else 0
             ms = time_ms(compiled, (hidden, unembedding), cotangent, repeats=repeats)
         except Exception as error:
-            rows.append(_failed("cross_entropy", (tokens, embed, vocab), None, name, error))
+            rows.append(failed_row("cross_entropy", (tokens, embed, vocab), None, name, error))
             continue
         flops = 4 * 2 * tokens * embed * vocab  # forward, recomputed logits, dhidden, dunembed
         rows.append(
@@ -386,31 +336,10 @@ def time_cross_entropy(tokens, embed, vocab, interpret, repeats) -> list[Row]:
                 "rate": f"{flops / ms / 1e9:.1f} TFLOP/s, temp {temp_mib:.0f} MiB",
             }
         )
-    return _with_speedups(rows)
+    return with_speedups(rows)
 
 
-# ---- the table ----------------------------------------------------------------------------------
-
-
-def print_checks(rows: list[Row]) -> None:
-    """Correctness (forward and gradients vs the float32 reference) and fwd+bwd time."""
-    print(f"{'check':<62} {'impl':<16} {'dtype':<9} {'error':>9} {'tol':>7} ok  {'ms':>9}")
-    for row in rows:
-        ok = "yes" if row["max_error"] <= row["tolerance"] else "NO "
-        label = f"{row['kernel']} {row['check']}"
-        print(
-            f"{label:<62} {row['impl']:<16} {row['dtype']:<9} {row['max_error']:>9.2e} "
-            f"{row['tolerance']:>7.0e} {ok} {row['ms']:>9.2f}"
-        )
-
-
-def print_timings(rows: list[Row]) -> None:
-    print(f"{'kernel':<22} {'case':<36} {'impl':<20} {'ms':>9}  {'ours x':>7}  rate")
-    for row in rows:
-        print(
-            f"{row['kernel']:<22} {row['case']:<36} {row['impl']:<20} {row['ms']:>9.3f}  "
-            f"{row['ours_vs_this']:>7.2f}  {row['rate']}"
-        )
+# ---- the run ------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

@@ -1,7 +1,6 @@
-"""Specifications of the data path: byte tokenizer, stdlib corpus, packing into documents, the
-global sample order of a weighted mixture, and batches placed on devices by any process count."""
+"""Specifications of the data path: byte tokenizer, stdlib corpus, the global sample order of a
+weighted mixture, batches placed on devices by any process count, and validation batches."""
 
-import io
 import os
 import socket
 import subprocess
@@ -11,22 +10,18 @@ import zlib
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from msjax.config import DataConfig, ModelConfig
+from msjax.config import DataConfig
 from msjax.data.batches import GlobalBatches, eval_batch_list
-from msjax.data.packing import PackedSource, pack_rows
+from msjax.data.packing import PackedSource
 from msjax.data.pipeline import local_row_blocks, place_global_batch, sharded_batches
 from msjax.data.stdlib_corpus import is_eval_document, load_corpus, stdlib_source_paths
 from msjax.data.token_store import TokenStore
 from msjax.data.tokenizer import ByteTokenizer
-from msjax.models.transformer import Transformer
-from msjax.resolve import resolve_model
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
@@ -123,106 +118,6 @@ def test_eval_split_shares_no_document_with_train_split(corpus):
     assert all(is_eval_document(path, 0.1) for path in held_out)
     assert not any(is_eval_document(path, 0.1) for path in train)
     assert all(zlib.crc32(path.encode()) < 0.1 * 2**32 for path in held_out)
-
-
-# ---- packing ------------------------------------------------------------------------------------
-
-
-def documents_stream(lengths: list[int], seed: int = 0) -> np.ndarray:
-    """Documents of the given lengths (bytes 0..255), each followed by EOS."""
-    rng = np.random.default_rng(seed)
-    parts = [np.append(rng.integers(0, 256, length), EOS) for length in lengths]
-    return np.concatenate(parts).astype(np.uint16)
-
-
-def test_an_epoch_of_packed_sequences_holds_every_token_once_as_input_and_once_as_target(
-    store_dir,
-):
-    pieces = [
-        documents_stream([3, 40, 1, 17], seed=1),  # 65 tokens: not a multiple of SEQ_LEN
-        documents_stream([2], seed=2),  # shorter than one sequence
-        documents_stream([100, 5], seed=3),  # a document longer than a sequence
-    ]
-    stores = [token_store(tokens, store_dir, f"piece-{i}") for i, tokens in enumerate(pieces)]
-    source = PackedSource(stores, SEQ_LEN)
-    expected_counts = [-(-(len(tokens) - 1) // SEQ_LEN) for tokens in pieces]
-    assert source.num_sequences == sum(expected_counts)
-    epoch = pack_rows([source.window(i) for i in range(source.num_sequences)], SEQ_LEN, EOS, False)
-    real = epoch["segment_ids"] != 0
-    np.testing.assert_array_equal(
-        epoch["inputs"][real], np.concatenate([tokens[:-1] for tokens in pieces])
-    )
-    np.testing.assert_array_equal(
-        epoch["targets"][real], np.concatenate([tokens[1:] for tokens in pieces])
-    )
-    assert real.sum() == sum(len(tokens) - 1 for tokens in pieces)  # padding is all that is left
-
-
-def expected_segments(inputs: list[int], eos: int) -> tuple[list[int], list[int]]:
-    """Segment ids and positions by walking the row: an EOS input opens the next document."""
-    segments, positions, segment, position = [], [], 1, 0
-    for column, token in enumerate(inputs):
-        if column > 0 and token == eos:
-            segment, position = segment + 1, 0
-        segments.append(segment)
-        positions.append(position)
-        position += 1
-    return segments, positions
-
-
-def test_segment_ids_and_positions_restart_at_every_document_and_padding_is_segment_zero():
-    rng = np.random.default_rng(0)
-    windows = [
-        documents_stream([4, 7, 2, 30], seed=5)[: SEQ_LEN + 1],
-        np.array([EOS, 1, 2, EOS, EOS, 3], dtype=np.uint16),  # starts with EOS, empty document
-        rng.integers(0, 256, SEQ_LEN + 1).astype(np.uint16),  # one document, no EOS
-    ]
-    batch = pack_rows(windows, SEQ_LEN, EOS, cross_document_attention=False)
-    for row, window in enumerate(windows):
-        inputs = window[:-1].tolist()
-        segments, positions = expected_segments(inputs, EOS)
-        real = len(inputs)
-        assert batch["segment_ids"][row, :real].tolist() == segments
-        assert batch["positions"][row, :real].tolist() == positions
-        assert batch["inputs"][row, :real].tolist() == inputs
-        assert batch["targets"][row, :real].tolist() == window[1:].tolist()
-        assert not batch["segment_ids"][row, real:].any()
-        assert not batch["positions"][row, real:].any()
-    assert batch["segment_ids"][1, :5].tolist() == [1, 1, 1, 2, 3]
-
-
-def test_cross_document_attention_makes_each_row_one_segment_with_running_positions():
-    windows = [documents_stream([4, 7, 30], seed=6)[: SEQ_LEN + 1], documents_stream([3])]
-    batch = pack_rows(windows, SEQ_LEN, EOS, cross_document_attention=True)
-    assert batch["segment_ids"][0].tolist() == [1] * SEQ_LEN
-    assert batch["positions"][0].tolist() == list(range(SEQ_LEN))
-    # 3 bytes and EOS: 3 inputs (the EOS is only a target), then padding.
-    assert batch["segment_ids"][1].tolist() == [1] * 3 + [0] * (SEQ_LEN - 3)
-    assert batch["positions"][1].tolist() == [0, 1, 2] + [0] * (SEQ_LEN - 3)
-
-
-def test_model_on_a_packed_row_gives_each_document_the_logits_it_gets_alone():
-    config = ModelConfig(
-        vocab_size=264, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=64,
-        init_std=0.2,
-    )  # fmt: skip
-    with nnx.use_eager_sharding(False):
-        model = Transformer(resolve_model(config, jax.default_backend()), nnx.Rngs(params=0))
-    window = documents_stream([5, 9, 12, 20], seed=8)[: SEQ_LEN + 1]
-    batch = pack_rows([window], SEQ_LEN, EOS, cross_document_attention=False)
-    packed = model(
-        jnp.asarray(batch["inputs"]), jnp.asarray(batch["positions"]), batch["segment_ids"]
-    )  # [1, seq, vocab]
-    segments = batch["segment_ids"][0]
-    assert len(set(segments.tolist())) == 4
-    for segment in set(segments.tolist()):
-        columns = np.flatnonzero(segments == segment)
-        alone = model(jnp.asarray(batch["inputs"][:, columns]))  # positions 0.., one document
-        np.testing.assert_allclose(packed[:, columns], alone, atol=2e-5, rtol=2e-5)
-    crossing = pack_rows([window], SEQ_LEN, EOS, cross_document_attention=True)
-    attends_across = model(jnp.asarray(crossing["inputs"]))
-    last = np.flatnonzero(segments == segments.max())
-    assert not np.allclose(attends_across[:, last], packed[:, last], atol=1e-3)
 
 
 # ---- the global order ------------------------------------------------------------------------
@@ -481,102 +376,3 @@ def test_corpus_is_deterministic_and_a_larger_budget_extends_it(corpus):
     assert larger.train_documents[: len(corpus.train_documents)] == corpus.train_documents
     assert larger.eval_documents[: len(corpus.eval_documents)] == corpus.eval_documents
     assert larger.facts.train_bytes > corpus.facts.train_bytes
-
-
-# ---- through the trainer ------------------------------------------------------------------------
-
-RESUME_RUN = [
-    "train.steps=6",
-    "train.global_batch=16",
-    "train.eval_every=0",
-    "train.peak_tflops=0.5",
-    "data.max_corpus_mib=1",
-    "data.seq_len=32",
-    "model.num_layers=1",
-    "checkpoint.every_steps=3",
-]
-
-
-@pytest.mark.slow
-def test_a_run_resumed_with_grain_workers_sees_the_batches_of_a_run_without(tmp_path):
-    from msjax.config import load_config
-    from msjax.observe.metrics import read_metrics
-    from msjax.train import train
-
-    def losses(run_dir: Path) -> dict[int, float]:
-        records = read_metrics(run_dir / "metrics.jsonl")
-        return {record["step"]: record["loss"] for record in records if "loss" in record}
-
-    straight = tmp_path / "straight"
-    train(load_config(None, [*RESUME_RUN, f"run.dir={straight}"]), progress_stream=io.StringIO())
-    resumed = tmp_path / "resumed"
-    train(
-        load_config(
-            None,
-            [
-                *RESUME_RUN,
-                f"run.dir={resumed}",
-                f"checkpoint.resume_from={straight}/checkpoints/3",
-                "data.num_workers=2",
-            ],
-        ),
-        progress_stream=io.StringIO(),
-    )
-    expected = losses(straight)
-    assert sorted(losses(resumed)) == [3, 4, 5]
-    assert all(loss == expected[step] for step, loss in losses(resumed).items())
-
-
-def test_a_missing_source_is_one_line_exit_2_before_the_run_dir_exists(tmp_path, capsys):
-    from msjax.train import main
-
-    run_dir = tmp_path / "run"
-    code = main([f"data.sources={tmp_path}/corpus/*.jsonl.gz", f"run.dir={run_dir}"])
-    stderr = capsys.readouterr().err
-    assert code == 2
-    assert stderr.count("\n") == 1 and "Traceback" not in stderr
-    assert "corpus/*.jsonl.gz" in stderr and "matches no file" in stderr
-    assert not run_dir.exists()
-
-
-def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, capsys):
-    import tokenizers
-    from tokenizers import models
-
-    vocab = {f"w{i}": i for i in range(299)} | {"</s>": 299}  # 300 tokens > 264
-    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    from msjax.train import main
-
-    code = main([f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"run.dir={tmp_path / 'run'}"])
-    stderr = capsys.readouterr().err
-    assert code == 2
-    assert "model.vocab_size=264" in stderr and "300 tokens" in stderr
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.slow
-def test_a_mixture_of_stdlib_text_and_token_files_trains_and_is_recorded(tmp_path):
-    import json
-
-    from msjax.config import load_config
-    from msjax.train import train
-
-    (tmp_path / "text").mkdir()
-    for index in range(30):
-        (tmp_path / "text" / f"{index}.txt").write_text(f"document {index}\n" * (index + 20))
-    np.arange(5000, dtype=np.uint16).__mod__(256).tofile(tmp_path / "tokens.bin")
-    sources = (
-        f"[{{path: stdlib, weight: 2}}, {{path: '{tmp_path}/text/*.txt', weight: 1}}, "
-        f"{{path: '{tmp_path}/tokens.bin', weight: 1}}]"
-    )
-    printed = io.StringIO()
-    run_dir = tmp_path / "run"
-    overrides = [*RESUME_RUN, "train.steps=2", f"data.sources={sources}", f"run.dir={run_dir}"]
-    train(load_config(None, overrides), progress_stream=printed)
-    facts = json.loads((run_dir / "data.json").read_text())
-    assert [source["kind"] for source in facts["sources"]] == ["stdlib", "text", "tokens"]
-    assert facts["sources"][1]["num_files"] == 30
-    assert facts["sources"][2]["train_tokens"] + facts["sources"][2]["eval_tokens"] == 5000
-    output = printed.getvalue()
-    assert f"data: {tmp_path}/text/*.txt:" in output and "data: stdlib:" in output

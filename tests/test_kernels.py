@@ -1,4 +1,5 @@
-"""Pallas kernels against their plain-JAX references, in the Pallas interpreter on CPU.
+"""Shared helpers of the Pallas kernel tests, and every kernel together: the interpreter's NaN
+poison, lowering to Triton, dispatch and config, sharded kernels and the GPU benchmark's smoke form.
 
 Every comparison covers the forward and all gradients. Tolerances, as a fraction of the largest
 expected magnitude: float32 1e-5 (only summation order differs); bfloat16 2e-2 (inputs are
@@ -18,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import settings
 from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -65,182 +65,6 @@ def rounded(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype).astype(jnp.float32)
 
 
-# ---- 0. the poison the whole file relies on -----------------------------------------------------
-
-
-def test_interpreter_fills_outputs_with_nan_so_unwritten_elements_show():
-    def write_first_half(x_ref, out_ref):
-        out_ref[:4] = x_ref[:4]
-
-    out = pl.pallas_call(
-        write_first_half, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True
-    )(jnp.ones(8))
-    np.testing.assert_array_equal(out[:4], 1.0)
-    assert np.isnan(np.asarray(out[4:])).all()
-
-
-# ---- 1. flash attention against the reference ---------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionCase:
-    batch: int
-    seq: int
-    kv_heads: int
-    group: int
-    head_dim: int
-    window: int | None
-    segments: str  # none | packed (sorted, like packed documents) | scattered (any order)
-    blocks: fa.BlockSizes
-    seed: int
-
-    def inputs(self):
-        heads = self.kv_heads * self.group
-        query = normal((self.batch, self.seq, heads, self.head_dim), self.seed)
-        key = normal((self.batch, self.seq, self.kv_heads, self.head_dim), self.seed + 1)
-        value = normal((self.batch, self.seq, self.kv_heads, self.head_dim), self.seed + 2)
-        cotangent = normal(query.shape, self.seed + 3)
-        rng = np.random.default_rng(self.seed)
-        segment_ids = {
-            "none": None,
-            "packed": np.sort(rng.integers(1, 4, (self.batch, self.seq)), axis=1),
-            "scattered": rng.integers(0, 3, (self.batch, self.seq)),
-        }[self.segments]
-        return (query, key, value), cotangent, segment_ids
-
-
-def check_attention_matches_reference(case: AttentionCase, dtype) -> None:
-    (query, key, value), cotangent, segment_ids = case.inputs()
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids, jnp.int32)
-    args = tuple(rounded(x, dtype) for x in (query, key, value))
-    cotangent = rounded(cotangent, dtype)
-
-    def kernel(q, k, v):
-        return fa.flash_attention(
-            q, k, v, window=case.window, segment_ids=segment_ids, block_sizes=case.blocks
-        )
-
-    def reference(q, k, v):
-        return fa.reference(q, k, v, window=case.window, segment_ids=segment_ids)
-
-    out, grads = value_and_vjp(
-        kernel, tuple(x.astype(dtype) for x in args), cotangent.astype(dtype)
-    )
-    expected_out, expected_grads = value_and_vjp(reference, args, cotangent)
-    assert out.dtype == dtype
-    assert_close(out, expected_out, dtype, f"output of {case}")
-    for name, grad, expected in zip("qkv", grads, expected_grads, strict=True):
-        assert grad.dtype == dtype
-        assert_close(grad, expected, dtype, f"d{name} of {case}")
-
-
-@st.composite
-def attention_cases(draw) -> AttentionCase:
-    seq = draw(st.integers(1, 40))
-    return AttentionCase(
-        batch=draw(st.integers(1, 2)),
-        seq=seq,
-        kv_heads=draw(st.sampled_from([1, 2])),
-        group=draw(st.sampled_from([1, 2, 8])),
-        head_dim=draw(st.sampled_from([4, 8, 16, 24])),
-        window=draw(st.one_of(st.none(), st.integers(1, seq + 2))),
-        segments=draw(st.sampled_from(["none", "packed", "scattered"])),
-        blocks=fa.BlockSizes(*(draw(st.sampled_from([8, 16])) for _ in range(4))),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
-@FEW
-@given(case=attention_cases())
-def test_flash_attention_float32_matches_reference_forward_and_gradients(case):
-    check_attention_matches_reference(case, jnp.float32)
-
-
-@settings(max_examples=2, deadline=None, derandomize=True)
-@given(case=attention_cases())
-def test_flash_attention_bfloat16_matches_reference_forward_and_gradients(case):
-    check_attention_matches_reference(case, jnp.bfloat16)
-
-
-# Window one short of, equal to and one past the 8-wide blocks; documents that change on a block
-# edge (row 0, at 16) and inside a block (row 1, at 9); GQA groups 1, 2 and 8.
-EDGE_SEGMENTS = np.array([[1] * 16 + [2] * 16, [1] * 9 + [2] * 23])
-
-
-@pytest.mark.parametrize(("group", "window"), [(1, 8), (2, 9), (8, 7)])
-def test_flash_attention_matches_reference_at_window_and_document_edges(group, window):
-    case = AttentionCase(
-        batch=2,
-        seq=32,
-        kv_heads=1,
-        group=group,
-        head_dim=8,
-        window=window,
-        segments="none",
-        blocks=fa.BlockSizes(8, 8, 8, 8),
-        seed=group,
-    )
-    (query, key, value), cotangent, _ = case.inputs()
-    segment_ids = jnp.asarray(EDGE_SEGMENTS)
-
-    def kernel(q, k, v):
-        return fa.flash_attention(
-            q, k, v, window=window, segment_ids=segment_ids, block_sizes=case.blocks
-        )
-
-    def reference(q, k, v):
-        return fa.reference(q, k, v, window=window, segment_ids=segment_ids)
-
-    out, grads = value_and_vjp(kernel, (query, key, value), cotangent)
-    expected_out, expected_grads = value_and_vjp(reference, (query, key, value), cotangent)
-    assert_close(out, expected_out, jnp.float32, "output")
-    for name, grad, expected in zip("qkv", grads, expected_grads, strict=True):
-        assert_close(grad, expected, jnp.float32, f"d{name}")
-
-
-def test_key_blocks_outside_the_window_are_never_read():
-    # seq 64 in blocks of 8, window 8: query block i reads key blocks i-1 and i only. NaN in
-    # key block 0 reaches query blocks 0 and 1 through 0 * NaN if read, even if masked; so
-    # finite outputs (and dq) from query block 2 on prove the loops skip it.
-    blocks = fa.BlockSizes(8, 8, 8, 8)
-    query, key, value = normal((1, 64, 2, 8), 0), normal((1, 64, 1, 8), 1), normal((1, 64, 1, 8), 2)
-    poisoned_key = key.at[:, :8].set(jnp.nan)
-    poisoned_value = value.at[:, :8].set(jnp.nan)
-    cotangent = normal(query.shape, 3)
-
-    def kernel(q, k, v):
-        return fa.flash_attention(q, k, v, window=8, block_sizes=blocks)
-
-    out, (dq, _, _) = value_and_vjp(kernel, (query, poisoned_key, poisoned_value), cotangent)
-    expected_out, (expected_dq, _, _) = value_and_vjp(
-        lambda q, k, v: fa.reference(q, k, v, window=8), (query, key, value), cotangent
-    )
-    assert_close(out[:, 16:], expected_out[:, 16:], jnp.float32, "output past the poison")
-    assert_close(dq[:, 16:], expected_dq[:, 16:], jnp.float32, "dq past the poison")
-    assert np.isnan(np.asarray(out[:, :8])).all()  # the poison is real where it is visible
-
-
-def test_query_blocks_outside_the_window_are_never_read_for_key_gradients():
-    # Key block 0 is seen by queries 0..14 only; NaN gradients flowing into queries 16.. would
-    # reach dk, dv of keys 0..7 if the dK/dV kernel visited their blocks.
-    blocks = fa.BlockSizes(8, 8, 8, 8)
-    query, key, value = normal((1, 64, 2, 8), 4), normal((1, 64, 1, 8), 5), normal((1, 64, 1, 8), 6)
-    cotangent = normal(query.shape, 7)
-    poisoned = cotangent.at[:, 16:].set(jnp.nan)
-
-    def kernel(q, k, v):
-        return fa.flash_attention(q, k, v, window=8, block_sizes=blocks)
-
-    _, (_, dk, dv) = value_and_vjp(kernel, (query, key, value), poisoned)
-    _, (_, expected_dk, expected_dv) = value_and_vjp(
-        lambda q, k, v: fa.reference(q, k, v, window=8), (query, key, value), cotangent
-    )
-    assert_close(dk[:, :8], expected_dk[:, :8], jnp.float32, "dk of key block 0")
-    assert_close(dv[:, :8], expected_dv[:, :8], jnp.float32, "dv of key block 0")
-    assert np.isnan(np.asarray(dv[:, 16:])).all()
-
-
 def pallas_calls(jaxpr) -> list:
     """Every pallas_call equation in a jaxpr, nested jaxprs (custom_vjp, jit) included."""
     found = []
@@ -253,167 +77,6 @@ def pallas_calls(jaxpr) -> list:
                 if hasattr(inner, "eqns"):
                     found.extend(pallas_calls(inner))
     return found
-
-
-def test_grouped_query_kernels_read_kv_heads_in_place_without_repeating_them():
-    query, key, value = (
-        normal((1, 16, 8, 16), 0),
-        normal((1, 16, 2, 16), 1),
-        normal((1, 16, 2, 16), 2),
-    )
-
-    def loss(q, k, v):
-        return jnp.sum(fa.flash_attention(q, k, v, block_sizes=fa.BlockSizes(8, 8, 8, 8)))
-
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(query, key, value).jaxpr
-    calls = pallas_calls(jaxpr)
-    assert [eqn.params["name"] for eqn in calls] == [
-        "flash_attention_forward",
-        "flash_attention_dkv",
-        "flash_attention_dq",
-    ]
-    for eqn in calls:
-        shapes = [tuple(var.aval.shape) for var in eqn.invars]
-        assert shapes[1] == shapes[2] == (1, 16, 2, 16), (eqn.params["name"], shapes)
-
-
-def test_flash_attention_rejects_kv_heads_that_do_not_divide_query_heads():
-    with pytest.raises(ValueError, match="kv heads dividing"):
-        fa.flash_attention(
-            normal((1, 8, 3, 8), 0), normal((1, 8, 2, 8), 1), normal((1, 8, 2, 8), 2)
-        )
-
-
-# ---- 2. RMSNorm, alone and fused with the residual add ------------------------------------------
-
-
-@st.composite
-def norm_cases(draw):
-    leading = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=2)))
-    dim = draw(st.sampled_from([3, 8, 24, 33, 64, 96]))  # dim 1: ill-conditioned dx
-    return {
-        "shape": (*leading, dim),
-        "dtype": draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
-        "fused": draw(st.booleans()),
-        "block_rows": draw(st.sampled_from([None, 1, 2, 4])),
-        "seed": draw(st.integers(0, 2**16)),
-    }
-
-
-def check_norm_matches_reference(shape, dtype, fused, block_rows, seed) -> None:
-    x, residual = rounded(normal(shape, seed), dtype), rounded(normal(shape, seed + 1), dtype)
-    scale = 1.0 + 0.5 * normal(shape[-1:], seed + 2)
-    cotangent = rounded(normal(shape, seed + 3), dtype)
-    if fused:
-        args = (x, residual, scale)
-        cotangent = (cotangent, rounded(normal(shape, seed + 4), dtype))
-
-        def kernel(x, residual, scale):
-            return rn.add_rms_norm(x, residual, scale, eps=1e-5, block_rows=block_rows)
-
-        reference = rn.reference_add
-    else:
-        args = (x, scale)
-
-        def kernel(x, scale):
-            return rn.rms_norm(x, scale, eps=1e-5, block_rows=block_rows)
-
-        reference = rn.reference
-    low = tuple(a.astype(dtype) if a.ndim == len(shape) else a for a in args)
-    out, grads = value_and_vjp(kernel, low, jax.tree.map(lambda c: c.astype(dtype), cotangent))
-    expected_out, expected_grads = value_and_vjp(reference, args, cotangent)
-    for i, (got, expected) in enumerate(
-        zip(jax.tree.leaves(out), jax.tree.leaves(expected_out), strict=True)
-    ):
-        assert got.dtype == dtype
-        assert_close(got, expected, dtype, f"output {i} of {shape} {dtype.__name__}")
-    for i, (got, expected) in enumerate(zip(grads, expected_grads, strict=True)):
-        assert_close(got, expected, dtype, f"gradient {i} of {shape} {dtype.__name__}")
-
-
-@FEW
-@given(case=norm_cases())
-def test_rms_norm_matches_reference_forward_and_gradients(case):
-    check_norm_matches_reference(**case)
-
-
-def test_rms_norm_backward_walking_many_row_blocks_per_program_matches_reference():
-    # 4100 rows of one-row blocks: each backward program walks 8 blocks; the last is partial.
-    check_norm_matches_reference((4100, 8), jnp.float32, True, 1, seed=11)
-
-
-# ---- 3. fused unembedding + cross-entropy -------------------------------------------------------
-
-
-@st.composite
-def cross_entropy_cases(draw):
-    return {
-        "tokens": draw(st.integers(1, 40)),
-        "embed": draw(st.sampled_from([8, 24, 40])),
-        "vocab": draw(st.integers(1, 300)),
-        "dtype": draw(st.sampled_from([jnp.float32, jnp.bfloat16])),
-        "blocks": ce.BlockSizes(
-            block_tokens=draw(st.sampled_from([8, 16])),
-            block_vocab=draw(st.sampled_from([8, 32])),
-            block_embed=draw(st.sampled_from([8, 16])),
-            backward_chunk=draw(st.sampled_from([32, 64, 8192])),
-        ),
-        "seed": draw(st.integers(0, 2**16)),
-    }
-
-
-def cross_entropy_inputs(tokens, embed, vocab, dtype, seed):
-    hidden = rounded(normal((tokens, embed), seed), dtype)
-    unembedding = rounded(0.3 * normal((embed, vocab), seed + 1), dtype)
-    labels = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, tokens), jnp.int32)
-    return hidden, unembedding, labels, normal((tokens,), seed + 2)
-
-
-def check_cross_entropy_matches_reference(case) -> None:
-    dtype, blocks = case["dtype"], case["blocks"]
-    hidden, unembedding, labels, cotangent = cross_entropy_inputs(
-        case["tokens"], case["embed"], case["vocab"], dtype, case["seed"]
-    )
-
-    def kernel(h, w):
-        return ce.cross_entropy(h, w, labels, block_sizes=blocks)
-
-    out, grads = value_and_vjp(kernel, (hidden.astype(dtype), unembedding.astype(dtype)), cotangent)
-    expected_out, expected_grads = value_and_vjp(
-        lambda h, w: ce.reference(h, w, labels), (hidden, unembedding), cotangent
-    )
-    assert out.dtype == jnp.float32
-    assert_close(out, expected_out, dtype, f"losses of {case}")
-    for name, grad, expected in zip(("hidden", "unembedding"), grads, expected_grads, strict=True):
-        assert grad.dtype == dtype
-        assert_close(grad, expected, dtype, f"d{name} of {case}")
-
-
-@settings(max_examples=3, deadline=None, derandomize=True)
-@given(case=cross_entropy_cases())
-def test_cross_entropy_matches_reference_forward_and_gradients(case):
-    check_cross_entropy_matches_reference(case)
-
-
-def test_cross_entropy_merges_vocab_splits_of_several_tiles_each():
-    # 16 token blocks want 32 vocab splits of the 38 tiles: 19 splits of 2 tiles, one partial.
-    blocks = ce.BlockSizes(block_tokens=8, block_vocab=8, block_embed=8, backward_chunk=64)
-    case = {"tokens": 128, "embed": 8, "vocab": 300, "dtype": jnp.float32, "blocks": blocks}
-    check_cross_entropy_matches_reference({**case, "seed": 5})
-
-
-def test_cross_entropy_never_holds_logits_for_all_tokens_and_the_whole_vocab():
-    tokens, embed, vocab, chunk = 24, 16, 256, 64
-    hidden, unembedding, labels, _ = cross_entropy_inputs(tokens, embed, vocab, jnp.float32, 0)
-    blocks = ce.BlockSizes(8, 32, 8, backward_chunk=chunk)
-
-    def loss(h, w):
-        return jnp.sum(ce.cross_entropy(h, w, labels, block_sizes=blocks))
-
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(hidden, unembedding).jaxpr
-    shapes = set(outside_kernel_shapes(jaxpr))
-    assert (tokens, chunk) in shapes  # one backward chunk of d_logits at a time
-    assert not any(tokens in shape and vocab in shape for shape in shapes), sorted(shapes)
 
 
 def outside_kernel_shapes(jaxpr):
@@ -430,7 +93,21 @@ def outside_kernel_shapes(jaxpr):
                     yield from outside_kernel_shapes(inner)
 
 
-# ---- 4. the kernels lower to Triton for a Hopper GPU (no GPU needed) ----------------------------
+# ---- 0. the poison every kernel test relies on --------------------------------------------------
+
+
+def test_interpreter_fills_outputs_with_nan_so_unwritten_elements_show():
+    def write_first_half(x_ref, out_ref):
+        out_ref[:4] = x_ref[:4]
+
+    out = pl.pallas_call(
+        write_first_half, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True
+    )(jnp.ones(8))
+    np.testing.assert_array_equal(out[:4], 1.0)
+    assert np.isnan(np.asarray(out[4:])).all()
+
+
+# ---- 1. the kernels lower to Triton for a Hopper GPU (no GPU needed) ----------------------------
 
 
 def lower_for_gpu(fn, *args) -> str:
@@ -518,7 +195,7 @@ def test_vocab_parallel_cross_entropy_lowers_to_triton_with_its_merges_as_all_re
     assert text.count("all_reduce") == 6
 
 
-# ---- 5. dispatch and config --------------------------------------------------------------------
+# ---- 2. dispatch and config ---------------------------------------------------------------------
 
 
 def test_auto_picks_the_xla_reference_off_gpu_and_cudnn_there_is_a_one_line_error():
@@ -658,7 +335,7 @@ def test_pallas_loss_never_holds_logits_for_all_tokens_and_the_whole_vocab():
     assert not any(vocab in shape and embed not in shape for shape in shapes("pallas"))
 
 
-# ---- 6. the sharded train step -----------------------------------------------------------------
+# ---- 3. the sharded train step ------------------------------------------------------------------
 
 
 def test_tiny_model_trains_five_steps_with_pallas_kernels_like_xla_on_a_2x2x2_mesh():
@@ -677,7 +354,7 @@ def test_tiny_model_trains_five_steps_with_pallas_kernels_like_xla_on_a_2x2x2_me
     assert all(b != a for a, b in itertools.pairwise(xla))  # the model really trains
 
 
-# ---- 7. the GPU benchmark's CPU smoke form -----------------------------------------------------
+# ---- 4. the GPU benchmark's CPU smoke form ------------------------------------------------------
 
 
 def test_gpu_benchmark_smoke_form_checks_every_kernel_and_prints_its_table(capsys):

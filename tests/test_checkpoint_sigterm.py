@@ -1,162 +1,36 @@
-"""Checkpoints under real faults: SIGTERM mid-training, SIGKILL mid-save, another process count.
-
-Every run here is a real `python -m msjax.train` process (or a real two-process `jax.distributed`
-job, tests/multiprocess_restore.py) that the test signals or kills while it works.
-"""
+"""Checkpoints under SIGTERM mid-training (a real `python -m msjax.train` process), and that
+checkpoint restored by a real two-process `jax.distributed` job (tests/multiprocess_restore.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from checkpoint_fault_helpers import (
+    COMMIT_MARKER,
+    NO_PERIODIC_SAVES,
+    REPO,
+    SMALL_RUN,
+    START_TIMEOUT_S,
+    records_so_far,
+    step_records,
+    steps_after_last_resume,
+    stopped_step,
+)
+from checkpoint_fault_helpers import start_run as start_run  # a fixture, re-exported for pytest
 
 from msjax.observe.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL_RUN = [
-    "train.steps=400",  # far more than any test lets run: every run here is stopped or shortened
-    "train.global_batch=16",
-    "data.seq_len=64",
-    "data.max_corpus_mib=2",
-    "train.eval_every=0",
-    "train.peak_tflops=0.5",
-]
-NO_PERIODIC_SAVES = ["checkpoint.every_steps=1000"]
-SAVE_EVERY_STEP = ["checkpoint.every_steps=1"]
-START_TIMEOUT_S = 240  # start-up and compilation, on a busy 2-core machine
-POLL_S = 0.01
-TMP_MARKER = "orbax-checkpoint-tmp"
-COMMIT_MARKER = "_CHECKPOINT_METADATA"
-
 pytestmark = pytest.mark.slow
-
-
-class TrainProcess:
-    """One `python -m msjax.train` child; stdout and stderr go to a log file."""
-
-    def __init__(self, run_dir: Path, overrides: list[str], log_path: Path):
-        self.run_dir = run_dir
-        self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        env.setdefault("JAX_NUM_CPU_DEVICES", "8")
-        with log_path.open("w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "msjax.train", *overrides, f"run.dir={run_dir}"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=run_dir.parent,
-            )
-
-    @property
-    def output(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_until(self, condition: Callable[[], bool], what: str) -> None:
-        """Poll until condition() holds; fail with the log if the run ends or takes too long."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not condition():
-            if self.process.poll() is not None:
-                pytest.fail(
-                    f"the run ended (exit {self.process.returncode}) before {what}:\n{self.output}"
-                )
-            if time.monotonic() > deadline:
-                self.process.kill()
-                pytest.fail(f"no {what} within {START_TIMEOUT_S} s:\n{self.output}")
-            time.sleep(POLL_S)
-
-    def stop(self, signum: int) -> int:
-        """Send signum and wait for the exit code."""
-        self.process.send_signal(signum)
-        return self.finish()
-
-    def finish(self) -> int:
-        try:
-            return self.process.wait(timeout=START_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            pytest.fail(f"the run did not end within {START_TIMEOUT_S} s:\n{self.output}")
-
-    def kill_if_running(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
-@pytest.fixture(scope="module")
-def start_run() -> Iterator[Callable[[Path, list[str]], TrainProcess]]:
-    """Starts training runs; kills any still running when the module's tests are done."""
-    started: list[TrainProcess] = []
-
-    def start(run_dir: Path, overrides: list[str]) -> TrainProcess:
-        log_path = run_dir.parent / f"{run_dir.name}-{len(started)}.log"
-        started.append(TrainProcess(run_dir, overrides, log_path))
-        return started[-1]
-
-    yield start
-    for run in started:
-        run.kill_if_running()
-
-
-def records_so_far(run_dir: Path) -> list[dict[str, Any]]:
-    """The complete lines of metrics.jsonl while a run may be writing it."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
-
-
-def steps_after_last_resume(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Step records after the last resume event (none while no run has resumed yet)."""
-    resumes = [i for i, record in enumerate(records) if record.get("event") == "resume"]
-    if not resumes:
-        return []
-    return [record for record in records[resumes[-1] + 1 :] if "loss" in record]
-
-
-def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [record for record in records if "loss" in record]
-
-
-def committed_on_disk(checkpoints: Path) -> list[int]:
-    """Steps whose final directory exists with Orbax's metadata file in it."""
-    if not checkpoints.is_dir():
-        return []
-    return sorted(
-        int(entry.name)
-        for entry in checkpoints.iterdir()
-        if entry.name.isdigit() and (entry / COMMIT_MARKER).exists()
-    )
-
-
-def unfinished_on_disk(checkpoints: Path) -> list[str]:
-    """Step entries a save started and never finalized: Orbax's tmp dirs, or no metadata file."""
-    if not checkpoints.is_dir():
-        return []
-    return sorted(
-        entry.name
-        for entry in checkpoints.iterdir()
-        if entry.name.split(".")[0].isdigit()
-        and (TMP_MARKER in entry.name or not (entry / COMMIT_MARKER).exists())
-    )
-
-
-def stopped_step(output: str) -> int:
-    match = re.search(r"stopped by SIGTERM after step (\d+)", output)
-    assert match, output
-    return int(match.group(1))
-
 
 # --- SIGTERM during training -------------------------------------------------------------------
 
@@ -259,104 +133,6 @@ def test_losses_across_a_sigterm_and_resume_equal_an_uninterrupted_run(sigterm_r
             rtol=1e-6,
             err_msg=key,
         )
-
-
-# --- SIGKILL during an asynchronous save --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KilledRound:
-    """What one SIGKILL left on disk, and what the next run of the command printed."""
-
-    newest_committed: int
-    unfinished: list[str]
-    next_output: str
-
-
-@dataclass(frozen=True)
-class KilledRuns:
-    checkpoints: Path
-    rounds: list[KilledRound]
-    final_exit_code: int
-    final_steps: int
-    records: list[dict[str, Any]]
-
-
-@pytest.fixture(scope="module")
-def killed_runs(tmp_path_factory: pytest.TempPathFactory, start_run) -> KilledRuns:
-    """A run saving every step, SIGKILLed twice: once while a save is being written (an Orbax
-    tmp dir already holds _CHECKPOINT_METADATA), once just after a save was finalized; then
-    run to the end."""
-    run_dir = tmp_path_factory.mktemp("sigkill") / "run"
-    checkpoints = run_dir / "checkpoints"
-    overrides = [*SMALL_RUN, *SAVE_EVERY_STEP]
-
-    def newest() -> int:
-        return max(committed_on_disk(checkpoints), default=-1)
-
-    def save_under_way() -> bool:
-        # Orbax writes _CHECKPOINT_METADATA into its tmp dir first, then the arrays, then renames
-        return any(
-            TMP_MARKER in entry.name and (entry / COMMIT_MARKER).exists()
-            for entry in checkpoints.iterdir()
-        )
-
-    run = start_run(run_dir, overrides)
-    run.wait_until(lambda: newest() >= 4 and save_under_way(), "4 saves and one under way")
-    run.stop(signal.SIGKILL)
-    after_kill = [(newest(), unfinished_on_disk(checkpoints))]
-
-    run = start_run(run_dir, overrides)
-    resumed_at = after_kill[0][0]
-    run.wait_until(lambda: newest() >= resumed_at + 2, "2 saves after resuming")
-    run.stop(signal.SIGKILL)
-    outputs = [run.output]
-    after_kill.append((newest(), unfinished_on_disk(checkpoints)))
-
-    final_steps = after_kill[1][0] + 2
-    run = start_run(run_dir, [*overrides, f"train.steps={final_steps}"])
-    final_exit_code = run.finish()
-    outputs.append(run.output)
-    return KilledRuns(
-        checkpoints=checkpoints,
-        rounds=[
-            KilledRound(step, unfinished, output)
-            for (step, unfinished), output in zip(after_kill, outputs, strict=True)
-        ],
-        final_exit_code=final_exit_code,
-        final_steps=final_steps,
-        records=read_metrics(run_dir / "metrics.jsonl"),
-    )
-
-
-def test_rerun_after_sigkill_resumes_from_the_newest_committed_step(killed_runs):
-    assert killed_runs.rounds[0].newest_committed >= 4
-    for round_ in killed_runs.rounds:
-        step = round_.newest_committed
-        checkpoint = killed_runs.checkpoints / str(step)
-        assert f"resumed from {checkpoint} (step {step})" in round_.next_output
-
-
-def test_rerun_after_sigkill_mid_save_warns_about_each_unfinished_step(killed_runs):
-    # the first kill waited for a save in flight, so it almost surely left one behind
-    assert any(round_.unfinished for round_ in killed_runs.rounds)
-    for round_ in killed_runs.rounds:
-        for name in round_.unfinished:
-            assert f"skipped checkpoint {killed_runs.checkpoints / name}" in round_.next_output, (
-                f"{name} was left unfinished by SIGKILL, but the rerun did not say it skipped "
-                f"it:\n{round_.next_output}"
-            )
-
-
-def test_run_killed_twice_mid_save_still_finishes_with_every_step_trained_and_saved(killed_runs):
-    runs = killed_runs
-    output = runs.rounds[-1].next_output
-    assert runs.final_exit_code == 0, output
-    assert "checkpoint save at step" not in output
-    assert runs.final_steps in committed_on_disk(runs.checkpoints)
-    resumed_from = runs.rounds[-1].newest_committed
-    final_part = [record["step"] for record in steps_after_last_resume(runs.records)]
-    assert final_part == list(range(resumed_from, runs.final_steps))
 
 
 # --- restore in another number of processes -----------------------------------------------------
