@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from msjax.run_dir import RunDir  # noqa: E402
+
 STEP_DEADLINE_S = 10.0
 
 
@@ -68,10 +72,9 @@ def run_job(run_dir: Path, steps: int, cache: bool) -> dict[str, Any]:
     wall_s = time.perf_counter() - started
     if code != 0:
         raise SystemExit(f"the job in {run_dir} exited {code}; see {log}")
-    incidents = [
-        json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()
-    ]
-    goodput = json.loads((run_dir / "goodput.json").read_text())
+    files = RunDir(run_dir)
+    incidents = [json.loads(line) for line in files.incidents_log.read_text().splitlines()]
+    goodput = json.loads(files.goodput.read_text())
     return {"wall_s": wall_s, "incidents": incidents, "goodput": goodput}
 
 

@@ -15,9 +15,11 @@ from typing import Any
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
+from msjax.observe.flight_recorder import diagnose
+from msjax.observe.goodput import step_time_split
 from msjax.observe.plots import text_heatmap
 from msjax.observe.run_files import Run, is_step, load_run
-from msjax.resilience.goodput import step_time_split
+from msjax.run_dir import RunDir
 
 _PROG = "msjax.report"
 PLOTS = ("loss.png", "throughput.png", "heatmap.png", "goodput.png")
@@ -231,14 +233,10 @@ def _straggler_lines(run: Run, width: int) -> list[str]:
 
 def _flight_lines(run: Run, width: int) -> list[str]:
     """The flight recorder's verdict: which rank did not reach the point the others reached."""
-    flight = run.path / "flight"
-    dumps = sorted(flight.glob("rank*.json")) if flight.is_dir() else []
+    files = RunDir(run.path)
+    dumps = files.flight_records()
     if not dumps:
-        return ["flight recorder: no dumps in flight/"]
-    try:
-        from msjax.observe.flight_recorder import diagnose
-    except ImportError:
-        return [f"flight recorder: {len(dumps)} dump(s); this msjax cannot compare them"]
+        return [f"flight recorder: no dumps in {files.flight.name}/"]
     try:
         verdict = diagnose(run.path)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -334,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = load_run(args.run_dir)
         lines = summary_lines(run)
         if not args.no_plots:
-            out_dir = args.out if args.out is not None else run.path / "report"
+            out_dir = args.out if args.out is not None else RunDir(run.path).report
             try:
                 lines += ["", *write_plots(run, out_dir)]
             except OSError as error:

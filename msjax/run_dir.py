@@ -125,6 +125,10 @@ class RunDir:
     def flight_record(self, rank: int) -> Path:
         return self.flight / f"rank{rank}.json"
 
+    def flight_records(self) -> list[Path]:
+        """Every rank's flight record on disk, in name order."""
+        return sorted(self.flight.glob("rank*.json"))
+
     def log(self, rank: int) -> Path:
         return self.path / "logs" / f"rank{rank}.log"
 

@@ -86,11 +86,21 @@ def test_a_setting_is_spelled_in_one_module(fact, home):
     assert where(lambda tree: fact in string_constants(tree)) == [home]
 
 
-def test_run_directory_names_appear_only_in_run_dir():
-    spelled = {
-        path: sorted(RUN_DIR_NAMES & set(string_constants(tree)))
-        for path, tree in modules().items()
+def path_names(tree: ast.AST) -> set[str]:
+    """File names anywhere, and folder names where a path is joined (`path / "checkpoints"`)."""
+    files = {name for name in string_constants(tree) if "." in name}
+    joined = {
+        side.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+        for side in (node.left, node.right)
+        if isinstance(side, ast.Constant) and isinstance(side.value, str)
     }
+    return files | joined
+
+
+def test_run_directory_names_appear_only_in_run_dir():
+    spelled = {path: sorted(RUN_DIR_NAMES & path_names(tree)) for path, tree in modules().items()}
     elsewhere = {path: names for path, names in spelled.items() if names}
     assert list(elsewhere) == ["msjax/run_dir.py"], elsewhere
     assert elsewhere["msjax/run_dir.py"] == sorted(RUN_DIR_NAMES)

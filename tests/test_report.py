@@ -16,6 +16,7 @@ import pytest
 
 from msjax.observe.run_files import WARMUP_STEPS
 from msjax.report import PLOTS, main
+from msjax.run_dir import RunDir
 
 STEPS = 6
 TINY_RUN = [
@@ -54,7 +55,7 @@ def report(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_summary_numbers_are_the_numbers_in_metrics_jsonl(run_dir, capsys):
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(RunDir(run_dir).metrics)
     steps = {r["step"]: r for r in records if "loss" in r}
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     steady = [steps[s]["tokens_per_s"] for s in sorted(steps)[WARMUP_STEPS:]]
@@ -100,7 +101,7 @@ def test_every_png_is_drawn_from_a_real_run(run_dir, tmp_path, capsys):
 
 
 def test_text_heatmap_has_one_row_per_rank_of_the_run(run_dir, capsys):
-    header = read_jsonl(run_dir / "ranks.jsonl")[0]
+    header = read_jsonl(RunDir(run_dir).ranks)[0]
     assert header["event"] == "ranks"
 
     code, out, _ = report(capsys, run_dir, "--no-plots")
@@ -110,7 +111,7 @@ def test_text_heatmap_has_one_row_per_rank_of_the_run(run_dir, capsys):
     rows = [ROW.match(line).group(1) for line in heatmap.splitlines() if ROW.match(line)]
     assert rows == [f"r{rank['rank']}" for rank in header["ranks"]]
     assert "legend, work s per rank-step:" in heatmap
-    timed_steps = [r["step"] for r in read_jsonl(run_dir / "ranks.jsonl") if "work_s" in r]
+    timed_steps = [r["step"] for r in read_jsonl(RunDir(run_dir).ranks) if "work_s" in r]
     assert f"steps 0-{STEPS - 1} ({len(timed_steps)} recorded)" in heatmap
 
 
@@ -149,11 +150,11 @@ def eight_rank_timing(path: Path) -> None:
 
 
 def test_heatmap_rows_follow_the_mesh_and_the_straggler_is_named(run_dir, tmp_path, capsys):
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
-    eight_rank_timing(copy / "ranks.jsonl")
+    copy = RunDir(tmp_path / "run")
+    shutil.copytree(run_dir, copy.path, ignore=shutil.ignore_patterns(copy.report.name))
+    eight_rank_timing(copy.ranks)
 
-    code, out, _ = report(capsys, copy)
+    code, out, _ = report(capsys, copy.path)
 
     assert code == 0
     rows = [line for line in out.splitlines() if ROW.match(line)]
@@ -168,25 +169,26 @@ def test_heatmap_rows_follow_the_mesh_and_the_straggler_is_named(run_dir, tmp_pa
     assert cells == " " * 20 + "@" * 20  # one column per step; the slow half at the top shade
     assert "rank 5 on host1 (data 1, fsdp 0, tensor 1): flagged 1 time(s), steps 20-39" in out
     assert "phase host x1" in out
-    assert (copy / "report" / "heatmap.png").stat().st_size > 10_000
+    assert (copy.report / "heatmap.png").stat().st_size > 10_000
 
 
 def test_a_partial_run_dir_reports_what_it_has(run_dir, tmp_path, capsys):
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report", "ranks.jsonl"))
-    text = (copy / "metrics.jsonl").read_text()
-    (copy / "metrics.jsonl").write_text(text[: len(text) // 2])  # a writer killed mid-line
+    copy = RunDir(tmp_path / "run")
+    ignored = shutil.ignore_patterns(copy.report.name, copy.ranks.name)
+    shutil.copytree(run_dir, copy.path, ignore=ignored)
+    text = copy.metrics.read_text()
+    copy.metrics.write_text(text[: len(text) // 2])  # a writer killed mid-line
 
-    code, out, _ = report(capsys, copy)
+    code, out, _ = report(capsys, copy.path)
 
     assert code == 0
     assert "unreadable line(s) in metrics.jsonl skipped" in out
     assert "stragglers: no ranks.jsonl" in out
     assert "skipped heatmap.png: no ranks.jsonl" in out
-    assert (copy / "report" / "loss.png").exists()
+    assert (copy.report / "loss.png").exists()
 
-    (copy / "metrics.jsonl").write_text("")
-    code, out, _ = report(capsys, copy)
+    copy.metrics.write_text("")
+    code, out, _ = report(capsys, copy.path)
     assert code == 0
     assert "no training step recorded yet" in out
     assert "skipped loss.png and throughput.png" in out
@@ -196,9 +198,9 @@ def test_the_flight_recorder_verdict_names_the_rank_that_stopped_short(run_dir, 
     """The run's own dump as rank 0, and a rank 1 whose dumps end a step earlier: a hang."""
     from msjax.observe.flight_recorder import diagnose
 
-    copy = tmp_path / "run"
-    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
-    dump = json.loads((copy / "flight" / "rank0.json").read_text())
+    copy = RunDir(tmp_path / "run")
+    shutil.copytree(run_dir, copy.path, ignore=shutil.ignore_patterns(copy.report.name))
+    dump = json.loads(copy.flight_record(0).read_text())
     dump["closed"] = False
     last_begin = max(i for i, e in enumerate(dump["events"]) if e["event"] == "step_begin")
     behind = {
@@ -207,12 +209,12 @@ def test_the_flight_recorder_verdict_names_the_rank_that_stopped_short(run_dir, 
         "events": dump["events"][: last_begin + 1],
         "alive_at": dump["alive_at"] - 5.0,
     }
-    (copy / "flight" / "rank0.json").write_text(json.dumps(dump))
-    (copy / "flight" / "rank1.json").write_text(json.dumps(behind))
+    copy.flight_record(0).write_text(json.dumps(dump))
+    copy.flight_record(1).write_text(json.dumps(behind))
 
-    code, out, _ = report(capsys, copy, "--no-plots")
+    code, out, _ = report(capsys, copy.path, "--no-plots")
 
-    verdict = diagnose(copy)
+    verdict = diagnose(copy.path)
     assert code == 0 and verdict is not None and verdict.rank == 1
     assert " ".join(f"flight recorder: {verdict.summary}".split()) in " ".join(out.split())
     assert "flight recorder: rank 1 went silent 5.0 s before the others" in out
@@ -226,10 +228,10 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
         target.write_text("not a run\n")
     elif case == "no metrics":
         target.mkdir()
-        (target / "config.yaml").write_text("run: {name: x}\n")
+        RunDir(target).config_yaml.write_text("run: {name: x}\n")
     elif case == "undecodable metrics":
         target.mkdir()
-        (target / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+        RunDir(target).metrics.write_bytes(b"\xff\xfe\x00garbage")
 
     code, out, err = report(capsys, target)
 

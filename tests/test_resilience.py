@@ -22,10 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from msjax.launch.incidents import IncidentDir
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import parse_faults
-from msjax.resilience.heartbeat import HeartbeatRecord, heartbeat_path
+from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
+from msjax.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -85,7 +87,7 @@ class Launch:
         return self.log_path.read_text()
 
     def heartbeat(self, rank: int) -> HeartbeatRecord | None:
-        return HeartbeatRecord.read(heartbeat_path(self.run_dir, rank))
+        return HeartbeatRecord.read(RunDir(self.run_dir).heartbeat(rank))
 
     def wait_for(self, condition: Callable[[], Any], what: str) -> Any:
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -132,7 +134,7 @@ def checkpoint_arrays(run_dir: Path, step: int) -> tuple[dict[str, np.ndarray], 
     from msjax.checkpoint.manager import Checkpointer
     from msjax.config import CheckpointConfig
 
-    reader = Checkpointer(run_dir / "checkpoints", CheckpointConfig(), read_only=True)
+    reader = Checkpointer(RunDir(run_dir).checkpoints, CheckpointConfig(), read_only=True)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
@@ -147,7 +149,7 @@ def checkpoint_arrays(run_dir: Path, step: int) -> tuple[dict[str, np.ndarray], 
 def committed_steps(run_dir: Path) -> list[int]:
     from msjax.checkpoint.manager import committed_steps as steps
 
-    return steps(run_dir / "checkpoints")
+    return steps(RunDir(run_dir).checkpoints)
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,7 @@ def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
     pid = job.wait_for(job.worker_at(0, attempt=3, step=10), "step 10 on rank 0 of attempt 3")
     os.kill(pid, signal.SIGSTOP)
     code = job.finish()
-    incidents_path = run_dir / "incidents.jsonl"
+    incidents_path = RunDir(run_dir).incidents_log
     incidents = read_jsonl(incidents_path) if incidents_path.exists() else []
     return Finished(run_dir, code, job.output, incidents)
 
@@ -223,7 +225,7 @@ def incident(runs: Finished, number: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_uninterrupted_reference_job_finishes_with_no_incident(reference):
     assert reference.exit_code == exit_codes.OK, reference.output[-5000:]
-    assert not (reference.run_dir / "incidents.jsonl").exists()
+    assert not RunDir(reference.run_dir).incidents_log.exists()
     assert STEPS in committed_steps(reference.run_dir)
 
 
@@ -280,7 +282,7 @@ def test_nonfinite_loss_rolls_back_and_skips_that_steps_batch(faulty):
     )
     assert record["resumed_from_step"] == 2 * SAVE_EVERY
     assert read_skipped_steps(faulty.run_dir) == {NAN_STEP}
-    metrics = read_jsonl(faulty.run_dir / "metrics.jsonl")
+    metrics = read_jsonl(RunDir(faulty.run_dir).metrics)
     skipped = [m for m in metrics if m.get("event") == "skipped"]
     assert skipped  # once per attempt that passed it: the hang later replays step 8 too
     assert all(
@@ -297,21 +299,21 @@ def test_sigstopped_worker_is_a_hang_caught_by_its_heartbeat_deadline(faulty):
     assert STEP_DEADLINE_S - 1 <= record["detection_latency_s"] < STEP_DEADLINE_S + 5
     assert record["resumed_from_step"] == 3 * SAVE_EVERY
     assert record["steps_lost"] == record["step"] - 3 * SAVE_EVERY
-    stacks = faulty.run_dir / record["diagnostics"] / "stacks-rank0.txt"
-    assert "File" in stacks.read_text()  # Python stacks of the stopped worker, via SIGUSR1
+    diagnostics = IncidentDir(faulty.run_dir / record["diagnostics"])
+    assert "File" in diagnostics.stacks(0).read_text()  # the stopped worker's, via SIGUSR1
     # the flight recorders agree: rank 0's dumps stopped while rank 1's went on
     assert record["flight_recorder"].startswith("rank 0 "), record["flight_recorder"]
-    assert (faulty.run_dir / record["diagnostics"] / "flight-rank1.json").exists()
+    assert diagnostics.flight_copy(RunDir(faulty.run_dir).flight_record(1)).exists()
 
 
 @pytest.mark.slow
 def test_incidents_and_goodput_summary_are_in_the_run_dir(faulty):
     for record in faulty.incidents:
-        directory = faulty.run_dir / record["diagnostics"]
-        heartbeats = json.loads((directory / "heartbeats.json").read_text())
+        diagnostics = IncidentDir(faulty.run_dir / record["diagnostics"])
+        heartbeats = json.loads(diagnostics.heartbeats.read_text())
         assert heartbeats["cause"] == record["cause"]
         assert record["catch_up_s"] is not None, record
-    goodput = json.loads((faulty.run_dir / "goodput.json").read_text())
+    goodput = json.loads(RunDir(faulty.run_dir).goodput.read_text())
     assert goodput["outcome"] == "done" and goodput["incidents"] == 4
     assert 0 < goodput["effective_training_time_ratio"] < 1
     assert sum(goodput["breakdown_s"].values()) == pytest.approx(goodput["wall_s"], abs=0.1)
@@ -324,7 +326,7 @@ def test_fault_storm_past_the_restart_budget_stops_and_keeps_the_last_good_check
     run_dir = job.run_dir
     code = job.finish()
     assert code == exit_codes.RESTARTS_EXHAUSTED, job.output[-5000:]
-    incidents = read_jsonl(run_dir / "incidents.jsonl")
+    incidents = read_jsonl(RunDir(run_dir).incidents_log)
     assert [(r["cause"], r["rank"], r["action"]) for r in incidents] == [
         ("crash", 1, "restart"),
         ("crash", 1, "stop"),

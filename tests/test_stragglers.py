@@ -19,6 +19,7 @@ import pytest
 
 from msjax.observe.flight_recorder import FlightRecorder, diagnose
 from msjax.observe.stragglers import StragglerDetector, score_window
+from msjax.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_S = 0.1
@@ -100,7 +101,7 @@ def test_flight_records_name_the_rank_that_did_not_reach_the_others_point(tmp_pa
     verdict = diagnose(tmp_path)
     assert verdict is not None and verdict.rank == 1
     assert "step_dispatched 11" in verdict.summary and "step_dispatched 19" in verdict.summary
-    stored = json.loads((tmp_path / "flight" / "rank0.json").read_text())
+    stored = json.loads(RunDir(tmp_path).flight_record(0).read_text())
     assert len(stored["events"]) == 8  # a ring buffer: the last events only
     assert stored["events"][-1]["step"] == 19
     for recorder in recorders:
@@ -153,7 +154,7 @@ def start_job(run_dir: Path, steps: int, fault: str = "") -> list[subprocess.Pop
 
 def read_ranks(run_dir: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
     """(the ranks header, per-step records, straggler events) of ranks.jsonl."""
-    records = [json.loads(line) for line in (run_dir / "ranks.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(run_dir).ranks.read_text().splitlines()]
     header = next(r for r in records if r.get("event") == "ranks")
     steps = [r for r in records if "work_s" in r]
     stragglers = [r for r in records if r.get("event") == "straggler"]
@@ -163,7 +164,7 @@ def read_ranks(run_dir: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
 def flight_step(run_dir: Path, rank: int) -> int:
     """The newest step rank `rank` began, from its flight record (-1 before the first)."""
     try:
-        record = json.loads((run_dir / "flight" / f"rank{rank}.json").read_text())
+        record = json.loads(RunDir(run_dir).flight_record(rank).read_text())
     except (OSError, ValueError):
         return -1
     steps = [e["step"] for e in record["events"] if e["event"] == "step_begin"]
@@ -256,7 +257,7 @@ def test_a_rank_slowed_from_outside_is_named_and_a_sigstopped_rank_is_named_by_t
             time.sleep(0.08)
             workers[duty_rank].send_signal(signal.SIGCONT)
             time.sleep(0.12)
-            if (run_dir / "ranks.jsonl").exists():
+            if RunDir(run_dir).ranks.exists():
                 named = read_ranks(run_dir)[2]
         assert [event["rank"] for event in named] == [duty_rank]
         assert named[0]["phase"] == "stalled"

@@ -12,6 +12,7 @@ import numpy as np
 
 from msjax.cli import user_error
 from msjax.errors import MsjaxError
+from msjax.run_dir import RunDir
 
 
 def _directory_bytes(path: Path) -> int:
@@ -28,15 +29,11 @@ def _human_bytes(count: float) -> str:
 
 def list_checkpoints(run_dir: Path, verify: bool) -> list[str]:
     """One line per step directory: step, size, time, and whether it is valid."""
-    from msjax.checkpoint.manager import (
-        Checkpointer,
-        checkpoint_dir,
-        committed_steps,
-        uncommitted_entries,
-    )
+    from msjax.checkpoint.manager import Checkpointer, committed_steps, uncommitted_entries
     from msjax.config import CheckpointConfig
 
-    directory = checkpoint_dir(run_dir) if (run_dir / "checkpoints").is_dir() else run_dir
+    checkpoints = RunDir(run_dir).checkpoints
+    directory = checkpoints if checkpoints.is_dir() else run_dir
     if not directory.is_dir():
         raise MsjaxError(f"no checkpoints directory in {run_dir}")
     checkpointer = Checkpointer(directory, CheckpointConfig(), read_only=True)

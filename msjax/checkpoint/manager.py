@@ -26,6 +26,7 @@ from msjax.checkpoint.fingerprint import (
 )
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
+from msjax.run_dir import RunDir
 
 FORMAT_VERSION = 1
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` when the
@@ -45,18 +46,15 @@ class Restored:
     path: Path
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
 def parse_resume_source(source: str) -> tuple[Path, int | None]:
     """`PATH` or `PATH/STEP`, where PATH is a run dir or its checkpoints dir."""
     path = Path(source)
     step = None
-    if path.name.isdigit() and not (path / "checkpoints").is_dir():
+    if path.name.isdigit() and not RunDir(path).checkpoints.is_dir():
         path, step = path.parent, int(path.name)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    checkpoints = RunDir(path).checkpoints
+    if checkpoints.is_dir():
+        path = checkpoints
     if not path.is_dir():
         raise MsjaxError(f"checkpoint.resume_from={source}: no checkpoint directory at {path}")
     return path, step

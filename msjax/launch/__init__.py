@@ -1,5 +1,3 @@
-"""`python -m msjax.launch`: start the workers of one `jax.distributed` job under a supervisor.
-
-distributed.py is the environment contract between the launcher and each worker; the
-supervisor itself lives in msjax.resilience.supervisor.
+"""`python -m msjax.launch`: the launcher and its supervisor, which start, watch and restart the
+workers of one `jax.distributed` job (supervisor, attempt, fault_detection, incidents, workers).
 """

@@ -104,7 +104,7 @@ def job_config(train_args: list[str], max_restarts: int | None) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from msjax.resilience.supervisor import JobLayout, Supervisor
+    from msjax.launch.supervisor import JobLayout, Supervisor
     from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
 
     try:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from msjax.run_dir import RunDir
+
 DUMP_EVERY_S = 0.5
 # The order of a step's events: a rank that logged a later one got further in that step.
 EVENT_ORDER = {
@@ -35,15 +37,11 @@ EVENT_ORDER = {
 }
 
 
-def flight_dir(run_dir: Path) -> Path:
-    return run_dir / "flight"
-
-
 class FlightRecorder:
     """record(event, step=..., **fields) appends to the ring buffer; close() dumps a last time."""
 
     def __init__(self, run_dir: Path, rank: int, attempt: int, capacity: int):
-        self.path = flight_dir(run_dir) / f"rank{rank}.json"
+        self.path = RunDir(run_dir).flight_record(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._identity = {
             "rank": rank,
@@ -102,7 +100,7 @@ class FlightVerdict:
 def read_flight_records(run_dir: Path) -> list[dict[str, Any]]:
     """Every rank's last dump of the newest attempt, by rank."""
     records = []
-    for path in sorted(flight_dir(run_dir).glob("rank*.json")):
+    for path in RunDir(run_dir).flight_records():
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):

@@ -25,6 +25,7 @@ import numpy as np
 
 from msjax.config import ObserveConfig
 from msjax.observe.stragglers import StragglerDetector
+from msjax.run_dir import RunDir
 
 KEY_PREFIX = "msjax/rank_timing"
 _FIELDS = ("work_s", "data_wait_s", "stall_s", "result_wait_s", "step_time_s")
@@ -120,7 +121,7 @@ class RankTiming:
             self._detector = StragglerDetector(
                 config.straggler_min_excess, config.straggler_min_score, config.straggler_windows
             )
-            self._writer = (run_dir / "ranks.jsonl").open("a")
+            self._writer = RunDir(run_dir).ranks.open("a")
             self._identities: list[dict[str, Any]] | None = None
 
     # ---- the loop's calls ---------------------------------------------------------------------

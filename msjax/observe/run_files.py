@@ -15,6 +15,7 @@ import yaml
 
 from msjax.errors import MsjaxError
 from msjax.observe.plots import HeatMap, RankRow
+from msjax.run_dir import RunDir
 
 WARMUP_STEPS = 2  # each attempt's first steps compile and fill caches: kept out of medians
 
@@ -85,14 +86,17 @@ def _read_jsonl(
     return records
 
 
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    for name, parse in (("config.yaml", yaml.safe_load), ("config.json", json.loads)):
-        path = run_dir / name
+def _read_config(files: RunDir) -> dict[str, Any]:
+    """The resolved config the run saved (YAML, else JSON); {} if it saved none."""
+    for path, parse, form in (
+        (files.config_yaml, yaml.safe_load, "YAML"),
+        (files.config_json, json.loads, "JSON"),
+    ):
         if path.exists():
             try:
                 config = parse(_read_text(path))
             except (yaml.YAMLError, ValueError) as error:
-                raise MsjaxError(f"{path} is not valid {name[7:]}: {error}") from None
+                raise MsjaxError(f"{path} is not valid {form}: {error}") from None
             return config if isinstance(config, dict) else {}
     return {}
 
@@ -105,12 +109,12 @@ def load_run(run_dir: Path) -> Run:
     """Read a run directory; MsjaxError if it is not one or a file in it cannot be read."""
     if not run_dir.is_dir():
         raise MsjaxError(f"{run_dir} is not a directory; give a run directory (run.dir)")
-    metrics_path = run_dir / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise MsjaxError(f"{run_dir} has no metrics.jsonl; is it a run directory (run.dir)?")
+    files = RunDir(run_dir)
+    if not files.metrics.is_file():
+        raise MsjaxError(f"{run_dir} has no {files.metrics.name}; is it a run directory (run.dir)?")
     unreadable: dict[str, int] = {}
-    records = _read_jsonl(metrics_path, unreadable, required="step")
-    config = _read_config(run_dir)
+    records = _read_jsonl(files.metrics, unreadable, required="step")
+    config = _read_config(files)
     run_section = config.get("run") or {}
     train_section = config.get("train") or {}
 
@@ -138,17 +142,17 @@ def load_run(run_dir: Path) -> Run:
             warm_index[step] = in_attempt < WARMUP_STEPS
             in_attempt, previous_step = in_attempt + 1, step
     goodput = None
-    if (run_dir / "goodput.json").exists():
+    if files.goodput.exists():
         try:
-            goodput = json.loads(_read_text(run_dir / "goodput.json"))
+            goodput = json.loads(_read_text(files.goodput))
         except ValueError as error:
-            raise MsjaxError(f"{run_dir / 'goodput.json'} is not valid JSON: {error}") from None
+            raise MsjaxError(f"{files.goodput} is not valid JSON: {error}") from None
     incidents = []
-    if (run_dir / "incidents.jsonl").exists():
-        incidents = _read_jsonl(run_dir / "incidents.jsonl", unreadable)
+    if files.incidents_log.exists():
+        incidents = _read_jsonl(files.incidents_log, unreadable)
     ranks = None
-    if (run_dir / "ranks.jsonl").exists():
-        ranks = _read_ranks(_read_jsonl(run_dir / "ranks.jsonl", unreadable))
+    if files.ranks.exists():
+        ranks = _read_ranks(_read_jsonl(files.ranks, unreadable))
     return Run(
         path=run_dir,
         name=str(run_section.get("name") or run_dir.name),

@@ -1,5 +1,3 @@
-"""Resilience: heartbeats, the watchdog supervisor, restart policy, fault injection, goodput.
-
-Worker side (imported by msjax.train): heartbeat, faults, skips, worker. Supervisor side
-(`python -m msjax.launch`, never imports JAX): supervisor, incidents, goodput.
+"""Resilience on the worker side: heartbeats, injected faults, skipped steps, compilation caches
+and exit codes, used by msjax.train. The supervisor that reads them lives in msjax.launch.
 """

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax.config import ResilienceConfig
+from msjax.run_dir import RunDir
 
 
 def compile_cache_dir(resilience: ResilienceConfig, run_dir: Path, launched: bool) -> Path | None:
@@ -19,7 +20,7 @@ def compile_cache_dir(resilience: ResilienceConfig, run_dir: Path, launched: boo
         return None
     if resilience.compile_cache_dir:
         return Path(resilience.compile_cache_dir)
-    return run_dir / "compile_cache" if launched else None
+    return RunDir(run_dir).compile_cache if launched else None
 
 
 def enable_compile_cache(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from msjax.errors import MsjaxError
+from msjax.run_dir import RunDir
 
 ENV_VAR = "MSJAX_FAULT"
 KINDS = ("crash", "hang", "nan", "slow", "crash_in_save")
@@ -91,13 +92,9 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
     return tuple(faults)
 
 
-def faults_log(run_dir: Path) -> Path:
-    return run_dir / "faults.jsonl"
-
-
 def read_firings(run_dir: Path) -> list[dict]:
     """Every injected fault that fired in run_dir, oldest first."""
-    path = faults_log(run_dir)
+    path = RunDir(run_dir).faults
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -148,7 +145,7 @@ class FaultInjector:
             "pid": os.getpid(),
             "unix_s": time.time(),
         }
-        with faults_log(self.run_dir).open("a") as log:
+        with RunDir(self.run_dir).faults.open("a") as log:
             log.write(json.dumps(record) + "\n")
             log.flush()
             os.fsync(log.fileno())

@@ -15,20 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from msjax.run_dir import RunDir
+
 Phase = Literal["init", "compile", "step", "checkpoint", "eval", "nonfinite", "done"]
-
-
-def heartbeat_dir(run_dir: Path) -> Path:
-    return run_dir / "heartbeats"
-
-
-def heartbeat_path(run_dir: Path, rank: int) -> Path:
-    return heartbeat_dir(run_dir) / f"rank{rank}.json"
-
-
-def stacks_path(run_dir: Path, rank: int) -> Path:
-    """Where rank's Python stacks go when it receives SIGUSR1."""
-    return heartbeat_dir(run_dir) / f"stacks-rank{rank}.txt"
 
 
 @dataclass(frozen=True)
@@ -58,7 +47,7 @@ class Heartbeat:
     """Writes rank's heartbeat on every phase change and at most every `every_s` within a phase."""
 
     def __init__(self, run_dir: Path, rank: int, every_s: float, attempt: int = 0):
-        self.path = heartbeat_path(run_dir, rank)
+        self.path = RunDir(run_dir).heartbeat(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.every_s = every_s
@@ -102,7 +91,7 @@ class Heartbeat:
     def dump_stacks_on_sigusr1(self, run_dir: Path) -> Path:
         """Let the supervisor ask for every thread's Python stack (faulthandler, C-level handler:
         works while the main thread is blocked in a collective)."""
-        path = stacks_path(run_dir, self.rank)
+        path = RunDir(run_dir).stacks(self.rank)
         self._stacks_file = path.open("w")
         faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
         return path

@@ -8,17 +8,14 @@ it would have seen: where each batch falls depends only on seed and step (design
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
-
-def skips_path(run_dir: Path) -> Path:
-    return run_dir / "skipped_steps.json"
+from msjax.run_dir import RunDir, write_json
 
 
 def read_skipped_steps(run_dir: Path) -> frozenset[int]:
-    path = skips_path(run_dir)
+    path = RunDir(run_dir).skipped_steps
     if not path.exists():
         return frozenset()
     return frozenset(int(entry["step"]) for entry in json.loads(path.read_text())["skipped"])
@@ -26,12 +23,10 @@ def read_skipped_steps(run_dir: Path) -> frozenset[int]:
 
 def record_skipped_step(run_dir: Path, step: int, reason: str) -> None:
     """Add step to the run's skip list (atomically; a step already there is kept once)."""
-    path = skips_path(run_dir)
+    path = RunDir(run_dir).skipped_steps
     entries = json.loads(path.read_text())["skipped"] if path.exists() else []
     if any(int(entry["step"]) == step for entry in entries):
         return
     entries.append({"step": step, "reason": reason, "recorded_unix_s": time.time()})
     entries.sort(key=lambda entry: entry["step"])
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps({"skipped": entries}, indent=1) + "\n")
-    os.replace(partial, path)
+    write_json(path, {"skipped": entries}, indent=1)

@@ -16,7 +16,7 @@ from msjax.batch import BATCH_FIELDS
 from msjax.checkpoint.manager import Checkpointer, parse_resume_source
 from msjax.config import Config
 from msjax.data.dataset import TrainingData, build_training_data
-from msjax.launch.distributed import JobEnv, initialize_distributed  # TEMP
+from msjax.distributed import JobEnv, initialize_distributed
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
 from msjax.observe.loop_observer import LoopObserver

@@ -1,4 +1,5 @@
-"""How a worker joins its `jax.distributed` job: the environment the launcher sets, read in train.
+"""How a worker joins its `jax.distributed` job: the environment msjax.launch sets for each
+worker (`worker_env`), read back by the trainer (`JobEnv`, `initialize_distributed`).
 
 MSJAX_COORDINATOR (host:port), MSJAX_NUM_PROCESSES and MSJAX_PROCESS_ID name the job explicitly;
 MSJAX_DISTRIBUTED=auto lets JAX detect it (Slurm, Open MPI, Kubernetes with the `kubernetes`

@@ -4,7 +4,8 @@ MegaScale's effective training time is productive step time over wall time: the 
 count (each step index's last record in metrics.jsonl) against everything from the supervisor's
 start to its end. The rest is split into start-up, compilation, checkpoint pauses, lost progress
 (steps trained and then redone after a fault, and the time until the fault was detected) and
-restarting (diagnostics, stopping workers, backoff). Written to RUN_DIR/goodput.json.
+restarting (diagnostics, stopping workers, backoff). Written to RUN_DIR/goodput.json by the
+supervisor (msjax.launch); the report reads it, or splits metrics.jsonl alone the same way.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from msjax.run_dir import RunDir, write_json
+
 
 def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a .jsonl file ([] if there is none), skipping lines cut short."""
     if not path.exists():
         return []
     records = []
@@ -72,16 +76,17 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def write_goodput(
-    run_dir: Path,
+    run_dir: RunDir,
     started_unix_s: float,
     ended_unix_s: float,
     attempts: list[Any],
     incidents: list[dict[str, Any]],
     outcome: str,
 ) -> str:
-    """Write RUN_DIR/goodput.json; return its one-line summary."""
+    """Write RUN_DIR/goodput.json from the supervisor's attempts (each with spawned_unix_s,
+    compile_unix_s, first_step_unix_s, ended_unix_s) and incidents; return a one-line summary."""
     wall_s = max(ended_unix_s - started_unix_s, 1e-9)
-    steps = step_time_split(read_records(run_dir / "metrics.jsonl"))
+    steps = step_time_split(read_records(run_dir.metrics))
     startup_s = compile_s = 0.0
     for attempt in attempts:
         end = attempt.ended_unix_s if attempt.ended_unix_s is not None else ended_unix_s
@@ -115,7 +120,7 @@ def write_goodput(
         "incidents": len(incidents),
         "breakdown_s": {key: round(value, 3) for key, value in breakdown.items()},
     }
-    (run_dir / "goodput.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(run_dir.goodput, summary, indent=1)
     shares = ", ".join(
         f"{key[:-2]} {100 * value / wall_s:.0f}%" for key, value in breakdown.items() if value > 0
     )

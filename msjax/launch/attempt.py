@@ -1,0 +1,80 @@
+"""One attempt of a supervised job: its workers, and what their heartbeats have said so far
+(progress per rank, when compilation and the first step began, the furthest step reached)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from msjax.launch.workers import WorkerProcess
+from msjax.resilience.heartbeat import HeartbeatRecord
+from msjax.run_dir import RunDir
+
+
+@dataclass
+class Attempt:
+    number: int
+    workers: list[WorkerProcess]
+    spawned_unix_s: float
+    heartbeats: dict[int, HeartbeatRecord] = field(default_factory=dict)
+    progress_at: dict[int, float] = field(default_factory=dict)  # monotonic, per rank
+    progress_unix_s: dict[int, float] = field(default_factory=dict)
+    compile_unix_s: float | None = None  # rank 0 began compiling (state restored)
+    first_step_unix_s: float | None = None  # rank 0 finished its first step
+    start_step: int | None = None
+    max_step: int = 0
+    ended_unix_s: float | None = None
+    outcome: str = ""
+
+    @classmethod
+    def started(cls, number: int, workers: list[WorkerProcess]) -> Attempt:
+        """An attempt whose workers were just spawned: every rank counts as progressing now."""
+        attempt = cls(number, workers, time.time())
+        for worker in workers:
+            attempt.progress_at[worker.rank] = time.monotonic()
+            attempt.progress_unix_s[worker.rank] = attempt.spawned_unix_s
+        return attempt
+
+    @property
+    def made_progress(self) -> bool:
+        """Whether any step was completed past the one the attempt resumed at."""
+        return self.start_step is not None and self.max_step > self.start_step
+
+    def finished(self, steps: int) -> bool:
+        """Whether every worker's last heartbeat says it is done with all `steps` steps."""
+        done = [
+            record
+            for record in self.heartbeats.values()
+            if record.phase == "done" and record.step >= steps
+        ]
+        return len(done) == len(self.workers)
+
+    def read_heartbeats(self, run_dir: RunDir) -> None:
+        """Take in every worker's newest heartbeat (a phase or step change counts as progress)."""
+        for worker in self.workers:
+            record = HeartbeatRecord.read(run_dir.heartbeat(worker.rank))
+            if record is None or record.pid != worker.pid:
+                continue
+            previous = self.heartbeats.get(worker.rank)
+            moved = previous is None or (previous.phase, previous.step) != (
+                record.phase,
+                record.step,
+            )
+            self.heartbeats[worker.rank] = record
+            if moved:
+                self.progress_at[worker.rank] = time.monotonic()
+                self.progress_unix_s[worker.rank] = record.unix_s
+            if record.phase not in ("init", "nonfinite"):
+                self.max_step = max(self.max_step, record.step)
+            if worker.rank == self.workers[0].rank:
+                self._note_first_rank(record)
+
+    def _note_first_rank(self, record: HeartbeatRecord) -> None:
+        """The first rank's heartbeat times the attempt's compilation and first step."""
+        if record.phase != "init" and self.compile_unix_s is None:
+            self.compile_unix_s = (
+                record.phase_started_unix_s if record.phase == "compile" else record.unix_s
+            )
+            self.start_step = record.start_step
+        if record.phase == "step" and self.first_step_unix_s is None:
+            self.first_step_unix_s = record.phase_started_unix_s

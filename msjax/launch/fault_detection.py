@@ -1,0 +1,146 @@
+"""How the supervisor tells a fault from an attempt's exits and heartbeats: a crash (a non-zero
+exit or a signal), a hang (no progress past its phase's deadline), a non-finite loss, an early exit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from msjax.config import ResilienceConfig
+from msjax.launch.attempt import Attempt
+from msjax.launch.workers import WorkerProcess, describe_exit
+from msjax.resilience import exit_codes
+from msjax.resilience.faults import read_firings
+from msjax.run_dir import RunDir
+
+
+@dataclass
+class Fault:
+    cause: str  # crash, hang, nonfinite_loss, early_exit, user_error
+    rank: int
+    detail: str
+    detected_unix_s: float
+    fault_unix_s: float  # when it happened, as well as known
+    fault_time_from: str  # injection record, exit seen by polling, last heartbeat progress
+    step: int  # updates completed by the furthest rank before the fault
+    phase: str
+    nonfinite_step: int | None = None
+
+
+def deadline_s(resilience: ResilienceConfig, phase: str) -> float:
+    """How long a rank may go without progress in phase before it counts as hung."""
+    if phase == "step":
+        return resilience.step_deadline_s
+    if phase in ("checkpoint", "done", "nonfinite"):
+        return resilience.checkpoint_deadline_s
+    return resilience.compile_deadline_s  # init, compile, eval (which compiles)
+
+
+def exit_fault(attempt: Attempt, failed: list[WorkerProcess], last_poll_unix_s: float) -> Fault:
+    """The first failed worker's exit: a crash, or the user error or non-finite loss it reports."""
+    first = min(failed, key=lambda w: (w.exited_unix_s or 0.0, w.rank))
+    code = first.exit_code
+    assert code is not None
+    record = attempt.heartbeats.get(first.rank)
+    phase = record.phase if record is not None else "init"
+    fault = Fault(
+        "crash",
+        first.rank,
+        describe_exit(code),
+        time.time(),
+        last_poll_unix_s,
+        "exit seen by polling",
+        attempt.max_step,
+        phase,
+    )
+    if code == exit_codes.USER_ERROR:
+        fault.cause = "user_error"
+    elif code == exit_codes.NONFINITE_LOSS:
+        fault.cause = "nonfinite_loss"
+        fault.nonfinite_step = record.step if record is not None else attempt.max_step
+        fault.step = fault.nonfinite_step
+        fault.detail = f"the loss of step {fault.nonfinite_step} is not finite"
+    elif first.rank == 0:
+        fault.detail += "; rank 0 hosted the coordinator"
+    return fault
+
+
+def early_exit_fault(attempt: Attempt, now_unix_s: float) -> Fault:
+    """Every worker exited 0, but not every one says it finished."""
+    return Fault(
+        "early_exit",
+        attempt.workers[0].rank,
+        "every worker exited 0 before train.steps",
+        now_unix_s,
+        now_unix_s,
+        "exit seen by polling",
+        attempt.max_step,
+        "done",
+    )
+
+
+def nonfinite_fault(attempt: Attempt) -> Fault | None:
+    """A rank's heartbeat says its loss was not finite (it is leaving, or about to)."""
+    for worker in attempt.workers:
+        record = attempt.heartbeats.get(worker.rank)
+        if record is not None and record.phase == "nonfinite":
+            return Fault(
+                "nonfinite_loss",
+                worker.rank,
+                f"the loss of step {record.step} is not finite",
+                time.time(),
+                record.unix_s,
+                "heartbeat",
+                record.step,
+                "step",
+                nonfinite_step=record.step,
+            )
+    return None
+
+
+def hang_fault(attempt: Attempt, resilience: ResilienceConfig) -> Fault | None:
+    """A live rank past its phase's deadline without progress; the fault names the rank that
+    stopped first: a SIGSTOPped one, else the one longest without progress."""
+    now = time.monotonic()
+    live = [w for w in attempt.workers if w.alive]
+    overdue = [
+        worker
+        for worker in live
+        if now - attempt.progress_at[worker.rank]
+        > deadline_s(resilience, _phase(attempt, worker.rank))
+    ]
+    if not overdue:
+        return None
+    stopped = [w for w in live if w.stopped]
+    culprit = stopped[0] if stopped else min(live, key=lambda w: attempt.progress_at[w.rank])
+    phase = _phase(attempt, culprit.rank)
+    waited_s = now - attempt.progress_at[culprit.rank]
+    detail = f"no progress in phase {phase} for {waited_s:.1f} s"
+    detail += f" (deadline {deadline_s(resilience, phase):g} s)"
+    if stopped:
+        detail += f"; the process is stopped (state {culprit.state()}, e.g. SIGSTOP)"
+    return Fault(
+        "hang",
+        culprit.rank,
+        detail,
+        time.time(),
+        attempt.progress_unix_s[culprit.rank],
+        "last heartbeat progress",
+        attempt.max_step,
+        phase,
+    )
+
+
+def _phase(attempt: Attempt, rank: int) -> str:
+    record = attempt.heartbeats.get(rank)
+    return record.phase if record is not None else "init"
+
+
+def use_injection_time(fault: Fault, attempt: Attempt, run_dir: RunDir) -> None:
+    """An injected fault's own record says exactly when it fired."""
+    pids = {worker.pid for worker in attempt.workers}
+    for firing in read_firings(run_dir.path):
+        if firing["pid"] in pids and firing["rank"] == fault.rank and firing["kind"] != "slow":
+            fault.fault_unix_s = firing["unix_s"]
+            fault.fault_time_from = f"injection record ({firing['fault']})"

@@ -1,0 +1,193 @@
+"""Incidents: the diagnostics the supervisor collects after a fault (RUN_DIR/incidents/<n>/: stacks,
+log tails, heartbeats, flight records and their verdict) and RUN_DIR/incidents.jsonl, one record
+per incident, completed with restart and catch-up times as the next attempt progresses.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from msjax.launch.attempt import Attempt
+from msjax.launch.fault_detection import Fault
+from msjax.launch.workers import describe_exit
+from msjax.observe.flight_recorder import diagnose
+from msjax.run_dir import RunDir
+
+STACK_DUMP_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class IncidentDir:
+    """The files of one incident's diagnostics, RUN_DIR/incidents/<n>/."""
+
+    path: Path
+
+    def stacks(self, rank: int) -> Path:
+        """Rank's Python stacks, dumped on SIGUSR1 when the fault was detected."""
+        return self.path / f"stacks-rank{rank}.txt"
+
+    def log_tail(self, rank: int) -> Path:
+        return self.path / f"log-rank{rank}.txt"
+
+    @property
+    def heartbeats(self) -> Path:
+        """The fault, and each rank's pid, exit, process state and last heartbeat."""
+        return self.path / "heartbeats.json"
+
+    def flight_copy(self, flight_record: Path) -> Path:
+        """Where a rank's flight record (RunDir.flight_record) is copied."""
+        return self.path / f"flight-{flight_record.name}"
+
+
+def flight_verdict(run_dir: RunDir, incident: IncidentDir) -> str | None:
+    """The flight recorders' comparison (which rank stopped short of the others), with a copy
+    of every rank's dump in the incident's directory."""
+    for dump in run_dir.flight_records():
+        shutil.copyfile(dump, incident.flight_copy(dump))
+    verdict = diagnose(run_dir.path)
+    return None if verdict is None else verdict.summary
+
+
+def collect_diagnostics(
+    attempt: Attempt, fault: Fault, run_dir: RunDir, incident: IncidentDir
+) -> None:
+    """Every live worker's Python stacks (SIGUSR1; a stopped one is continued to answer), each
+    worker's log tail, and a summary of every rank's state, into the incident's directory."""
+    live = [worker for worker in attempt.workers if worker.alive]
+    states = {worker.rank: worker.state() for worker in live}
+    for worker in live:
+        run_dir.stacks(worker.rank).write_text("")
+        worker.signal(signal.SIGUSR1)
+        if states[worker.rank] in ("T", "t"):
+            worker.signal(signal.SIGCONT)  # a stopped process handles the dump once continued
+    deadline = time.monotonic() + STACK_DUMP_WAIT_S
+    while time.monotonic() < deadline:
+        if all(run_dir.stacks(w.rank).stat().st_size > 0 for w in live if w.alive):
+            time.sleep(0.1)  # let the last thread's lines land
+            break
+        time.sleep(0.05)
+    for worker in live:
+        source = run_dir.stacks(worker.rank)
+        if source.exists() and source.stat().st_size:
+            shutil.copyfile(source, incident.stacks(worker.rank))
+    ranks = {}
+    for worker in attempt.workers:
+        record = attempt.heartbeats.get(worker.rank)
+        ranks[str(worker.rank)] = {
+            "pid": worker.pid,
+            "exit": None if worker.exit_code is None else describe_exit(worker.exit_code),
+            "process_state": states.get(worker.rank),
+            "heartbeat": None if record is None else record.__dict__,
+        }
+        incident.log_tail(worker.rank).write_text(worker.log_tail())
+    summary = {"cause": fault.cause, "rank": fault.rank, "detail": fault.detail, "ranks": ranks}
+    incident.heartbeats.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def incident_record(
+    number: int,
+    fault: Fault,
+    attempt: Attempt,
+    stop_s: float,
+    diagnostics: str,
+    flight_recorder: str | None,
+) -> dict[str, Any]:
+    """An incident as detected and handled; the restart fields are filled in later."""
+    return {
+        "incident": number,
+        "cause": fault.cause,
+        "rank": fault.rank,
+        "detail": fault.detail,
+        "attempt": attempt.number,
+        "phase": fault.phase,
+        "step": fault.step,
+        "fault_unix_s": fault.fault_unix_s,
+        "fault_time_from": fault.fault_time_from,
+        "detected_unix_s": fault.detected_unix_s,
+        "detection_latency_s": round(fault.detected_unix_s - fault.fault_unix_s, 3),
+        "stop_s": round(stop_s, 3),
+        "diagnostics": diagnostics,
+        "flight_recorder": flight_recorder,
+        "action": "restart",
+        "resumed_from_step": None,
+        "steps_lost": None,
+        "restart_s": None,
+        "catch_up_s": None,
+    }
+
+
+class IncidentLog:
+    """RUN_DIR/incidents.jsonl. The newest incident stays open while the attempt after it
+    resumes and catches up; it is written then, or when that attempt ends first."""
+
+    def __init__(self, run_dir: RunDir, say: Callable[[str], None]):
+        self.path = run_dir.incidents_log
+        self.say = say
+        self.written: list[dict[str, Any]] = []  # this supervisor's incidents
+        self.open_incident: dict[str, Any] | None = None
+        self.count = self._count_so_far()
+
+    def _count_so_far(self) -> int:
+        """Incidents of earlier supervisors of this run (numbers go on from there)."""
+        if not self.path.exists():
+            return 0
+        return sum(1 for line in self.path.read_text().splitlines() if line.strip())
+
+    def next_number(self) -> int:
+        self.count += 1
+        return self.count
+
+    def open(self, record: dict[str, Any]) -> None:
+        self.open_incident = record
+
+    def update(self, attempt: Attempt) -> None:
+        """Fill in restart and catch-up times as the attempt after an incident progresses."""
+        incident = self.open_incident
+        if incident is None or incident["attempt"] == attempt.number:
+            return
+        detected = incident["detected_unix_s"]
+        if incident["resumed_from_step"] is None and attempt.start_step is not None:
+            incident["resumed_from_step"] = attempt.start_step
+            incident["steps_lost"] = max(incident["step"] - attempt.start_step, 0)
+        if incident["restart_s"] is None and attempt.first_step_unix_s is not None:
+            incident["restart_s"] = round(attempt.first_step_unix_s - detected, 3)
+            incident["restart_to_first_step_s"] = round(
+                attempt.first_step_unix_s - attempt.spawned_unix_s, 3
+            )
+        caught_up = None
+        if attempt.start_step is not None and attempt.start_step >= incident["step"]:
+            caught_up = attempt.compile_unix_s  # resumed at (or past) the pre-fault step
+        elif attempt.max_step >= incident["step"] and attempt.first_step_unix_s is not None:
+            caught_up = max(
+                record.unix_s for record in attempt.heartbeats.values() if record.phase != "init"
+            )
+        if caught_up is not None:
+            incident["catch_up_s"] = round(caught_up - detected, 3)
+            self.write()
+
+    def close(self, attempt: Attempt) -> None:
+        """The attempt ended: write the open incident with what it got to know."""
+        if self.open_incident is not None:
+            self.update(attempt)
+        if self.open_incident is not None:
+            self.write()
+
+    def write(self) -> None:
+        incident = self.open_incident
+        assert incident is not None
+        self.open_incident = None
+        self.written.append(incident)
+        with self.path.open("a") as log:
+            log.write(json.dumps(incident) + "\n")
+        if incident["catch_up_s"] is not None:
+            self.say(
+                f"incident {incident['incident']}: caught up with step {incident['step']} "
+                f"{incident['catch_up_s']:.1f} s after detection"
+            )

@@ -1,0 +1,319 @@
+"""The supervisor: starts the workers of one job, watches exits and heartbeats, and on a fault
+records an incident, stops every worker and restarts the job from the newest valid checkpoint.
+
+It never imports JAX and never needs a worker to be healthy to act (design principle 5). What
+counts as a fault is in fault_detection.py, what an incident records in incidents.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from msjax.config import Config
+from msjax.distributed import worker_env
+from msjax.launch.attempt import Attempt
+from msjax.launch.fault_detection import (
+    Fault,
+    early_exit_fault,
+    exit_fault,
+    hang_fault,
+    nonfinite_fault,
+    use_injection_time,
+)
+from msjax.launch.incidents import (
+    IncidentDir,
+    IncidentLog,
+    collect_diagnostics,
+    flight_verdict,
+    incident_record,
+)
+from msjax.launch.workers import WorkerProcess, stop_workers
+from msjax.observe.goodput import write_goodput
+from msjax.resilience import exit_codes
+from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
+from msjax.resilience.skips import record_skipped_step
+from msjax.run_dir import RunDir
+
+MAX_BACKOFF_S = 300.0
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where this supervisor's workers sit in the job."""
+
+    nprocs: int  # workers started by this supervisor
+    devices_per_proc: int | None  # CPU devices each (JAX_NUM_CPU_DEVICES); None: leave as is
+    nnodes: int = 1
+    node_rank: int = 0
+    coordinator: str | None = None  # host:port; None on one node: 127.0.0.1 and a free port
+
+    @property
+    def num_processes(self) -> int:
+        return self.nprocs * self.nnodes
+
+    def process_id(self, local_rank: int) -> int:
+        return self.node_rank * self.nprocs + local_rank
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Supervisor:
+    """Runs `python -m msjax.train TRAIN_ARGS` as a job of workers until it reaches train.steps."""
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        train_args: list[str],
+        layout: JobLayout,
+        faults: str | None = None,
+        out: IO[str] | None = None,
+        poll_s: float = 0.05,
+    ):
+        self.config = config
+        self.resilience = config.resilience
+        self.run_dir = RunDir(run_dir)
+        self.train_args = train_args
+        self.layout = layout
+        self.faults = faults
+        self.out = out if out is not None else sys.stdout
+        self.poll_s = poll_s
+        self.started_unix_s = time.time()
+        self.attempts: list[Attempt] = []
+        self.incidents = IncidentLog(self.run_dir, self.say)
+        self._stop_requested: str | None = None
+
+    def say(self, text: str) -> None:
+        self.out.write(f"msjax.launch: {text}\n")
+        self.out.flush()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervise until done; returns the launcher's exit code (msjax.resilience.exit_codes)."""
+        previous = {
+            signum: signal.signal(signum, self._on_signal)
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            return self._run()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_requested = signal.Signals(signum).name
+
+    def _run(self) -> int:
+        restarts = 0
+        no_progress_restarts = 0
+        while True:
+            attempt = self._spawn(len(self.attempts))
+            fault = self._watch(attempt)
+            if self._stop_requested is not None:
+                return self._stop_on_request(attempt)
+            if fault is None:
+                attempt.outcome = "done"
+                self.incidents.close(attempt)
+                self._finish("done")
+                self.say(f"done: train.steps={self.config.train.steps} reached")
+                return exit_codes.OK
+            number = self._record_fault(attempt, fault)
+            code = self._stop_code(fault, number, restarts)
+            if code is not None:
+                return code
+            no_progress_restarts = 0 if attempt.made_progress else no_progress_restarts + 1
+            backoff_s = min(
+                self.resilience.restart_backoff_s * 2 ** max(no_progress_restarts - 1, 0),
+                MAX_BACKOFF_S,
+            )
+            restarts += 1
+            assert self.incidents.open_incident is not None
+            self.incidents.open_incident["backoff_s"] = backoff_s
+            self.incidents.open_incident["restart"] = restarts
+            self.say(
+                f"restart {restarts} of at most {self.resilience.max_restarts} in "
+                f"{backoff_s:.1f} s, from the newest valid checkpoint"
+            )
+            self._sleep(backoff_s)
+            if self._stop_requested is not None:
+                self._finish(f"stopped by {self._stop_requested}")
+                return self._signal_exit_code()
+
+    def _stop_code(self, fault: Fault, number: int, restarts: int) -> int | None:
+        """The exit code if this fault ends the job here; None to restart it. A non-finite loss
+        to roll back adds its step to the run's skipped steps."""
+        if fault.cause == "user_error":
+            return self._give_up(fault, "a worker reported a user error", exit_codes.USER_ERROR)
+        if fault.cause == "nonfinite_loss":
+            if self.resilience.on_nonfinite_loss == "stop":
+                return self._give_up(
+                    fault,
+                    f"non-finite loss at step {fault.nonfinite_step} "
+                    "(resilience.on_nonfinite_loss=stop)",
+                    exit_codes.NONFINITE_LOSS,
+                )
+            assert fault.nonfinite_step is not None and self.incidents.open_incident is not None
+            record_skipped_step(
+                self.run_dir.path, fault.nonfinite_step, f"non-finite loss (incident {number})"
+            )
+            self.incidents.open_incident["skipped_step"] = fault.nonfinite_step
+        if self.layout.nnodes > 1:
+            return self._give_up(
+                fault,
+                "a multi-node job restarts as a whole; the scheduler resumes it",
+                exit_codes.JOB_RESTART_NEEDED,
+            )
+        if restarts >= self.resilience.max_restarts:
+            return self._give_up(
+                fault,
+                f"restart budget spent (resilience.max_restarts={self.resilience.max_restarts})",
+                exit_codes.RESTARTS_EXHAUSTED,
+            )
+        return None
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self._stop_requested is None:
+            time.sleep(min(self.poll_s, max(deadline - time.monotonic(), 0)))
+
+    def _spawn(self, number: int) -> Attempt:
+        layout = self.layout
+        coordinator = layout.coordinator or f"127.0.0.1:{free_port()}"
+        command = [sys.executable, "-m", "msjax.train", *self.train_args]
+        workers = []
+        for local_rank in range(layout.nprocs):
+            rank = layout.process_id(local_rank)
+            self.run_dir.heartbeat(rank).unlink(missing_ok=True)
+            env = {
+                **os.environ,
+                **worker_env(coordinator, layout.num_processes, rank, number),
+                "PYTHONUNBUFFERED": "1",
+            }
+            if layout.devices_per_proc is not None:
+                env["JAX_NUM_CPU_DEVICES"] = str(layout.devices_per_proc)
+            if self.faults:
+                env[FAULT_ENV_VAR] = self.faults
+            echo = self.out if rank == 0 else None
+            log = self.run_dir.log(rank)
+            workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
+        attempt = Attempt.started(number, workers)
+        self.attempts.append(attempt)
+        ranks = f"ranks {workers[0].rank}-{workers[-1].rank}" if len(workers) > 1 else "rank 0"
+        self.say(
+            f"attempt {number}: {len(workers)} workers ({ranks} of {layout.num_processes}), "
+            f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}"
+        )
+        return attempt
+
+    def _watch(self, attempt: Attempt) -> Fault | None:
+        """Poll exits and heartbeats until the attempt finishes (None) or faults."""
+        last_poll_unix_s = time.time()
+        while True:
+            if self._stop_requested is not None:
+                return None
+            now_unix_s = time.time()
+            exited = [w for w in attempt.workers if w.poll() is not None]
+            failed = [w for w in exited if w.exit_code != 0]
+            attempt.read_heartbeats(self.run_dir)
+            self.incidents.update(attempt)
+            fault = None
+            if failed:
+                fault = exit_fault(attempt, failed, last_poll_unix_s)
+            elif len(exited) == len(attempt.workers):
+                attempt.ended_unix_s = now_unix_s
+                if attempt.finished(self.config.train.steps):
+                    return None
+                return early_exit_fault(attempt, now_unix_s)
+            else:
+                fault = nonfinite_fault(attempt) or hang_fault(attempt, self.resilience)
+            if fault is not None:
+                use_injection_time(fault, attempt, self.run_dir)
+                return fault
+            last_poll_unix_s = now_unix_s
+            time.sleep(self.poll_s)
+
+    # --- after a fault -------------------------------------------------------------------------
+
+    def _record_fault(self, attempt: Attempt, fault: Fault) -> int:
+        """Diagnostics into RUN_DIR/incidents/<n>/, then stop every worker. Returns n."""
+        self.incidents.close(attempt)
+        number = self.incidents.next_number()
+        self.say(
+            f"incident {number}: {fault.cause} of rank {fault.rank} ({fault.detail}) "
+            f"at step {fault.step}, phase {fault.phase}"
+        )
+        incident = IncidentDir(self.run_dir.incident(number))
+        incident.path.mkdir(parents=True, exist_ok=True)
+        # the flight records first: collecting stacks wakes a stopped worker, stopping adds events
+        verdict = flight_verdict(self.run_dir, incident)
+        collect_diagnostics(attempt, fault, self.run_dir, incident)
+        # the faulty rank is not trusted to finish anything: SIGKILL; the others get SIGTERM
+        for worker in attempt.workers:
+            if worker.rank == fault.rank:
+                worker.signal(signal.SIGKILL)
+        stop_s = stop_workers(attempt.workers, self.resilience.stop_grace_s)
+        attempt.ended_unix_s = time.time()
+        attempt.outcome = fault.cause
+        diagnostics = str(incident.path.relative_to(self.run_dir.path))
+        self.incidents.open(incident_record(number, fault, attempt, stop_s, diagnostics, verdict))
+        return number
+
+    def _give_up(self, fault: Fault, reason: str, code: int) -> int:
+        incident = self.incidents.open_incident
+        assert incident is not None
+        incident["action"] = "stop"
+        incident["stop_reason"] = reason
+        self.incidents.write()
+        self._finish(f"stopped: {reason}")
+        self.say(
+            f"stopped after incident {self.incidents.count} ({fault.cause} of rank {fault.rank}): "
+            f"{reason}; exit code {code}; checkpoints in {self.run_dir.checkpoints} are kept"
+        )
+        return code
+
+    def _stop_on_request(self, attempt: Attempt) -> int:
+        """SIGTERM / SIGINT to the supervisor (preemption): let workers save, then leave."""
+        self.say(f"{self._stop_requested}: asking the workers to save and stop")
+        for worker in attempt.workers:
+            worker.signal(signal.SIGTERM)
+            worker.signal(signal.SIGCONT)
+        deadline = time.monotonic() + self.resilience.checkpoint_deadline_s
+        for worker in attempt.workers:
+            if not worker.wait(deadline - time.monotonic()):
+                worker.signal(signal.SIGKILL)
+                worker.wait(10.0)
+            worker.close()
+        attempt.ended_unix_s = time.time()
+        attempt.outcome = f"stopped by {self._stop_requested}"
+        self.incidents.close(attempt)
+        self._finish(attempt.outcome)
+        return self._signal_exit_code()
+
+    def _signal_exit_code(self) -> int:
+        if self._stop_requested == "SIGINT":
+            return exit_codes.INTERRUPTED
+        return exit_codes.TERMINATED
+
+    def _finish(self, outcome: str) -> None:
+        ended = time.time()
+        summary = write_goodput(
+            self.run_dir,
+            self.started_unix_s,
+            ended,
+            self.attempts,
+            self.incidents.written,
+            outcome,
+        )
+        self.say(summary)
