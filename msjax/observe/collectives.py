@@ -2,8 +2,8 @@
 
 Read from `compiled.as_text()` (optimised, partitioned HLO of one device). An op inside a `while`
 body (the scanned layers) runs once per trip, so it is counted `known_trip_count` times. Bytes are
-the sizes of each op's results, as the brief for issue 8 asks; bytes on the wire depend on the
-algorithm and group size (see `msjax.parallel.planning` for ring estimates).
+the sizes of each op's results; bytes on the wire depend on the algorithm and group size (see
+`msjax.planner.planning` for ring estimates).
 """
 
 from __future__ import annotations
