@@ -46,7 +46,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", type=Path, help="YAML config (default: the built-in tiny)")
     parser.add_argument(
-        "--print-config", action="store_true", help="print the resolved config and exit"
+        "--print-config",
+        action="store_true",
+        help="print the config as loaded (before it is resolved for the devices) and exit",
     )
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
