@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from msjax.config import Config
+from msjax.config import ObserveConfig
 from msjax.loop_events import LoopEvents
 from msjax.observe.flight_recorder import FlightRecorder
 from msjax.observe.rank_timing import RankTiming
@@ -22,11 +22,15 @@ class LoopObserver(LoopEvents):
     """
 
     def __init__(
-        self, config: Config, run_dir: Path, mesh: Any, attempt: int, message: Callable[[str], None]
+        self,
+        observe: ObserveConfig,
+        run_dir: Path,
+        mesh: Any,
+        attempt: int,
+        message: Callable[[str], None],
     ):
         import jax
 
-        observe = config.observe
         rank = jax.process_index()
         self.timing = None
         if observe.rank_timing:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from msjax.config import Config
+from msjax.config import ResilienceConfig
 from msjax.loop_events import LoopEvents, StepRecord
 from msjax.resilience.faults import FaultInjector
 from msjax.resilience.heartbeat import Heartbeat, Phase
@@ -40,13 +40,13 @@ class WorkerResilience(LoopEvents):
 
     def __init__(
         self,
-        config: Config,
+        options: ResilienceConfig,
         run_dir: Path,
         rank: int,
         attempt: int,
         wait_for_saves: Callable[[], None],
     ):
-        self.heartbeat = Heartbeat(run_dir, rank, config.resilience.heartbeat_every_s, attempt)
+        self.heartbeat = Heartbeat(run_dir, rank, options.heartbeat_every_s, attempt)
         self.heartbeat.dump_stacks_on_sigusr1(run_dir)
         self.faults = FaultInjector.from_env(run_dir, rank, attempt)
         self.skipped_steps = read_skipped_steps(run_dir)

@@ -103,12 +103,12 @@ def prepare_run(
 
     checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
     resilience = WorkerResilience(
-        config, run_dir.path, jax.process_index(), job.attempt, checkpointer.wait
+        config.resilience, run_dir.path, jax.process_index(), job.attempt, checkpointer.wait
     )
     program = build_program(config, mesh)
     start = restore_or_init(config, checkpointer, program, progress.message)
     describe_data(data, config, start, progress.message)
-    observer = LoopObserver(config, run_dir.path, mesh, job.attempt, progress.message)
+    observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
     listeners: list[LoopEvents] = [observer]
     if is_writer:
         listeners.append(MetricsLog(run_dir.metrics))
