@@ -150,7 +150,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    """Per-rank timing, straggler detection and the flight recorder."""
+    """Per-rank timing, straggler detection, the flight recorder, TensorBoard and profiles."""
 
     rank_timing: bool = True  # every rank's own work per step, gathered into RUN_DIR/ranks.jsonl
     straggler_window_steps: int = 5  # ranks are compared over windows of this many steps
@@ -160,6 +160,10 @@ class ObserveConfig:
     straggler_min_excess: float = 0.1
     straggler_min_score: float = 4.0
     flight_recorder_events: int = 256  # each rank's ring buffer of its last events; 0: off
+    tensorboard: bool = False  # also write the scalars as TensorBoard events, RUN_DIR/tensorboard
+    # [first, last]: a JAX profiler trace of those steps (metrics.jsonl's step numbers) on every
+    # rank, in RUN_DIR/profiles/rank<r>; empty: none
+    profile_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -280,6 +284,9 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     origin = get_origin(annotation)
     if annotation == tuple[SourceConfig, ...]:
         return _coerce_sources(name, value)
+    if annotation == tuple[int, ...]:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce(f"{name}[{index}]", item, int) for index, item in enumerate(items))
     if origin in (typing.Union, types.UnionType):
         options = get_args(annotation)
         is_null = value is None or (isinstance(value, str) and value.lower() in ("null", "none"))

@@ -113,6 +113,12 @@ def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
 
 
 def _check_observe(observe: ObserveConfig) -> None:
+    steps = observe.profile_steps
+    if steps and not (len(steps) == 2 and 0 <= steps[0] <= steps[1]):
+        raise ConfigError(
+            f"observe.profile_steps={list(steps)} must be [first, last] with "
+            "0 <= first <= last (or [] for no profile)"
+        )
     for key in ("straggler_window_steps", "straggler_windows"):
         if getattr(observe, key) < 1:
             raise ConfigError(f"observe.{key}={getattr(observe, key)} must be at least 1")

@@ -172,6 +172,7 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
     lines += _straggler_lines(run, width)
     lines.append("")
     lines += _flight_lines(run, width)
+    lines += _profile_lines(run)
 
     heatmap = run.ranks.heatmap() if run.ranks is not None else None
     if heatmap is not None:
@@ -228,6 +229,19 @@ def _straggler_lines(run: Run, width: int) -> list[str]:
             + f"; up to {excess:.3g} s/step over the median rank, score up to {score:.3g}"
         )
         lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ")
+    return lines
+
+
+def _profile_lines(run: Run) -> list[str]:
+    """Where the profiler traces are (observe.profile_steps), one line per rank."""
+    files = RunDir(run.path)
+    if not files.profiles.is_dir():
+        return []
+    traces = sorted(path for path in files.profiles.iterdir() if path.is_dir())
+    lines = ["", "profiles (observe.profile_steps; TensorBoard's profile plugin or Perfetto):"]
+    for trace in traces:
+        count = sum(1 for path in trace.rglob("*") if path.is_file())
+        lines.append(f"  {trace}: {count} file(s)")
     return lines
 
 

@@ -89,6 +89,17 @@ class RunDir:
     def report(self) -> Path:
         return self.path / "report"
 
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def profiles(self) -> Path:
+        return self.path / "profiles"
+
+    def profile(self, rank: int) -> Path:
+        return self.profiles / f"rank{rank}"
+
     # What restarts need.
     @property
     def checkpoints(self) -> Path:

@@ -21,6 +21,8 @@ from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
 from msjax.observe.loop_observer import LoopObserver
 from msjax.observe.metrics import ProgressLine
+from msjax.observe.profiles import ProfileCapture
+from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.worker import WorkerResilience
@@ -93,6 +95,8 @@ def prepare_run(
     data = build_training_data(config, progress.message)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     is_writer = jax.process_index() == 0
+    if config.observe.tensorboard:
+        check_tensorboard_installed()
     if is_writer:
         write_run_record(plan, config, data, progress.message)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
@@ -109,7 +113,7 @@ def prepare_run(
     start = restore_or_init(config, checkpointer, program, progress.message)
     describe_data(data, config, start, progress.message)
     observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
-    listeners: list[LoopEvents] = [observer]
+    listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
     if is_writer:
         listeners.append(MetricsLog(run_dir.metrics))
     listeners += [ProgressReport(progress), resilience, *extra_listeners]
@@ -140,6 +144,19 @@ def prepare_run(
         progress=progress,
         started=started,
     )
+
+
+def optional_listeners(config: Config, run_dir: RunDir, is_writer: bool) -> list[LoopEvents]:
+    """TensorBoard events (process 0) and profiler traces (every rank), as configured."""
+    import jax
+
+    listeners: list[LoopEvents] = []
+    if config.observe.tensorboard and is_writer:
+        listeners.append(TensorBoardLog(run_dir.tensorboard))
+    if config.observe.profile_steps:
+        first, last = config.observe.profile_steps
+        listeners.append(ProfileCapture(run_dir.profile(jax.process_index()), first, last))
+    return listeners
 
 
 def write_run_record(
