@@ -67,6 +67,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
     _check_resilience(config.resilience)
     _check_observe(config.observe)
+    _check_run_name(config.run.name)
 
     sizes = mesh.axis_sizes()
     for axis, size in sizes.items():
@@ -109,6 +110,15 @@ def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
     if checkpoint.keep_every_steps is not None and checkpoint.keep_every_steps < 1:
         raise ConfigError(
             f"checkpoint.keep_every_steps={checkpoint.keep_every_steps} must be positive (or null)"
+        )
+
+
+def _check_run_name(name: str) -> None:
+    """run.name names a folder inside the runs folder, so it cannot lead out of it."""
+    if not name.strip() or name in (".", "..") or any(sep in name for sep in "/\\"):
+        raise ConfigError(
+            f"run.name={name!r} must be a plain name (no / or \\, not . or ..); "
+            "use run.dir to put a run elsewhere"
         )
 
 

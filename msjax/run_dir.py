@@ -153,6 +153,29 @@ class RunDir:
     def previous(self, stamp: str) -> Path:
         return self.path / f"{PREVIOUS_PREFIX}{stamp}"
 
+    def own_names(self) -> frozenset[str]:
+        """The names msjax may create directly in a run directory (files and folders)."""
+        named = [getattr(self, name) for name, value in vars(RunDir).items() if _is_path(value)]
+        named += [self.log(0).parent, self.incident(0).parent]
+        return frozenset(path.name for path in named)
+
+    def holds_a_run(self) -> bool:
+        """Whether msjax has started a run here (process 0's config, or the launcher's)."""
+        return self.config_yaml.exists() or self.job_config.exists()
+
+    def foreign_entries(self) -> list[str]:
+        """What is in the directory that msjax did not put there (earlier runs set aside apart)."""
+        own = self.own_names()
+        return sorted(
+            entry.name
+            for entry in self.path.iterdir()
+            if entry.name not in own and not entry.name.startswith(PREVIOUS_PREFIX)
+        )
+
+
+def _is_path(value: object) -> bool:
+    return isinstance(value, property) and value.fget.__annotations__.get("return") == "Path"
+
 
 def write_text_atomically(path: Path, text: str) -> None:
     """Write text to path through a temporary file, fsync and rename: never half a file."""
@@ -209,6 +232,13 @@ def plan_run_dir(config: Config) -> RunDirPlan:
     path = run_dir.path
     if path.exists() and not path.is_dir():
         raise MsjaxError(f"run.dir={path} exists and is not a directory")
+    foreign = run_dir.foreign_entries() if path.is_dir() else []
+    if foreign and not run_dir.holds_a_run():
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise MsjaxError(
+            f"run.dir={path} is not empty and holds no msjax run ({shown}); choose an "
+            "empty or new directory (nothing was written there)"
+        )
     if not run_dir.config_yaml.exists():
         return RunDirPlan(run_dir, continues_run=False, set_aside=False)
     try:
@@ -231,13 +261,15 @@ def plan_run_dir(config: Config) -> RunDirPlan:
 
 
 def create_run_dir(plan: RunDirPlan) -> Path | None:
-    """Create the directory; with set_aside, move the earlier run into previous-<stamp>/."""
+    """Create the directory; with set_aside, move the earlier run's files (msjax's own, nothing
+    else) into previous-<stamp>/."""
     plan.path.mkdir(parents=True, exist_ok=True)
     if not plan.set_aside:
         return None
     aside = plan.run_dir.previous(utc_stamp())
     aside.mkdir()
+    own = plan.run_dir.own_names()
     for entry in plan.path.iterdir():
-        if entry != aside and not entry.name.startswith(PREVIOUS_PREFIX):
+        if entry.name in own:
             shutil.move(str(entry), aside / entry.name)
     return aside

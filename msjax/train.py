@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from msjax.cli import user_error
+from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
@@ -39,7 +39,7 @@ class TrainResult:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m msjax.train",
         description="Train a decoder-only language model on a device mesh.",
         epilog="example: python -m msjax.train --config configs/small.yaml train.steps=100",
@@ -55,8 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         config = load_config(args.config, args.overrides)
         if args.print_config:
             print(config.to_yaml(), end="")
