@@ -9,7 +9,9 @@ what every part of a run reads; nothing downstream derives these choices again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import get_args
@@ -23,13 +25,10 @@ RUNS_FOLDER = Path("runs")
 GPU_ONLY_IMPLS = ("cudnn", "triton")
 
 
+@functools.cache
 def impl_choices(key: str) -> tuple[str, ...]:
-    """What `model.<key>` accepts besides `auto`, read from the config's own type."""
-    choices = get_args(ModelConfig.__annotations__[key])
-    if not choices:  # annotations are strings under `from __future__ import annotations`
-        import typing
-
-        choices = get_args(typing.get_type_hints(ModelConfig)[key])
+    """What `model.<key>` accepts besides `auto`, read from the config's own Literal type."""
+    choices = get_args(typing.get_type_hints(ModelConfig)[key])
     return tuple(choice for choice in choices if choice != "auto")
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from msjax.resolve import impl_choices
 
 
@@ -13,7 +11,7 @@ def resolved_impl(impl: str, key: str) -> str:
     `auto` depends on the backend, which ops do not decide: msjax.resolve chooses once per run,
     so every part of the run agrees on what runs.
     """
-    choices = _concrete_choices(key)
+    choices = impl_choices(key)  # read once from ModelConfig's Literal types
     if impl not in choices:
         raise ValueError(
             f"model.{key}={impl!r} reached msjax.ops unresolved; ops run one of "
@@ -21,8 +19,3 @@ def resolved_impl(impl: str, key: str) -> str:
             "(resolve, or resolve_model for the model section)"
         )
     return impl
-
-
-@functools.cache
-def _concrete_choices(key: str) -> tuple[str, ...]:
-    return impl_choices(key)  # read from ModelConfig's Literal types, once per key
