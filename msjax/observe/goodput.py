@@ -63,7 +63,10 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
             # a first step's wait for its batch is start-up beyond a typical step, like its compile
             data_s += min(record.get("data_wait_s", 0.0), step_time_s)
         else:
-            lost_s += step_time_s
+            # A step in flight at a fault also holds the wait until the fault was detected (a
+            # stopped rank resumes only to be stopped, then records it): that wait is detection,
+            # counted on its own, so a superseded step counts at most a typical step.
+            lost_s += min(step_time_s, median_s) if typical else step_time_s
     checkpoint_s = sum(r.get("checkpoint_save_blocked_s", 0.0) for r in records)
     return {
         "kept_step_s": kept_s,

@@ -1,0 +1,43 @@
+"""The split of a run's step time: what counts as kept, lost, data and first-step time."""
+
+from __future__ import annotations
+
+import pytest
+
+from msjax.observe.goodput import step_time_split
+
+
+def step(index: int, seconds: float, data_wait_s: float = 0.0) -> dict:
+    return {"step": index, "loss": 1.0, "step_time_s": seconds, "data_wait_s": data_wait_s}
+
+
+def test_a_step_in_flight_at_a_hang_counts_as_a_typical_lost_step():
+    """Rank 0 stopped during step 4 for 8 s, resumed only to be stopped, and recorded it."""
+    records = [
+        step(0, 2.0),  # the first step of an attempt also waits for compilation
+        *[step(index, 0.2) for index in (1, 2, 3)],
+        step(4, 8.2),  # superseded: redone after the restart
+        {"step": 4, "event": "resume", "checkpoint": "checkpoints/4"},
+        step(4, 1.5),  # the restart's first step
+        step(5, 0.2),
+    ]
+    split = step_time_split(records)
+    assert split["superseded_step_s"] == pytest.approx(0.2)  # not the 8.2 s the fault held it
+    # kept: steps 0-3 and 5 as recorded, except first steps, which count as a typical step
+    assert split["kept_step_s"] == pytest.approx(0.2 + 3 * 0.2 + 0.2 + 0.2)
+    assert split["first_step_typical_s"] == pytest.approx(0.4)
+    assert split["kept_steps"] == 6
+
+
+def test_a_superseded_step_of_typical_length_counts_in_full():
+    records = [
+        step(0, 0.3),
+        step(1, 0.25),
+        step(2, 0.25),
+        {"step": 1, "event": "resume", "checkpoint": "checkpoints/1"},
+        step(1, 0.25),
+        step(2, 0.25, data_wait_s=0.05),
+    ]
+    split = step_time_split(records)
+    assert split["superseded_step_s"] == pytest.approx(0.5)
+    assert split["data_s"] == pytest.approx(0.05)
