@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 import pytest
+from small_runs import SMALL_RUN
 
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import CheckpointConfig, load_config
@@ -15,14 +16,8 @@ from msjax.train import train
 from msjax.training.decisions import Decider, Decision, StopSignal
 
 TINY_RUN = [
-    "model.num_layers=2",
-    "model.embed_dim=64",
-    "model.mlp_dim=128",
-    "data.seq_len=32",
-    "data.max_corpus_mib=1",
-    "train.global_batch=8",
+    *SMALL_RUN,
     "train.eval_batches=1",
-    "train.peak_tflops=0.5",
 ]
 
 

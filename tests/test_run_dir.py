@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 import pytest
+from small_runs import SMALL_RUN
 
 from msjax.config import load_config
 from msjax.launch.__main__ import main as launch_main
@@ -14,15 +15,9 @@ from msjax.train import main as train_main
 from msjax.train import train
 
 SHORT = [
-    "model.num_layers=2",
-    "model.embed_dim=64",
-    "model.mlp_dim=128",
-    "data.seq_len=32",
-    "data.max_corpus_mib=1",
-    "train.global_batch=8",
+    *SMALL_RUN,
     "train.steps=2",
     "train.eval_every=0",
-    "train.peak_tflops=0.5",
 ]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from small_runs import SMALL_RUN
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from msjax.config import load_config
@@ -17,16 +18,10 @@ from msjax.train import main as train_main
 from msjax.train import train
 
 RUN = [
-    "model.num_layers=2",
-    "model.embed_dim=64",
-    "model.mlp_dim=128",
-    "data.seq_len=32",
-    "data.max_corpus_mib=1",
-    "train.global_batch=8",
+    *SMALL_RUN,
     "train.steps=6",
     "train.eval_every=3",
     "train.eval_batches=1",
-    "train.peak_tflops=0.5",
     "checkpoint.every_steps=3",
     "observe.tensorboard=true",
     "observe.profile_steps=[2, 3]",
