@@ -103,6 +103,15 @@ class TrainProgram:
         with nnx.use_eager_sharding(False):
             return jax.jit(init, out_shardings=self.state_shardings)()
 
+    def abstract_batch(self) -> Batch:
+        """Shapes and shardings of one global batch: [global_batch, seq_len] int32 arrays (no
+        process ever holds a whole one)."""
+        shape = (self.config.train.global_batch, self.config.data.seq_len)
+        return {
+            key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+            for key in BATCH_FIELDS
+        }
+
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it."""
         shapes = jax.eval_shape(self.init_state)

@@ -1,6 +1,6 @@
 """The overrides of a training run small enough for a unit test (seconds on one CPU core)."""
 
-SMALL_RUN = [
+QUICK_RUN = [
     "model.num_layers=2",
     "model.embed_dim=64",
     "model.mlp_dim=128",

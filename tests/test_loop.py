@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 import pytest
-from small_runs import SMALL_RUN
+from small_runs import QUICK_RUN
 
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import CheckpointConfig, load_config
@@ -16,7 +16,7 @@ from msjax.train import train
 from msjax.training.decisions import Decider, Decision, StopSignal
 
 TINY_RUN = [
-    *SMALL_RUN,
+    *QUICK_RUN,
     "train.eval_batches=1",
 ]
 

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 import pytest
-from small_runs import SMALL_RUN
+from small_runs import QUICK_RUN
 
 from msjax.config import load_config
 from msjax.launch.__main__ import main as launch_main
@@ -15,7 +15,7 @@ from msjax.train import main as train_main
 from msjax.train import train
 
 SHORT = [
-    *SMALL_RUN,
+    *QUICK_RUN,
     "train.steps=2",
     "train.eval_every=0",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from small_runs import SMALL_RUN
+from small_runs import QUICK_RUN
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from msjax.config import load_config
@@ -18,7 +18,7 @@ from msjax.train import main as train_main
 from msjax.train import train
 
 RUN = [
-    *SMALL_RUN,
+    *QUICK_RUN,
     "train.steps=6",
     "train.eval_every=3",
     "train.eval_batches=1",

@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType
 
-from msjax.batch import BATCH_FIELDS
 from msjax.config import Config
 from msjax.errors import MsjaxError
 from msjax.observe.collectives import CollectiveStats, count_collectives
@@ -52,16 +50,6 @@ class CompiledStep:
         return sum(stats.result_bytes for stats in self.collectives.values())
 
 
-def abstract_batch(program: TrainProgram) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and shardings of one global batch: [global_batch, seq_len] int32 arrays."""
-    config = program.config
-    shape = (config.train.global_batch, config.data.seq_len)
-    return {
-        key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=program.batch_sharding)
-        for key in BATCH_FIELDS
-    }
-
-
 def compile_step(config: Config, mesh: MeshShape) -> CompiledStep:
     """Compile `config`'s train step on the first `mesh.devices` local devices."""
     available = jax.device_count()
@@ -78,7 +66,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
     device_mesh = build_mesh(config.mesh, jax.devices()[: mesh.devices])
     started = time.perf_counter()
     program = build_program(config, device_mesh)
-    lowered = program.train_step.lower(program.abstract_state(), abstract_batch(program))
+    lowered = program.train_step.lower(program.abstract_state(), program.abstract_batch())
     compiled = lowered.compile()
     compile_s = time.perf_counter() - started
     return CompiledStep(
@@ -119,7 +107,7 @@ def lower_on_abstract_mesh(
     started = time.perf_counter()
     program = build_program(config, abstract)  # type: ignore[arg-type]
     state = program.abstract_state()
-    program.train_step.trace(state, abstract_batch(program)).lower(lowering_platforms=(platform,))
+    program.train_step.trace(state, program.abstract_batch()).lower(lowering_platforms=(platform,))
     state_bytes = sum(
         math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         for leaf in jax.tree.leaves(state)

@@ -30,12 +30,12 @@ def restore_or_init(
     config: Config,
     checkpointer: Checkpointer,
     program: Any,
+    abstract_state: Any,
     message: Callable[[str], None],
 ) -> StartingPoint:
     """The newest valid checkpoint (of checkpoint.resume_from, or of this run), else a new state."""
     import jax
 
-    abstract_state = program.abstract_state()
     if config.checkpoint.resume_from:
         source_dir, source_step = parse_resume_source(config.checkpoint.resume_from)
         source = Checkpointer(source_dir, config.checkpoint, read_only=True)

@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.batch import BATCH_FIELDS
 from msjax.checkpoint.manager import Checkpointer, parse_resume_source
 from msjax.config import Config
 from msjax.data.dataset import TrainingData, build_training_data
@@ -110,7 +109,8 @@ def prepare_run(
         config.resilience, run_dir.path, jax.process_index(), job.attempt, checkpointer.wait
     )
     program = build_program(config, mesh)
-    start = restore_or_init(config, checkpointer, program, progress.message)
+    abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
+    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message)
     describe_data(data, config, start, progress.message)
     observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
     listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
@@ -120,8 +120,8 @@ def prepare_run(
     events = EventFanOut(listeners)
     events.run_start(start.step, None if start.restored is None else start.restored.path)
     if config.checkpoint.enabled:
-        checkpointer.prepare(program.abstract_state())
-    train_step = compile_train_step(program, config, compile_cache, progress.message)
+        checkpointer.prepare(abstract_state)
+    train_step = compile_train_step(program, abstract_state, compile_cache, progress.message)
     events.compiled(train_step)
 
     tokens_per_step = config.train.global_batch * config.data.seq_len
@@ -171,19 +171,11 @@ def write_run_record(
 
 
 def compile_train_step(
-    program: TrainProgram, config: Config, cache: Any, message: Callable[[str], None]
+    program: TrainProgram, abstract_state: Any, cache: Any, message: Callable[[str], None]
 ) -> Any:
     """The train step compiled for the batch's known shape (no process reads a whole batch)."""
-    import jax
-    import jax.numpy as jnp
-
     compile_started = time.perf_counter()
-    batch_shape = (config.train.global_batch, config.data.seq_len)
-    abstract_batch = {
-        key: jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=program.batch_sharding)
-        for key in BATCH_FIELDS
-    }
-    lowered = program.train_step.lower(program.abstract_state(), abstract_batch)
+    lowered = program.train_step.lower(abstract_state, program.abstract_batch())
     train_step = compile_cached(lowered, cache, "train_step")
     message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
     return train_step
