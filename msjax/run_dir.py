@@ -27,6 +27,7 @@ from msjax.resolve import utc_stamp
 MAY_CHANGE_ON_RESUME = frozenset(
     {
         "mesh",
+        "pipeline",
         "checkpoint",
         "observe",
         "resilience",
