@@ -187,3 +187,38 @@ def test_checkpoint_saved_under_one_pipeline_resumes_under_another(
     resumed = resumed_losses(tmp_path, circular_pipe2, [*LAYOUT, *second])
     assert len(resumed) == len(straight_losses) == 4  # two steps, then two more after a resume
     np.testing.assert_allclose(resumed, straight_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["mesh.pipe=4", "mesh.data=2", "model.num_layers=6"], "model.num_layers=6"),
+        (
+            ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=circular", "pipeline.repeats=2"],
+            "mesh.pipe x pipeline.repeats",
+        ),
+        (
+            [
+                "mesh.pipe=4",
+                "mesh.data=2",
+                "model.num_layers=8",
+                "pipeline.schedule=circular",
+                "pipeline.repeats=2",
+                "pipeline.microbatches=2",
+            ],
+            "pipeline.microbatches=2 must be at least mesh.pipe=4",
+        ),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.microbatches=3"], "pipeline.microbatches=3"),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.repeats=2"], "pipeline.schedule=circular"),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.microbatches=0"], "pipeline.microbatches=0"),
+    ],
+    ids=["layers", "virtual-stages", "circular-microbatches", "batch", "repeats-gpipe", "zero"],
+)
+def test_impossible_pipelines_are_one_line_and_write_nothing(tmp_path, capsys, overrides, named):
+    from test_config import assert_one_line_user_error, run_main
+
+    run_dir = tmp_path / "run"
+    base = [*QUICK_RUN, "mesh.fsdp=1", "mesh.tensor=1", "train.steps=1", f"run.dir={run_dir}"]
+    assert_one_line_user_error(*run_main(capsys, *base, *overrides), named)
+    assert not run_dir.exists()
+    assert list(tmp_path.iterdir()) == []

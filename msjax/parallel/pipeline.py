@@ -155,7 +155,9 @@ def run_pipeline(
     def stage_step(stage, stage_weights, state, outputs, iteration):
         """One stage's iteration (vmapped over stages): run its layers, keep finished outputs."""
         microbatch, repeat, valid = work(stage, iteration)
-        chunk = jax.tree.map(lambda w: w[repeat], stage_weights)  # [layers_per_stage, ...]
+        # [layers_per_stage, ...]; a static index when there is one repeat (no gather, and no
+        # scatter of its gradient)
+        chunk = jax.tree.map(lambda w: w[repeat] if repeats > 1 else w[0], stage_weights)
         seg = None if segments is None else segments[microbatch]
         out = stage_fn(chunk, state, positions[microbatch], seg)  # [microbatch, seq, embed]
         finished = valid & (repeat == repeats - 1)
