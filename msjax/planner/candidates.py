@@ -43,9 +43,7 @@ class MeshShape:
     def describe(self) -> str:
         """`data 2 x fsdp 2 x pipe 2 x tensor 1` (pipe left out when 1)."""
         return " x ".join(
-            f"{axis} {size}"
-            for axis, size in self.sizes().items()
-            if axis != "pipe" or size > 1
+            f"{axis} {size}" for axis, size in self.sizes().items() if axis != "pipe" or size > 1
         )
 
 
@@ -102,9 +100,11 @@ def config_for_mesh(config: Config, mesh: MeshShape, backend: str = PLANNED_BACK
 def valid_meshes(
     config: Config, device_count: int, backend: str = PLANNED_BACKEND
 ) -> list[MeshShape]:
-    """The factorisations of device_count that pass the config's checks."""
+    """The factorisations of device_count that pass the config's checks; with pipe sizes only
+    when the config asks for a pipeline (mesh.pipe other than 1), since the step-time prediction
+    does not price the pipeline's bubble yet."""
     valid = []
-    for mesh in factorisations(device_count):
+    for mesh in factorisations(device_count, pipe=config.mesh.pipe != 1):
         try:
             config_for_mesh(config, mesh, backend)
         except ConfigError:
