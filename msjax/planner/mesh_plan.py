@@ -101,8 +101,8 @@ def recommend(rows: list[PlanRow], memory_gib: float | None) -> str:
     predicted = best.prediction
     costliest = max(predicted.comm_s, key=lambda axis: predicted.comm_s[axis])
     return (
-        f"recommended: {best.mesh} (data {best.mesh.data} x fsdp {best.mesh.fsdp} x tensor "
-        f"{best.mesh.tensor}), the shortest predicted step of the {len(pool)} meshes{limit}: "
+        f"recommended: {best.mesh} ({best.mesh.describe()}), the shortest predicted step of "
+        f"the {len(pool)} meshes{limit}: "
         f"{human_bytes(best.memory.total_bytes)} per device, {predicted.serial_s:.3g} s per "
         f"step if nothing overlaps ({predicted.compute_s:.3g} s of compute; the {costliest} "
         f"axis costs most, {predicted.comm_s[costliest]:.3g} s)."
@@ -114,11 +114,12 @@ def format_plan(rows: list[PlanRow], own: MeshShape | None, memory_gib: float | 
     largest = max(row.memory.total_bytes for row in rows)
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
     with_xla = any(row.xla_total_bytes is not None for row in rows)
+    mesh_title = "mesh d,f,t" if all(row.mesh.pipe == 1 for row in rows) else "mesh d,f[,p],t"
     header = (
-        f"{'mesh d,f,t':>13} {'state':>8} {'grads':>8} {'activ.':>8} {'working':>8} "
+        f"{mesh_title:>14} {'state':>8} {'grads':>8} {'activ.':>8} {'working':>8} "
         f"{'total':>8} {'fits':>4}"
         + (f" {'XLA':>8} {'ratio':>6}" if with_xla else "")
-        + f" | {'tensor':>8} {'fsdp':>8} {'data':>8} | {'step s':>19} {'MFU %':>11}"
+        + f" | {'tensor':>8} {'fsdp':>8} {'pipe':>8} {'data':>8} | {'step s':>19} {'MFU %':>11}"
     )
     lines = [
         f"per device, {unit}: memory (model) and bytes sent per step by axis (ring); step time "
@@ -154,9 +155,9 @@ def _plan_line(row: PlanRow, own: MeshShape | None, scale: int, with_xla: bool) 
         memory.working_bytes,
         memory.total_bytes,
     ]
-    traffic = [comm.tensor_bytes, comm.fsdp_bytes, comm.data_bytes]
+    traffic = [comm.tensor_bytes, comm.fsdp_bytes, comm.pipe_bytes, comm.data_bytes]
     return (
-        f"{label:>13} "
+        f"{label:>14} "
         + " ".join(f"{size / scale:>8.2f}" for size in sizes)
         + f" {fits:>4}{xla} | "
         + " ".join(f"{size / scale:>8.2f}" for size in traffic)

@@ -296,18 +296,24 @@ def estimate_memory(
 
 @dataclass(frozen=True)
 class CommEstimate:
-    """Bytes one device sends per step over each mesh axis (ring collectives)."""
+    """Bytes one device sends per step over each mesh axis (ring collectives, permutes)."""
 
     tensor_bytes: int  # Megatron all-reduces of activations
     fsdp_bytes: int  # weight all-gathers and gradient reduce-scatters
     data_bytes: int  # gradient all-reduce across replicas
+    pipe_bytes: int = 0  # stage-to-stage activations and their gradients (collective permutes)
 
     @property
     def total_bytes(self) -> int:
-        return self.tensor_bytes + self.fsdp_bytes + self.data_bytes
+        return self.tensor_bytes + self.fsdp_bytes + self.data_bytes + self.pipe_bytes
 
     def by_axis(self) -> dict[str, int]:
-        return {"tensor": self.tensor_bytes, "fsdp": self.fsdp_bytes, "data": self.data_bytes}
+        return {
+            "tensor": self.tensor_bytes,
+            "fsdp": self.fsdp_bytes,
+            "pipe": self.pipe_bytes,
+            "data": self.data_bytes,
+        }
 
 
 def ring_all_reduce_bytes(size_bytes: float, group: int) -> float:
@@ -326,24 +332,47 @@ def forward_passes(remat: str) -> int:
 
 
 def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
-    """Per-device bytes sent per step over each axis of `mesh` (ConfigError if it cannot run)."""
+    """Per-device bytes sent per step over each axis of `mesh` (ConfigError if it cannot run).
+
+    On a pipe mesh a device runs its stage's layers once per pipeline iteration on one
+    microbatch (bubble iterations included: they run on zeros), so its per-layer traffic is
+    counted per stage run.
+    """
     config = config_for_mesh(config, mesh)
     dims = local_dims(config, mesh)
     passes = forward_passes(config.model.remat)
+    layer_runs = dims.stage_runs * dims.layers  # layers run per step on this device
+    stream = dims.batch * dims.seq * dims.embed * dims.act_bytes  # one run's residual stream
+    replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes
     tensor_bytes = 0.0
     if mesh.tensor > 1:
-        stream = dims.batch * dims.seq * dims.embed * dims.act_bytes
         # Per layer: attention output and MLP output all-reduced in every forward pass, and the
         # gradients into the q/k/v and gate/up inputs in the backward pass; plus the
         # vocab-split embedding lookup and the gradient of the unembedding's input.
         per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream, mesh.tensor)
-        tensor_bytes = dims.layers * per_layer + 2 * ring_all_reduce_bytes(stream, mesh.tensor)
+        tensor_bytes = layer_runs * per_layer + 2 * ring_all_reduce_bytes(
+            replica_stream, mesh.tensor
+        )
     state = _state_bytes(config, mesh)
     fsdp_bytes = 0.0
     if mesh.fsdp > 1:
         # Weights gathered for every forward pass and again for the backward pass (XLA does not
         # keep them), gradients reduce-scattered once. Weights travel in float32.
         gathers = passes + 1
-        fsdp_bytes = (gathers + 1) * ring_all_gather_bytes(state.fsdp_gathered, mesh.fsdp)
+        stacked = state.layer_gathered * config.model.num_layers / mesh.pipe  # this device's
+        unstacked = state.fsdp_gathered - stacked
+        weights = (layer_runs / dims.layers) * stacked + unstacked  # gathered per step, once
+        fsdp_bytes = gathers * ring_all_gather_bytes(weights, mesh.fsdp) + ring_all_gather_bytes(
+            state.fsdp_gathered, mesh.fsdp
+        )
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
-    return CommEstimate(round(tensor_bytes), round(fsdp_bytes), round(data_bytes))
+    pipe_bytes = 0.0
+    if mesh.pipe > 1:
+        # every iteration each stage sends its output on (forward) and its input's gradient
+        # back (backward); at the end the last stage's outputs reach the others (and their
+        # gradient returns). Each tensor rank sends the stream it holds.
+        split = dims.residual_split
+        pipe_bytes = (2 * dims.stage_runs * stream + 2 * replica_stream) / split
+    return CommEstimate(
+        round(tensor_bytes), round(fsdp_bytes), round(data_bytes), round(pipe_bytes)
+    )

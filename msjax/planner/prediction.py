@@ -3,8 +3,8 @@
 Compute time is the step's hardware FLOPs (model FLOPs plus recomputation) at a fraction of peak;
 each collective takes its ring bytes over the link its mesh axis spans (inside a node or across
 nodes). Two bounds: `serial` adds every collective to the compute, `overlapped` hides each link's
-traffic behind the compute. A pipeline layout (MegaScale's tensor 8 x pipeline 8) is modelled as
-a what-if, since msjax has no pipeline axis yet.
+traffic behind the compute. The paper's own layout (interleaved 1F1B, tensor 8 x pipeline 8, ZeRO-2)
+is modelled beside msjax's mesh, whose pipe axis runs msjax's GPipe or circular schedule.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from msjax.config import Config
 from msjax.observe.flops import count_params, flops_per_step
+from msjax.parallel.pipeline import PipelineLayout as PipelineSchedule
 from msjax.planner.candidates import MeshShape, config_for_mesh, mesh_of_config
 from msjax.planner.planning import (
     estimate_communication,
@@ -134,18 +135,33 @@ def _prediction(
 
 
 def predict_mesh_step(config: Config, mesh: MeshShape, hardware: Hardware) -> StepPrediction:
-    """msjax's own layout: data x fsdp x tensor, tensor innermost (ConfigError if invalid)."""
+    """msjax's own layout: data x fsdp x pipe x tensor, tensor innermost (ConfigError if
+    invalid). A pipe mesh adds its bubble: (P - 1) / (R M) of the compute, the iterations in
+    which stages run on nothing."""
     config = config_for_mesh(config, mesh)
     comm = estimate_communication(config, mesh)
-    strides = {"tensor": 1, "fsdp": mesh.tensor, "data": mesh.tensor * mesh.fsdp}
+    strides = {
+        "tensor": 1,
+        "pipe": mesh.tensor,
+        "fsdp": mesh.tensor * mesh.pipe,
+        "data": mesh.tensor * mesh.pipe * mesh.fsdp,
+    }
     sizes = mesh.sizes()
     inside = {axis: _inside_node(strides[axis], sizes[axis], hardware) for axis in strides}
+    compute_s = _compute_s(config, mesh.devices, hardware)
+    bubble_s = 0.0
+    layout = mesh.describe()
+    if mesh.pipe > 1:
+        pipeline = PipelineSchedule.of(config)
+        bubble_s = compute_s * (pipeline.stages - 1) / (pipeline.repeats * pipeline.microbatches)
+        layout += f" ({config.pipeline.schedule}, {pipeline.microbatches} microbatches"
+        layout += f" x {pipeline.repeats} repeats)" if pipeline.repeats > 1 else ")"
     return _prediction(
         config,
         mesh.devices,
-        f"data {mesh.data} x fsdp {mesh.fsdp} x tensor {mesh.tensor}",
-        _compute_s(config, mesh.devices, hardware),
-        0.0,
+        layout,
+        compute_s,
+        bubble_s,
         {axis: (size, inside[axis]) for axis, size in comm.by_axis().items()},
         hardware,
     )

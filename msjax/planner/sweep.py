@@ -235,8 +235,8 @@ def recommend(rows: list[SweepRow], device_count: int, memory_gib: float | None)
     best = max(ran, key=lambda row: row.tokens_per_s or 0.0)
     slowest = min(ran, key=lambda row: row.tokens_per_s or 0.0)
     text = (
-        f"recommended: {best.mesh} (data {best.mesh.data} x fsdp {best.mesh.fsdp} x tensor "
-        f"{best.mesh.tensor}), the fastest of {len(ran)} meshes that use all {device_count} "
+        f"recommended: {best.mesh} ({best.mesh.describe()}), the fastest of {len(ran)} meshes "
+        f"that use all {device_count} "
         f"devices{limit}: {best.tokens_per_s:,.0f} tokens/s"
     )
     if len(ran) > 1:
