@@ -1,0 +1,76 @@
+"""Pipeline schedules side by side on 8 simulated CPU devices: tokens/s and XLA's peak memory per
+device for pipe 1, 2 and 4 x schedule x microbatches, beside the bubble formula.
+
+Baseline: the same global batch on data 8 x pipe 1. Simulated devices share the host's cores,
+so the CPU times show partitioning overhead only (the bubble's idle stages still compute on
+zeros); the memory figures are XLA's own buffer assignment, exact for this program.
+
+    python benchmarks/pipeline.py [--config configs/small.yaml] [--steps 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+from msjax.config import load_config
+from msjax.parallel.pipeline import PipelineLayout
+from msjax.planner.candidates import MeshShape, config_for_mesh
+from msjax.planner.sweep import measure_mesh
+
+GIB = 2**30
+
+# (label, mesh (data, fsdp, tensor, pipe), pipeline overrides)
+LAYOUTS = [
+    ("pipe 1 (baseline)", MeshShape(8, 1, 1, 1), []),
+    ("pipe 2 gpipe M=2", MeshShape(4, 1, 1, 2), ["pipeline.microbatches=2"]),
+    ("pipe 2 gpipe M=4", MeshShape(4, 1, 1, 2), ["pipeline.microbatches=4"]),
+    (
+        "pipe 2 circular R=2 M=4",
+        MeshShape(4, 1, 1, 2),
+        ["pipeline.schedule=circular", "pipeline.repeats=2", "pipeline.microbatches=4"],
+    ),
+    ("pipe 4 gpipe M=4", MeshShape(2, 1, 1, 4), ["pipeline.microbatches=4"]),
+    ("pipe 4 gpipe M=8", MeshShape(2, 1, 1, 4), ["pipeline.microbatches=8"]),
+    (
+        "pipe 4 circular R=3 M=8",
+        MeshShape(2, 1, 1, 4),
+        ["pipeline.schedule=circular", "pipeline.repeats=3", "pipeline.microbatches=8"],
+    ),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/small.yaml")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
+    args = parser.parse_args()
+    base = [f"train.global_batch={args.global_batch}"]
+    if args.quick:
+        base += ["model.num_layers=12", "model.embed_dim=64", "model.mlp_dim=128"]
+        base += ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=64"]
+    print(f"{args.config}, global batch {args.global_batch}, {args.steps} timed steps per layout")
+    print(
+        f"{'layout':<26} {'bubble':>7} {'tokens/s':>10} {'vs pipe 1':>9} "
+        f"{'XLA GiB/dev':>11} {'vs pipe 1':>9}"
+    )
+    baseline = None
+    for label, mesh, overrides in LAYOUTS:
+        config = config_for_mesh(load_config(args.config, [*base, *overrides]), mesh, "cpu")
+        bubble = PipelineLayout.of(config).bubble_fraction if mesh.pipe > 1 else 0.0
+        row = measure_mesh(config, mesh, args.steps, None)
+        memory = row.memory["total_bytes"]
+        baseline = baseline or (row.tokens_per_s, memory)
+        print(
+            f"{label:<26} {bubble:>7.1%} {row.tokens_per_s:>10,.0f} "
+            f"{row.tokens_per_s / baseline[0]:>9.2f} {memory / GIB:>11.3f} "
+            f"{memory / baseline[1]:>9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
