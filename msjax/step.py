@@ -103,6 +103,14 @@ class TrainProgram:
         with nnx.use_eager_sharding(False):
             return jax.jit(init, out_shardings=self.state_shardings)()
 
+    def state_from_params(self, params: Params) -> TrainState:
+        """A step-0 state around given (already sharded) parameters: fresh optimizer state."""
+
+        def init(params: Params) -> TrainState:
+            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(params)
+
     def abstract_batch(self) -> Batch:
         """Shapes and shardings of one global batch: [global_batch, seq_len] int32 arrays (no
         process ever holds a whole one)."""
