@@ -28,6 +28,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
     {
         "mesh",
         "checkpoint",
+        "model.init_from",  # where a new run's weights came from; a resumed run restores its own
+        "model.from_hf",
         "observe",
         "resilience",
         "run.dir",

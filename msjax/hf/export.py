@@ -17,7 +17,7 @@ from msjax.checkpoint.hf_weights import MAX_SHARD_BYTES, hf_tensors, write_safet
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
 from msjax.config import Config
 from msjax.errors import MsjaxError
-from msjax.llama_config import llama_config, unsupported_by_llama
+from msjax.llama_config import CONFIG_FILE, llama_config, unsupported_by_llama
 
 
 def _tokenizer_files(config: Config) -> tuple[int | None, dict[str, bytes]]:
@@ -71,7 +71,7 @@ def export_checkpoint(
     try:
         written = write_safetensors(hf_tensors(host_params, config.model), staging, max_shard_bytes)
         files = {
-            "config.json": llama_config(config.model, eos_id, config.data.seq_len, dtype),
+            CONFIG_FILE: llama_config(config.model, eos_id, config.data.seq_len, dtype),
             "generation_config.json": {"eos_token_id": eos_id, "do_sample": False},
         }
         for name, content in files.items():
