@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax.config import Config, ModelConfig
+from msjax.config_checks import validate
 from msjax.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -136,7 +137,9 @@ def model_from_init(config: Config) -> Config:
     where = f"model.init_from={model.init_from}"
     fields = model_fields_from_llama(read_llama_config(directory), where)
     if model.from_hf:
-        return dataclasses.replace(config, model=dataclasses.replace(model, **fields))
+        filled = dataclasses.replace(config, model=dataclasses.replace(model, **fields))
+        validate(filled)  # the checks the loaded config passed, now on the filled model
+        return filled
     mismatched = []
     for key, value in fields.items():
         ours = model.resolved_head_dim if key == "head_dim" else getattr(model, key)

@@ -124,7 +124,7 @@ def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
 
 def resolve(config: Config, device_count: int, backend: str) -> Config:
     """The run's resolved config: mesh filled in and checked, kernels chosen, run.dir set."""
-    config = check_device_count(config, device_count)
     config = model_from_init(config)  # model.init_from: filled from, or checked against, it
+    config = check_device_count(config, device_count)
     config = dataclasses.replace(config, model=resolve_model(config.model, backend))
     return resolve_run_dir(config)

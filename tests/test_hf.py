@@ -28,6 +28,7 @@ from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, shardings_for
 from msjax.resolve import resolve, resolve_model
 from msjax.step import build_program, state_layout
+from msjax.train import main as train_cli
 from msjax.train import train
 from msjax.training.checkpoints import restore_or_init
 
@@ -249,6 +250,13 @@ def test_mismatched_import_is_one_line(tmp_path: Path) -> None:
     assert "model.tied_embeddings=True but config.json has False" in message
     with pytest.raises(ConfigError, match="hf:PATH"):
         load_config(None, [f"model.init_from={tmp_path}"])
+
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        code = train_cli([*overrides, f"run.dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert len(errors.getvalue().strip().splitlines()) == 1, errors.getvalue()
+    assert not (tmp_path / "run").exists()
 
 
 def test_generate_command_on_one_device_and_on_the_run_mesh(trained_run: Path) -> None:
