@@ -89,9 +89,12 @@ class Generator:
         cache = empty_cache(self.config, 1, len(prompt) + max_new_tokens)
         key = jax.random.key(sampling.seed)
         tokens = jnp.asarray([list(prompt)], jnp.int32)
+        compiled_for = dataclasses.replace(sampling, seed=0)  # the seed is in the key, not code
         for _ in range(max_new_tokens):
             key, step_key = jax.random.split(key)
-            token, cache = self._advance(self.params, tokens, cache, step_key, sampling=sampling)
+            token, cache = self._advance(
+                self.params, tokens, cache, step_key, sampling=compiled_for
+            )
             value = int(token[0])
             yield value
             if value == eos_id:
