@@ -286,3 +286,23 @@ def test_generate_command_on_one_device_and_on_the_run_mesh(trained_run: Path) -
     with contextlib.redirect_stderr(errors):
         assert generate_cli([str(trained_run), "--prompt", "x", "--step", "99"]) == 2
     assert len(errors.getvalue().strip().splitlines()) == 1
+
+
+def test_export_writes_a_tokenizer_json_that_transformers_reads(tmp_path: Path) -> None:
+    from test_tokenizers import train_tokenizer_json
+
+    from msjax.data.tokenizer import load_tokenizer
+    from msjax.hf.export import tokenizer_files
+
+    path = train_tokenizer_json(tmp_path / "tokenizer.json", ["<unk>", "<|endoftext|>"])
+    config = load_config(None, [f"data.tokenizer={path}"])
+    eos_id, files = tokenizer_files(config)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, content in files.items():
+        (out / name).write_bytes(content)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_tokenizer(str(path))
+    text = "def tokenize(text): return text.split()"
+    assert theirs.encode(text) == [int(i) for i in ours.encode(text)]
+    assert theirs.eos_token_id == eos_id == ours.eos_id

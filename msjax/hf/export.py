@@ -20,7 +20,7 @@ from msjax.errors import MsjaxError
 from msjax.llama_config import CONFIG_FILE, llama_config, unsupported_by_llama
 
 
-def _tokenizer_files(config: Config) -> tuple[int | None, dict[str, bytes]]:
+def tokenizer_files(config: Config) -> tuple[int | None, dict[str, bytes]]:
     """The end-of-text id and the tokenizer files to write beside the weights."""
     from msjax.data.tokenizer import HuggingFaceTokenizer, load_tokenizer
 
@@ -57,7 +57,7 @@ def export_checkpoint(
     reason = unsupported_by_llama(config.model)
     if reason is not None:
         raise MsjaxError(f"cannot export to a Hugging Face Llama: {reason}")
-    eos_id, tokenizer_files = _tokenizer_files(config)
+    eos_id, tokenizer_content = tokenizer_files(config)
     run_params = load_run_params(checkpointer, step, config)
     checkpointer.close()
     host_params = jax.device_get(run_params.params)
@@ -76,7 +76,7 @@ def export_checkpoint(
         }
         for name, content in files.items():
             (staging / name).write_text(json.dumps(content, indent=2) + "\n")
-        for name, content in tokenizer_files.items():
+        for name, content in tokenizer_content.items():
             (staging / name).write_bytes(content)
         staging.chmod(0o755)  # mkdtemp makes it private; an export is meant to be shared
         for entry in staging.iterdir():
@@ -87,4 +87,4 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return [*sorted(files), *written, *sorted(tokenizer_files)]
+    return [*sorted(files), *written, *sorted(tokenizer_content)]
