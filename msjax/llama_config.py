@@ -17,19 +17,6 @@ from msjax.errors import ConfigError
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
-# ModelConfig keys and the config.json keys that hold them.
-_FIELDS = {
-    "vocab_size": "vocab_size",
-    "num_layers": "num_hidden_layers",
-    "embed_dim": "hidden_size",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "mlp_dim": "intermediate_size",
-    "rope_theta": "rope_theta",
-    "norm_eps": "rms_norm_eps",
-    "tied_embeddings": "tie_word_embeddings",
-}
 
 
 def unsupported_by_llama(model: ModelConfig) -> str | None:
@@ -125,6 +112,7 @@ def model_fields_from_llama(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def read_llama_config(directory: Path) -> dict[str, Any]:
+    """The config.json of a Hugging Face directory."""
     return json.loads((directory / CONFIG_FILE).read_text())
 
 
@@ -135,7 +123,12 @@ def model_from_init(config: Config) -> Config:
         return config
     directory = hf_directory(model.init_from)
     where = f"model.init_from={model.init_from}"
-    fields = model_fields_from_llama(read_llama_config(directory), where)
+    try:
+        fields = model_fields_from_llama(read_llama_config(directory), where)
+    except KeyError as missing:
+        raise ConfigError(f"{where}: {CONFIG_FILE} has no {missing} (a Llama config has)") from None
+    except ValueError:
+        raise ConfigError(f"{where}: {CONFIG_FILE} is not valid JSON") from None
     if model.from_hf:
         filled = dataclasses.replace(config, model=dataclasses.replace(model, **fields))
         validate(filled)  # the checks the loaded config passed, now on the filled model

@@ -213,9 +213,9 @@ def slice_reader(
             _read_one(reader, mapping.name.format(layer=i), mapping.layout, index[1:], one_shape)
             for i in range(first_layer, last_layer)
         ]
-        return np.stack(layers).astype(np.float32)
+        return np.stack(layers)
 
-    return lambda index: read(index).astype(np.float32)
+    return lambda index: read(index).astype(np.float32)  # bfloat16 or float16 files too
 
 
 def load_params(directory: Path, model: ModelConfig, shardings: dict[str, Any]) -> dict[str, Any]:
