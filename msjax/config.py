@@ -50,6 +50,11 @@ class ModelConfig:
     attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
     norm_impl: Literal["auto", "xla", "pallas", "triton"] = "auto"
     loss_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # hf:PATH, a local Hugging Face Llama directory: a new run starts from its weights (a run
+    # with checkpoints resumes from them instead); the keys above must match its config.json,
+    # or are filled from it with from_hf=true
+    init_from: str | None = None
+    from_hf: bool = False
 
     @property
     def resolved_head_dim(self) -> int:

@@ -100,6 +100,13 @@ def _check_model(model: ModelConfig) -> None:
         )
     if model.attention_window is not None and model.attention_window <= 0:
         raise ConfigError(f"model.attention_window={model.attention_window} must be positive")
+    if model.init_from is not None and not model.init_from.startswith("hf:"):
+        raise ConfigError(
+            f"model.init_from={model.init_from} is not accepted; give hf:PATH, a local "
+            "Hugging Face Llama directory"
+        )
+    if model.from_hf and model.init_from is None:
+        raise ConfigError("model.from_hf=true needs model.init_from=hf:PATH to read config.json")
 
 
 def _check_checkpoint(checkpoint: CheckpointConfig) -> None:

@@ -19,6 +19,7 @@ from typing import get_args
 from msjax.config import Config, MeshConfig, ModelConfig
 from msjax.config_checks import check_divisible_by_mesh
 from msjax.errors import ConfigError
+from msjax.llama_config import model_from_init
 
 RUNS_FOLDER = Path("runs")
 # Kernels with no interpreter: they run on a GPU or not at all.
@@ -124,6 +125,7 @@ def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
 
 def resolve(config: Config, device_count: int, backend: str) -> Config:
     """The run's resolved config: mesh filled in and checked, kernels chosen, run.dir set."""
+    config = model_from_init(config)  # model.init_from: filled from, or checked against, it
     config = check_device_count(config, device_count)
     config = dataclasses.replace(config, model=resolve_model(config.model, backend))
     return resolve_run_dir(config)

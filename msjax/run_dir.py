@@ -29,6 +29,8 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "mesh",
         "pipeline",
         "checkpoint",
+        "model.init_from",  # where a new run's weights came from; a resumed run restores its own
+        "model.from_hf",
         "observe",
         "resilience",
         "run.dir",

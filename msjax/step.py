@@ -166,6 +166,16 @@ class TrainProgram:
 
         return jax.jit(convert, out_shardings=self.state_shardings)(state)
 
+    def state_from_params(self, params: Params) -> TrainState:
+        """A step-0 state around given (already sharded) parameters in canonical layer order:
+        fresh optimizer state."""
+
+        def init(params: Params) -> TrainState:
+            params = self._reorder_layers(params, to_memory_order)
+            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(params)
+
     def abstract_batch(self) -> Batch:
         """Shapes and shardings of one global batch: [global_batch, seq_len] int32 arrays (no
         process ever holds a whole one)."""

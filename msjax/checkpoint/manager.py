@@ -247,6 +247,32 @@ class Checkpointer:
                 warn(f"skipped {error}")
         return None
 
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the parameters of one step (no optimizer state read), checked by fingerprint."""
+        path = self.directory / str(step)
+        if not (path / COMMIT_MARKER).exists():
+            raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
+        item = {"params": abstract_params}
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                        partial_restore=True,
+                    ),
+                    meta=_MetaRestore(),
+                ),
+            )
+        except Exception as error:  # Orbax and TensorStore raise many types for bad files
+            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            raise MsjaxError(f"checkpoint {path} could not be read: {reason}") from None
+        actual = fingerprints(dict(restored.state))
+        expected = dict(restored.meta).get("fingerprints", {})
+        _check_fingerprints(path, {"fingerprints": {k: expected.get(k) for k in actual}}, actual)
+        return restored.state["params"]
+
     def array_metadata(self, step: int) -> Any:
         """The saved state's tree of arrays (shapes and dtypes), without reading them."""
         return self._manager.item_metadata(step)["state"]

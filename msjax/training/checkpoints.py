@@ -44,6 +44,8 @@ def restore_or_init(
             raise MsjaxError(f"checkpoint.resume_from: no valid checkpoint in {source_dir}")
     else:
         restored = checkpointer.restore_newest_valid(abstract_state, message)
+    if restored is None and config.model.init_from is not None:
+        return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
     if restored is None:
         return StartingPoint(program.init_state(), 0, 0, None)
     check_same_model(config, restored)
@@ -55,6 +57,17 @@ def restore_or_init(
     # checkpoints hold layers in canonical order; this run's pipeline may keep another
     state = program.from_canonical(restored.state)
     return StartingPoint(state, step, first_sample, restored)
+
+
+def init_from_hf(config: Config, program: Any, message: Callable[[str], None]) -> Any:
+    """A fresh state whose parameters are read, shard by shard, from model.init_from."""
+    from msjax.checkpoint.hf_weights import load_params
+    from msjax.llama_config import hf_directory
+
+    directory = hf_directory(config.model.init_from)
+    params = load_params(directory, config.model, program.state_shardings.params)
+    message(f"initialized from the Hugging Face weights in {directory}")
+    return program.state_from_params(params)
 
 
 def check_same_model(config: Config, restored: Restored) -> None:

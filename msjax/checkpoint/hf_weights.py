@@ -1,0 +1,258 @@
+"""msjax parameters as Hugging Face Llama safetensors and back, read shard by shard.
+
+Linear weights are `[out, in]` there; the query, key and value heads are rows `head * head_dim
++ d`, the layout msjax's head axes flatten to; both rotate RoPE by halves, so nothing permutes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msjax.config import ModelConfig
+from msjax.errors import MsjaxError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 1024**3  # a file past this size is split, with an index naming each tensor
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One msjax parameter and its Hugging Face tensor(s).
+
+    layout: `same`, `transposed` (2-D `[in, out]` here), `heads_in` (`[embed, heads, dim]`
+    here, `[heads * dim, embed]` there) or `heads_out` (`[heads, dim, embed]` here).
+    """
+
+    path: tuple[str, ...]  # keys in the params dict
+    name: str  # the Hugging Face name; `{layer}` in per-layer ones
+    layout: str
+    per_layer: bool
+
+
+def mappings(model: ModelConfig) -> list[Mapping]:
+    """Every parameter of the model with its Hugging Face name and layout."""
+    layer = "model.layers.{layer}."
+    found = [
+        Mapping(("embedding",), "model.embed_tokens.weight", "same", False),
+        Mapping(("final_norm", "scale"), "model.norm.weight", "same", False),
+        Mapping(
+            ("layers", "attention_norm", "scale"), layer + "input_layernorm.weight", "same", True
+        ),
+        Mapping(
+            ("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", "same", True
+        ),
+    ]
+    for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
+        name = layer + f"self_attn.{theirs}_proj.weight"
+        found.append(Mapping(("layers", "attention", ours), name, "heads_in", True))
+    found.append(
+        Mapping(
+            ("layers", "attention", "out"), layer + "self_attn.o_proj.weight", "heads_out", True
+        )
+    )
+    for ours in ("gate", "up", "down"):
+        name = layer + f"mlp.{ours}_proj.weight"
+        found.append(Mapping(("layers", "mlp", ours), name, "transposed", True))
+    if not model.tied_embeddings:
+        found.append(Mapping(("unembedding",), "lm_head.weight", "transposed", False))
+    return found
+
+
+def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _to_hf(value: np.ndarray, layout: str) -> np.ndarray:
+    if layout == "same":
+        return value
+    if layout == "transposed":
+        return value.T
+    if layout == "heads_in":  # [embed, heads, dim] -> [heads * dim, embed]
+        return value.reshape(value.shape[0], -1).T
+    return value.reshape(-1, value.shape[-1]).T  # heads_out: [heads, dim, embed] -> [embed, h*d]
+
+
+def hf_tensors(params: dict[str, Any], model: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of every Hugging Face tensor, from host params (numpy) one at a time."""
+    for mapping in mappings(model):
+        value = np.asarray(_get(params, mapping.path))
+        if mapping.per_layer:
+            for index in range(model.num_layers):
+                name = mapping.name.format(layer=index)
+                yield name, np.ascontiguousarray(_to_hf(value[index], mapping.layout))
+        else:
+            yield mapping.name, np.ascontiguousarray(_to_hf(value, mapping.layout))
+
+
+def write_safetensors(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    directory: Path,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write tensors as model.safetensors, or as numbered shards with an index past the limit."""
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    for name, array in tensors:
+        if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = array
+        sizes[-1] += array.nbytes
+    metadata = {"format": "pt"}  # transformers reads "pt" files with any framework
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / SINGLE_FILE), metadata=metadata)
+        return [SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file_name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(directory / file_name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file_name))
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return [*names, INDEX_FILE]
+
+
+class SafetensorsReader:
+    """Slices of the tensors of a Hugging Face directory, read without loading whole files."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (directory / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            raise MsjaxError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self._files: dict[str, Any] = {}
+        self._file_of: dict[str, str] = {}
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        for file_name in files:
+            handle = safe_open(str(directory / file_name), framework="np")
+            self._files[file_name] = handle
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                self._file_of[name] = file_name
+        self.directory = directory
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._slice(name)[index])
+
+    def _slice(self, name: str) -> Any:
+        if name not in self._file_of:
+            raise MsjaxError(f"{self.directory} has no tensor {name} (a Llama model has it)")
+        return self._files[self._file_of[name]].get_slice(name)
+
+
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+    start, stop, _ = index.indices(size)
+    return start, stop
+
+
+def _read_one(
+    reader: SafetensorsReader, name: str, layout: str, index: tuple[slice, ...], shape: tuple
+) -> np.ndarray:
+    """The msjax-layout slice `index` of one Hugging Face tensor (one layer's)."""
+    if layout == "same":
+        return reader.read(name, index)
+    if layout == "transposed":
+        return reader.read(name, (index[1], index[0])).T
+    if layout == "heads_in":  # ours [embed, heads, dim]; theirs [heads * dim, embed]
+        (h0, h1), dim = _bounds(index[1], shape[1]), shape[2]
+        rows = reader.read(name, (slice(h0 * dim, h1 * dim), index[0]))  # [h * dim, embed]
+        return rows.T.reshape(-1, h1 - h0, dim)[:, :, index[2]]
+    # heads_out: ours [heads, dim, embed]; theirs [embed, heads * dim]
+    (h0, h1), dim = _bounds(index[0], shape[0]), shape[1]
+    columns = reader.read(name, (index[2], slice(h0 * dim, h1 * dim)))  # [embed, h * dim]
+    return columns.T.reshape(h1 - h0, dim, -1)[:, index[1], :]
+
+
+def _expected_hf_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    if layout == "same":
+        return shape
+    if layout == "transposed":
+        return shape[::-1]
+    if layout == "heads_in":
+        return (shape[1] * shape[2], shape[0])
+    return (shape[2], shape[0] * shape[1])
+
+
+def slice_reader(
+    reader: SafetensorsReader, mapping: Mapping, shape: tuple[int, ...]
+) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """index -> the float32 slice of the msjax parameter of `shape`, read from the files."""
+    one_shape = shape[1:] if mapping.per_layer else shape
+    first = mapping.name.format(layer=0)
+    expected = _expected_hf_shape(one_shape, mapping.layout)
+    if reader.shape(first) != expected:
+        raise MsjaxError(
+            f"{reader.directory}: {first} has shape {list(reader.shape(first))}, the model "
+            f"needs {list(expected)}"
+        )
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        if not mapping.per_layer:
+            return _read_one(reader, mapping.name, mapping.layout, index, shape)
+        first_layer, last_layer = _bounds(index[0], shape[0])
+        layers = [
+            _read_one(reader, mapping.name.format(layer=i), mapping.layout, index[1:], one_shape)
+            for i in range(first_layer, last_layer)
+        ]
+        return np.stack(layers)
+
+    return lambda index: read(index).astype(np.float32)  # bfloat16 or float16 files too
+
+
+def load_params(directory: Path, model: ModelConfig, shardings: dict[str, Any]) -> dict[str, Any]:
+    """The model's parameters from a Hugging Face directory, each device reading only its shard.
+
+    shardings: a params-shaped dict of jax.sharding.Sharding; the arrays are float32.
+    """
+    import jax
+
+    reader = SafetensorsReader(directory)
+    params: dict[str, Any] = {}
+    for mapping in mappings(model):
+        sharding = _get(shardings, mapping.path)
+        shape = _param_shape(model, mapping.path)
+        array = jax.make_array_from_callback(shape, sharding, slice_reader(reader, mapping, shape))
+        node = params
+        for key in mapping.path[:-1]:
+            node = node.setdefault(key, {})
+        node[mapping.path[-1]] = array
+    return params
+
+
+def _param_shape(model: ModelConfig, path: tuple[str, ...]) -> tuple[int, ...]:
+    embed, vocab, layers = model.embed_dim, model.vocab_size, model.num_layers
+    heads, kv_heads, dim = model.num_heads, model.num_kv_heads, model.resolved_head_dim
+    shapes = {
+        ("embedding",): (vocab, embed),
+        ("unembedding",): (embed, vocab),
+        ("final_norm", "scale"): (embed,),
+        ("layers", "attention_norm", "scale"): (layers, embed),
+        ("layers", "mlp_norm", "scale"): (layers, embed),
+        ("layers", "attention", "query"): (layers, embed, heads, dim),
+        ("layers", "attention", "key"): (layers, embed, kv_heads, dim),
+        ("layers", "attention", "value"): (layers, embed, kv_heads, dim),
+        ("layers", "attention", "out"): (layers, heads, dim, embed),
+        ("layers", "mlp", "gate"): (layers, embed, model.mlp_dim),
+        ("layers", "mlp", "up"): (layers, embed, model.mlp_dim),
+        ("layers", "mlp", "down"): (layers, model.mlp_dim, embed),
+    }
+    return shapes[path]
