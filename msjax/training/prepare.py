@@ -27,6 +27,7 @@ from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
+from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
 from msjax.training.checkpoints import CheckpointSaves, StartingPoint, restore_or_init
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
@@ -82,11 +83,40 @@ def prepare_run(
     extra_listeners: Sequence[LoopEvents] = (),
 ) -> PreparedRun:
     """Join the job, resolve the config, then build everything the loop needs."""
-    import jax
 
     started = time.perf_counter()
     config, job = join_job(config)
     plan = plan_run_dir(config)
+    lock = job_lock(plan, job)
+    try:
+        return _prepare(config, job, plan, lock, started, progress_stream, extra_listeners)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
+    """The run dir's lock, taken now if the directory exists (else once it is made). The job holds
+    it: msjax.launch for its workers, process 0 for a job that no launcher started."""
+    import jax
+
+    lock = RunDirLock(plan.run_dir)
+    if not job.launched and jax.process_index() == 0 and plan.path.is_dir():
+        lock.acquire()  # a job already there refuses this one before it writes anything
+    return lock
+
+
+def _prepare(
+    config: Config,
+    job: JobEnv,
+    plan: RunDirPlan,
+    lock: RunDirLock,
+    started: float,
+    progress_stream: IO[str] | None,
+    extra_listeners: Sequence[LoopEvents],
+) -> PreparedRun:
+    import jax
+
     run_dir = plan.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
     mesh = build_mesh(config.mesh)
@@ -97,7 +127,7 @@ def prepare_run(
     if config.observe.tensorboard:
         check_tensorboard_installed()
     if is_writer:
-        write_run_record(plan, config, data, progress.message)
+        write_run_record(plan, config, data, progress.message, lock if not job.launched else None)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
@@ -116,7 +146,7 @@ def prepare_run(
     listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
     if is_writer:
         listeners.append(MetricsLog(run_dir.metrics))
-    listeners += [ProgressReport(progress), resilience, *extra_listeners]
+    listeners += [ProgressReport(progress), resilience, *extra_listeners, lock]
     events = EventFanOut(listeners)
     events.run_start(start.step, None if start.restored is None else start.restored.path)
     if config.checkpoint.enabled:
@@ -160,9 +190,17 @@ def optional_listeners(config: Config, run_dir: RunDir, is_writer: bool) -> list
 
 
 def write_run_record(
-    plan: RunDirPlan, config: Config, data: TrainingData, message: Callable[[str], None]
+    plan: RunDirPlan,
+    config: Config,
+    data: TrainingData,
+    message: Callable[[str], None],
+    lock: RunDirLock | None,
 ) -> None:
-    """Process 0: the run directory with the resolved config and the corpus it reads."""
+    """Process 0: the run directory (locked, unless a launcher holds it) with the resolved config
+    and the corpus it reads."""
+    plan.path.mkdir(parents=True, exist_ok=True)
+    if lock is not None:
+        lock.acquire()
     aside = create_run_dir(plan)
     if aside is not None:
         message(f"run.overwrite=true: the earlier run in {plan.path} moved to {aside}")
