@@ -22,7 +22,7 @@ from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.worker import NonFiniteLoss, leave_job_now
 from msjax.resolve import resolve_run_dir
-from msjax.run_dir import check_output_dirs
+from msjax.run_dir import plan_run_dir
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        check_output_dirs(resolve_run_dir(config))  # before JAX starts: a quick answer
+        plan_run_dir(resolve_run_dir(config))  # a run dir it cannot use: told before JAX starts
         train(config)
     except MsjaxError as error:
         return user_error("msjax.train", error)
