@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Integers end up in int32 step counters, shapes and loop bounds: larger ones cannot be right.
 MAX_INT = 2**31 - 1
-MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit seed whole
+MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit unsigned seed whole (checked on its own)
 
 
 def validate(config: Config) -> None:
@@ -34,7 +34,8 @@ def validate(config: Config) -> None:
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if is_int and abs(value) > MAX_INT and f"{section.name}.{key}" != "run.seed":
                 raise ConfigError(
                     f"{section.name}.{key}={value} is out of range; it must be at most "
                     f"{MAX_INT:,} in size"
