@@ -62,11 +62,24 @@ class MeshConfig:
 
     data: int = 2
     fsdp: int = 2
+    pipe: int = 1  # pipeline stages (msjax.parallel.pipeline); spans nodes, tensor stays inside
     tensor: int = 2
     sequence_parallel: bool = False  # shard activations between blocks along seq over `tensor`
 
     def axis_sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        """Sizes in mesh order, outermost first (msjax.parallel.mesh.MESH_AXES)."""
+        return {"data": self.data, "fsdp": self.fsdp, "pipe": self.pipe, "tensor": self.tensor}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How the layer stack runs over the `pipe` mesh axis (used when mesh.pipe > 1)."""
+
+    # gpipe: each microbatch passes the stages once; circular (interleaved): each device holds
+    # `repeats` virtual stages (layers s, s+P, ...), which shrinks the bubble R times.
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    microbatches: int = 4  # each data-parallel replica's batch is split into this many
+    repeats: int = 1  # virtual stages per device (circular only)
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

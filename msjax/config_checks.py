@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         ModelConfig,
         ObserveConfig,
         OptimConfig,
+        PipelineConfig,
         ResilienceConfig,
     )
 
@@ -80,6 +81,7 @@ def validate(config: Config) -> None:
     if train.peak_tflops is not None and not train.peak_tflops > 0:
         raise ConfigError(f"train.peak_tflops={train.peak_tflops} must be positive (or null)")
     _check_resilience(config.resilience)
+    _check_pipeline(config.pipeline)
     _check_observe(config.observe)
     _check_run_name(config.run.name)
 
@@ -147,6 +149,44 @@ def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError(
             f"checkpoint.keep_every_steps={checkpoint.keep_every_steps} must be positive (or null)"
         )
+
+
+def _check_pipeline(pipeline: PipelineConfig) -> None:
+    for key in ("microbatches", "repeats"):
+        if getattr(pipeline, key) < 1:
+            raise ConfigError(f"pipeline.{key}={getattr(pipeline, key)} must be at least 1")
+    if pipeline.repeats > 1 and pipeline.schedule != "circular":
+        raise ConfigError(
+            f"pipeline.repeats={pipeline.repeats} needs pipeline.schedule=circular "
+            f"(got {pipeline.schedule}); gpipe runs each stage once per microbatch"
+        )
+
+
+def _check_pipeline_fits(config: Config, sizes: dict[str, int]) -> None:
+    """The layer stack splits evenly into stages and the batch into microbatches."""
+    pipe, pipeline, model = sizes["pipe"], config.pipeline, config.model
+    if pipe <= 1:
+        return
+    virtual_stages = pipe * pipeline.repeats
+    if model.num_layers % virtual_stages:
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} is not divisible by mesh.pipe x "
+            f"pipeline.repeats = {pipe} x {pipeline.repeats} = {virtual_stages} (virtual stages)"
+        )
+    if pipeline.repeats > 1 and pipeline.microbatches < pipe:
+        raise ConfigError(
+            f"pipeline.microbatches={pipeline.microbatches} must be at least mesh.pipe={pipe} "
+            "for the circular schedule (a microbatch re-enters stage 0 only after leaving the last)"
+        )
+    data_parallel = sizes["data"] * sizes["fsdp"]
+    if data_parallel > 0 and config.train.global_batch % data_parallel == 0:
+        per_replica = config.train.global_batch // data_parallel
+        if per_replica % pipeline.microbatches:
+            raise ConfigError(
+                f"each data-parallel replica's batch (train.global_batch / (mesh.data x "
+                f"mesh.fsdp) = {per_replica}) is not divisible by "
+                f"pipeline.microbatches={pipeline.microbatches}"
+            )
 
 
 def _check_run_name(name: str) -> None:
@@ -236,3 +276,4 @@ def check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(
             f"model.embed_dim={model.embed_dim} is not divisible by mesh.fsdp={sizes['fsdp']}"
         )
+    _check_pipeline_fits(config, sizes)

@@ -28,6 +28,7 @@ from msjax.writable import check_writable_dir
 MAY_CHANGE_ON_RESUME = frozenset(
     {
         "mesh",
+        "pipeline",
         "checkpoint",
         "observe",
         "resilience",

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from msjax import ops
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
-from msjax.models.transformer import Transformer
+from msjax.models.transformer import Transformer, apply_layer_stack
 from msjax.optim import (
     learning_rate_schedule,
     make_optimizer,
@@ -28,6 +28,12 @@ from msjax.optim import (
     weight_decay_mask,
 )
 from msjax.parallel.context import LogicalAxes
+from msjax.parallel.pipeline import (
+    PipelineLayout,
+    run_pipeline,
+    to_canonical_order,
+    to_memory_order,
+)
 from msjax.parallel.rules import (
     activation_placement,
     logical_axes_of,
@@ -78,11 +84,31 @@ class TrainProgram:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
+    @property
+    def pipeline(self) -> PipelineLayout:
+        return PipelineLayout.of(self.config)
+
+    def features(self, model: Transformer, batch: Batch) -> jax.Array:
+        """The final norm's output [batch, seq, embed]: the layer stack whole, or pipelined."""
+        inputs, positions, segment_ids = batch["inputs"], batch["positions"], batch["segment_ids"]
+        layout = self.pipeline
+        if layout.stages == 1:
+            return model.features(inputs, positions, segment_ids)
+        layers_graphdef, layer_params = nnx.split(model.layers)
+        remat = self.config.model.remat
+
+        def stage(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
+            layers = nnx.merge(layers_graphdef, chunk)
+            return apply_layer_stack(layers, x, positions, segment_ids, remat)
+
+        x = run_pipeline(stage, layer_params, model.embed(inputs), positions, segment_ids, layout)
+        return model.finish(x)
+
     def loss(self, params: Params, batch: Batch) -> jax.Array:
         rules = logical_axis_rules(self.config)
         with activation_placement(self.mesh, rules):
             model = self.model(params)
-            features = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
+            features = self.features(model, batch)
             losses = ops.token_losses(
                 features,
                 model.unembedding_matrix(),
@@ -98,10 +124,47 @@ class TrainProgram:
         def init() -> TrainState:
             model = Transformer(self.config.model, nnx.Rngs(params=seed))
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            # the same values whatever the layout: created in canonical order, then placed
+            params = self._reorder_layers(params, to_memory_order)
             return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
         with nnx.use_eager_sharding(False):
             return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def _reorder_layers(self, params: Params, reorder: Any) -> Params:
+        """params with reorder(array, layout) applied to each array stacked over layers."""
+        layout, stacked = self.pipeline, stacked_over_layers(self.logical_axes)
+        return jax.tree.map(
+            lambda array, is_stacked: reorder(array, layout) if is_stacked else array,
+            params,
+            stacked,
+        )
+
+    def to_canonical(self, state: TrainState) -> TrainState:
+        """The state with every layer-stacked array in canonical layer order (what checkpoints
+        hold, whatever the pipeline layout); the state itself when the layouts agree."""
+        return self._convert_layer_order(state, to_canonical_order)
+
+    def from_canonical(self, state: TrainState) -> TrainState:
+        """The inverse of to_canonical: a restored state in this run's pipeline layer order."""
+        return self._convert_layer_order(state, to_memory_order)
+
+    def _convert_layer_order(self, state: TrainState, reorder: Any) -> TrainState:
+        if not self.pipeline.reorders_layers:
+            return state
+
+        def convert(state: TrainState) -> TrainState:
+            layout = self.pipeline
+            # optimizer moments follow the parameters' layout, layer by layer
+            opt_state = optax.tree_map_params(
+                self.optimizer,
+                lambda array, is_stacked: reorder(array, layout) if is_stacked else array,
+                state.opt_state,
+                stacked_over_layers(self.logical_axes),
+            )
+            return TrainState(state.step, self._reorder_layers(state.params, reorder), opt_state)
+
+        return jax.jit(convert, out_shardings=self.state_shardings)(state)
 
     def abstract_batch(self) -> Batch:
         """Shapes and shardings of one global batch: [global_batch, seq_len] int32 arrays (no

@@ -210,9 +210,11 @@ def test_minus_one_fills_the_rest_of_the_devices():
     assert resolve_mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), DEVICES) == {
         "data": 2,
         "fsdp": 2,
+        "pipe": 1,
         "tensor": 2,
     }
     assert resolve_mesh_shape(MeshConfig(data=1, fsdp=2, tensor=-1), DEVICES)["tensor"] == 4
+    assert resolve_mesh_shape(MeshConfig(data=2, fsdp=1, pipe=-1, tensor=2), DEVICES)["pipe"] == 2
 
 
 def test_check_device_count_returns_the_config_with_minus_one_resolved():
@@ -226,6 +228,7 @@ def test_an_exact_mesh_is_returned_unchanged():
     assert resolve_mesh_shape(MeshConfig(data=2, fsdp=2, tensor=2), DEVICES) == {
         "data": 2,
         "fsdp": 2,
+        "pipe": 1,
         "tensor": 2,
     }
 

@@ -4,70 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from mesh_runs import small_config, train_losses
 
-from msjax.config import Config, config_from_dict
-from msjax.data.packing import pack_rows
-from msjax.data.tokenizer import ByteTokenizer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
 from msjax.resolve import resolve
 from msjax.step import build_program
-
-STEPS = 5
-
-
-def small_config(data: int, fsdp: int, tensor: int, sequence_parallel: bool = False) -> Config:
-    return config_from_dict(
-        {
-            "model": {
-                "vocab_size": 264,
-                "num_layers": 2,
-                "embed_dim": 64,
-                "num_heads": 8,
-                "num_kv_heads": 4,
-                "mlp_dim": 128,
-            },
-            "mesh": {
-                "data": data,
-                "fsdp": fsdp,
-                "tensor": tensor,
-                "sequence_parallel": sequence_parallel,
-            },
-            "data": {"seq_len": 32},
-            "optim": {"learning_rate": 1e-2, "warmup_steps": 2},
-            "train": {"steps": STEPS, "global_batch": 16},
-        }
-    )
-
-
-def fixed_batches(config: Config) -> list[dict[str, np.ndarray]]:
-    text = Path(__file__).read_bytes() * 4  # learnable, unlike random tokens
-    tokens = ByteTokenizer().encode(text)  # one document, no EOS: one segment per row
-    seq_len, rows = config.data.seq_len, config.train.global_batch
-    windows = [tokens[i * seq_len : (i + 1) * seq_len + 1] for i in range(STEPS * rows)]
-    return [
-        pack_rows(windows[step * rows : (step + 1) * rows], seq_len, ByteTokenizer.eos_id, False)
-        for step in range(STEPS)
-    ]
-
-
-def train_losses(config: Config) -> list[float]:
-    sizes = config.mesh.axis_sizes()
-    device_count = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
-    config = resolve(config, device_count, jax.default_backend())  # as a run does: impls chosen
-    mesh = build_mesh(config.mesh, jax.devices()[:device_count])
-    program = build_program(config, mesh)
-    state = program.init_state()
-    losses = []
-    for batch in fixed_batches(config):
-        state, metrics = program.train_step(state, jax.device_put(batch, program.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return losses
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_state_bytes_equal_jax_shardings_for_175b_on_an_abstract_12288_device_me
     mesh = MeshShape(192, 8, 8)
     config = config_for_mesh(MEGASCALE, mesh)
     sizes = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
-    abstract = AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    abstract = AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     state = build_program(config, abstract).abstract_state()  # no devices needed
     jax_bytes = sum(
         math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from msjax.observe.flight_recorder import FlightRecorder, diagnose
+from msjax.observe.rank_timing import describe_place
 from msjax.observe.stragglers import StragglerDetector, score_window
 from msjax.run_dir import RunDir
 
@@ -107,6 +108,27 @@ def test_flight_records_name_the_rank_that_did_not_reach_the_others_point(tmp_pa
     for recorder in recorders:
         recorder.close()
     assert diagnose(tmp_path) is None  # every rank finished
+
+
+def test_a_stuck_pipeline_stage_is_named_as_one(tmp_path):
+    # two ranks per stage: ranks 0-1 hold pipeline stage 0, ranks 2-3 stage 1
+    places = [{"data": [rank % 2], "pipe": [rank // 2], "tensor": [0, 1]} for rank in range(4)]
+    recorders = [
+        FlightRecorder(tmp_path, rank, attempt=0, capacity=8, mesh=places[rank])
+        for rank in range(4)
+    ]
+    for step in range(6):
+        for rank, recorder in enumerate(recorders):
+            if rank != 3 or step < 4:
+                recorder.record("step_dispatched", step)
+    for recorder in recorders:
+        recorder.dump()
+    verdict = diagnose(tmp_path)
+    assert verdict is not None and verdict.rank == 3
+    assert "rank 3 (data 1, pipeline stage 1, tensor 0-1) stopped at" in verdict.summary
+    for recorder in recorders:
+        recorder.close()
+    assert describe_place({"data": [0], "fsdp": [0, 1, 2, 3]}) == "data 0, fsdp 0-3"
 
 
 # ---- real jobs ----------------------------------------------------------------------------------

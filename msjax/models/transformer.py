@@ -184,30 +184,51 @@ class Transformer(nnx.Module):
 
         The logits are features @ unembedding_matrix(); a fused loss takes the two apart.
         """
-        config = self.config
-        dtype = jnp.dtype(config.compute_dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens)
+        x = apply_layer_stack(self.layers, x, positions, segment_ids, self.config.remat)
+        return self.finish(x)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens: [batch, seq] int -> the residual stream [batch, seq, embed], compute dtype."""
+        dtype = jnp.dtype(self.config.compute_dtype)
         # The table is gathered whole along embed (as FSDP does for every weight) and stays
         # split along vocab, so the lookup is a local gather plus a sum over `tensor`.
         table = constrain(self.embedding[...].astype(dtype), ("vocab", "act_embed"))
         x = jnp.take(table, tokens, axis=0)  # [batch, seq, embed]
-        x = constrain(x, RESIDUAL)
+        return constrain(x, RESIDUAL)
 
-        def layer(block: Block, x: jax.Array) -> jax.Array:
-            return block(x, positions, segment_ids)
+    def finish(self, x: jax.Array) -> jax.Array:
+        """The layer stack's output [batch, seq, embed] -> the final norm's output."""
+        return constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
 
-        if config.remat != "none":
-            layer = nnx.remat(layer, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
 
-        @nnx.scan(
-            in_axes=(nnx.Carry, 0),
-            out_axes=nnx.Carry,
-            transform_metadata={nnx.PARTITION_NAME: "layers"},
-        )
-        def run_layers(x: jax.Array, block: Block) -> jax.Array:
-            return layer(block, x)
+def apply_layer_stack(
+    layers: Block,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    remat: str = "none",
+) -> jax.Array:
+    """Run a stack of blocks (parameters stacked along "layers") over x [batch, seq, embed].
 
-        x = run_layers(x, self.layers)
-        x = self.final_norm(x)
-        return constrain(x, ("batch", "seq", "act_embed"))
+    This is the model's layer stack as a function of (layer parameters, activations): the
+    whole model runs it over all layers, a pipeline stage over its own slice of them.
+    """
+
+    def layer(block: Block, x: jax.Array) -> jax.Array:
+        return block(x, positions, segment_ids)
+
+    if remat != "none":
+        layer = nnx.remat(layer, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+
+    @nnx.scan(
+        in_axes=(nnx.Carry, 0),
+        out_axes=nnx.Carry,
+        transform_metadata={nnx.PARTITION_NAME: "layers"},
+    )
+    def run_layers(x: jax.Array, block: Block) -> jax.Array:
+        return layer(block, x)
+
+    return run_layers(x, layers)

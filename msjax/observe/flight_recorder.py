@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from msjax.observe.rank_timing import describe_place
 from msjax.run_dir import RunDir
 
 DUMP_EVERY_S = 0.5
@@ -40,7 +41,14 @@ EVENT_ORDER = {
 class FlightRecorder:
     """record(event, step=..., **fields) appends to the ring buffer; close() dumps a last time."""
 
-    def __init__(self, run_dir: Path, rank: int, attempt: int, capacity: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        attempt: int,
+        capacity: int,
+        mesh: dict[str, list[int]] | None = None,
+    ):
         self.path = RunDir(run_dir).flight_record(rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._identity = {
@@ -48,6 +56,7 @@ class FlightRecorder:
             "attempt": attempt,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "mesh": mesh or {},  # this rank's mesh coordinates (rank_timing.mesh_coordinates)
         }
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
         self._lock = threading.Lock()
@@ -135,6 +144,11 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
         e.get("fingerprint") for r in records for e in r["events"] if e["event"] == "compiled"
     }
     last = {r["rank"]: r["events"][-1] for r in records if r["events"]}
+    places = {r["rank"]: describe_place(r["mesh"]) for r in records if r.get("mesh")}
+
+    def named(rank: int) -> str:
+        return f"rank {rank} ({places[rank]})" if rank in places else f"rank {rank}"
+
     positions = {rank: _position(event) for rank, event in last.items()}
     alive_at = {r["rank"]: r["alive_at"] for r in records}
     newest_alive = max(alive_at.values())
@@ -165,7 +179,7 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
             "short of the point the others reached" if rank in behind else "where the others are"
         )
         summary = (
-            f"rank {rank} went silent {gap_s:.1f} s before the others, at "
+            f"{named(rank)} went silent {gap_s:.1f} s before the others, at "
             f"{_describe(last[rank])} ({where}): it stopped running"
         )
         return FlightVerdict(rank, summary, details)
@@ -174,7 +188,7 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
         others = sorted(set(last) - {rank})
         reached = _describe(max((last[r] for r in others), key=_position))
         summary = (
-            f"rank {rank} stopped at {_describe(last[rank])} while the others reached {reached}"
+            f"{named(rank)} stopped at {_describe(last[rank])} while the others reached {reached}"
         )
         return FlightVerdict(rank, summary, details)
     return None

@@ -11,7 +11,7 @@ from typing import Any
 from msjax.config import ObserveConfig
 from msjax.loop_events import LoopEvents
 from msjax.observe.flight_recorder import FlightRecorder
-from msjax.observe.rank_timing import RankTiming
+from msjax.observe.rank_timing import RankTiming, mesh_coordinates
 
 
 class LoopObserver(LoopEvents):
@@ -39,7 +39,13 @@ class LoopObserver(LoopEvents):
             )
         self.recorder = None
         if observe.flight_recorder_events:
-            self.recorder = FlightRecorder(run_dir, rank, attempt, observe.flight_recorder_events)
+            self.recorder = FlightRecorder(
+                run_dir,
+                rank,
+                attempt,
+                observe.flight_recorder_events,
+                mesh_coordinates(mesh, rank),
+            )
         self._closed = False
 
     def compiled(self, compiled_step: Any) -> None:

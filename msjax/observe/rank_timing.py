@@ -74,6 +74,29 @@ def mesh_coordinates(mesh: Any, process_index: int) -> dict[str, list[int]]:
     return {name: sorted(positions) for name, positions in coordinates.items()}
 
 
+def describe_place(mesh: dict[str, list[int]]) -> str:
+    """`data 0, fsdp 0, pipe 1, tensor 0-1`: a rank's mesh coordinates for people; a rank on
+    one pipe index is named by its pipeline stage, so a slow or stuck stage is seen as one."""
+    parts = []
+    for axis, positions in mesh.items():
+        at = _span(positions)
+        if axis == "pipe" and len(positions) == 1 and len(mesh) > 1:
+            parts.append(f"pipeline stage {at}")
+        else:
+            parts.append(f"{axis} {at}")
+    return ", ".join(parts)
+
+
+def _span(positions: list[int]) -> str:
+    if (
+        positions
+        and positions == list(range(positions[0], positions[-1] + 1))
+        and len(positions) > 1
+    ):
+        return f"{positions[0]}-{positions[-1]}"
+    return ",".join(map(str, positions))
+
+
 def _coordination_client() -> Any:
     """JAX's coordination-service client in a multi-process job, else None."""
     from jax._src import distributed
@@ -263,9 +286,7 @@ class RankTiming:
                 "window": [event.first_step, event.last_step],
             }
             self._write(record)
-            place = " ".join(
-                f"{axis} {','.join(map(str, at))}" for axis, at in record["mesh"].items()
-            )
+            place = describe_place(record["mesh"])
             self._message(
                 f"straggler: rank {event.rank} on {identity['host']} ({place}) is "
                 f"{event.excess_s * 1e3:.0f} ms a step slower in its own work ({event.phase}) "

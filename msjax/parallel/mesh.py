@@ -1,7 +1,8 @@
-"""The device mesh: axes `data`, `fsdp`, `tensor` (outermost first), built from the config.
+"""The device mesh: axes `data`, `fsdp`, `pipe`, `tensor` (outermost first), from the config.
 
 `tensor` is innermost so that tensor-parallel collectives stay between neighbouring devices
-(within a node on GPUs). A `pipe` axis would slot in between `fsdp` and `tensor`.
+(within a node on GPUs); `pipe` comes next, so pipeline stages sit on neighbouring nodes and only
+point-to-point transfers cross between them (MegaScale's tensor x pipeline x data layout).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from msjax.config import MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "pipe", "tensor")
 
 
 def configure_cpu_devices(count: int) -> bool:

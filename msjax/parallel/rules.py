@@ -28,8 +28,11 @@ def logical_axis_rules(config: Config) -> Rules:
     - Data parallelism: `batch` is split over `data` and `fsdp` together.
     - Sequence parallelism (a switch): the residual stream between blocks is split along the
       sequence over `tensor`, so norms and residual adds are not repeated on every tensor rank.
+    - Pipeline parallelism: the stacked layers are split over `pipe` (each stage holds its own,
+      msjax.parallel.pipeline), as are the pipeline's per-stage activation buffers (`stage`).
     """
     kv_heads_split = config.model.num_kv_heads % config.mesh.tensor == 0
+    pipelined = config.mesh.pipe > 1
     return {
         # parameters
         "vocab": "tensor",
@@ -38,12 +41,13 @@ def logical_axis_rules(config: Config) -> Rules:
         "kv_heads": "tensor" if kv_heads_split else None,
         "head_dim": None,
         "mlp": "tensor",
-        "layers": None,
+        "layers": "pipe" if pipelined else None,
         # activations
         "batch": ("data", "fsdp"),
         "seq": None,
         "residual_seq": "tensor" if config.mesh.sequence_parallel else None,
         "act_embed": None,
+        "stage": "pipe",
     }
 
 

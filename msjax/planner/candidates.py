@@ -1,4 +1,5 @@
-"""Which meshes can run a config: parsing `data,fsdp,tensor` triples and enumerating factorisations.
+"""Which meshes can run a config: parsing `data,fsdp,tensor` (pipe 1) or `data,fsdp,pipe,tensor`
+sizes and enumerating factorisations.
 
 A mesh is rejected here, before any compile, when its sizes do not multiply to the device count or
 when the config's divisibility checks (`msjax.resolve.check_device_count`) fail for it. A config
@@ -19,45 +20,64 @@ PLANNED_BACKEND = "gpu"  # what plans are for unless a backend is named
 
 @dataclass(frozen=True, order=True)
 class MeshShape:
-    """Sizes of the mesh axes `data`, `fsdp`, `tensor` (outermost first)."""
+    """Sizes of the mesh axes `data`, `fsdp`, `tensor` and `pipe` (written data,fsdp,pipe,tensor:
+    mesh order, outermost first; three numbers when pipe is 1)."""
 
     data: int
     fsdp: int
     tensor: int
+    pipe: int = 1
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.pipe * self.tensor
 
     def sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {"data": self.data, "fsdp": self.fsdp, "pipe": self.pipe, "tensor": self.tensor}
 
     def __str__(self) -> str:
-        return f"{self.data},{self.fsdp},{self.tensor}"
+        if self.pipe == 1:
+            return f"{self.data},{self.fsdp},{self.tensor}"
+        return f"{self.data},{self.fsdp},{self.pipe},{self.tensor}"
+
+    def describe(self) -> str:
+        """`data 2 x fsdp 2 x pipe 2 x tensor 1` (pipe left out when 1)."""
+        return " x ".join(
+            f"{axis} {size}" for axis, size in self.sizes().items() if axis != "pipe" or size > 1
+        )
 
 
 def parse_mesh(text: str) -> MeshShape:
-    """`"2,2,2"` -> MeshShape(2, 2, 2); MsjaxError naming the text if it is not three sizes."""
+    """`"2,2,2"` -> data 2, fsdp 2, tensor 2; `"2,1,2,2"` -> data 2, fsdp 1, pipe 2, tensor 2.
+
+    MsjaxError naming the text if it is not three or four positive sizes.
+    """
     parts = text.strip().split(",")
     try:
         sizes = [int(part) for part in parts]
     except ValueError:
         sizes = []
-    if len(sizes) != 3 or min(sizes) < 1:
+    if len(sizes) not in (3, 4) or min(sizes) < 1:
         raise MsjaxError(
-            f"mesh {text!r} is not three positive sizes data,fsdp,tensor (e.g. 2,2,2) or 'auto'"
+            f"mesh {text!r} is not three positive sizes data,fsdp,tensor (e.g. 2,2,2), four "
+            "data,fsdp,pipe,tensor (e.g. 2,1,2,2), or 'auto'"
         )
-    return MeshShape(*sizes)
+    if len(sizes) == 3:
+        return MeshShape(*sizes)
+    data, fsdp, pipe, tensor = sizes
+    return MeshShape(data, fsdp, tensor, pipe)
 
 
-def factorisations(device_count: int) -> list[MeshShape]:
-    """Every (data, fsdp, tensor) whose product is device_count, most data-parallel first."""
+def factorisations(device_count: int, pipe: bool = True) -> list[MeshShape]:
+    """Every (data, fsdp, pipe, tensor) whose product is device_count (pipe 1 only unless `pipe`),
+    most data-parallel first."""
     divisors = [size for size in range(1, device_count + 1) if device_count % size == 0]
     meshes = [
-        MeshShape(data, fsdp, device_count // (data * fsdp))
+        MeshShape(data, fsdp, device_count // (data * fsdp * stages), stages)
         for data in divisors
         for fsdp in divisors
-        if device_count % (data * fsdp) == 0
+        for stages in (divisors if pipe else [1])
+        if device_count % (data * fsdp * stages) == 0
     ]
     return sorted(meshes, reverse=True)
 
@@ -74,15 +94,17 @@ def config_for_mesh(config: Config, mesh: MeshShape, backend: str = PLANNED_BACK
     try:
         return check_device_count(replaced, mesh.devices)
     except ConfigError as error:
-        raise ConfigError(f"mesh {mesh} (data,fsdp,tensor): {error}") from None
+        raise ConfigError(f"mesh {mesh} ({mesh.describe()}): {error}") from None
 
 
 def valid_meshes(
     config: Config, device_count: int, backend: str = PLANNED_BACKEND
 ) -> list[MeshShape]:
-    """The factorisations of device_count that pass the config's checks."""
+    """The factorisations of device_count that pass the config's checks; with pipe sizes only
+    when the config asks for a pipeline (mesh.pipe other than 1), since the step-time prediction
+    does not price the pipeline's bubble yet."""
     valid = []
-    for mesh in factorisations(device_count):
+    for mesh in factorisations(device_count, pipe=config.mesh.pipe != 1):
         try:
             config_for_mesh(config, mesh, backend)
         except ConfigError:

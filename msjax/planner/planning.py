@@ -21,6 +21,7 @@ from flax import nnx
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.parallel.context import LogicalAxes
+from msjax.parallel.pipeline import PipelineLayout
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.step import state_layout
@@ -78,7 +79,7 @@ def _shard_elements(array: ArrayLayout, rules: dict[str, Any], sizes: dict[str, 
 class LocalDims:
     """The per-device sizes that activations are made of."""
 
-    batch: int  # sequences per device: global_batch / (data x fsdp)
+    batch: int  # sequences per device and layer run: global_batch / (data x fsdp) / microbatches
     seq: int
     embed: int  # activations keep the whole embedding (`act_embed` is not split)
     heads: int  # query heads per device (split over tensor)
@@ -87,7 +88,9 @@ class LocalDims:
     head_dim: int
     mlp: int
     vocab: int
-    layers: int
+    layers: int  # layers a device runs per pass of its batch: all, or one stage's
+    stage_runs: int  # passes of a microbatch through those layers per step (1 without a pipe)
+    replica_batch: int  # sequences per data-parallel replica: global_batch / (data x fsdp)
     act_bytes: int  # bytes per element of the compute dtype
     residual_split: int  # `tensor` when the residual stream is sequence-parallel, else 1
     parallel_block: bool
@@ -109,8 +112,14 @@ def loss_is_fused(model: ModelConfig) -> bool:
 def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
     """Per-device activation sizes of a config made for `mesh` (see `config_for_mesh`)."""
     model, tensor = config.model, mesh.tensor
+    replica_batch = config.train.global_batch // (mesh.data * mesh.fsdp)
+    layers, stage_runs, microbatches = model.num_layers, 1, 1
+    if mesh.pipe > 1:
+        layout = PipelineLayout.of(config)
+        layers, stage_runs = layout.layers_per_stage, layout.iterations
+        microbatches = layout.microbatches
     return LocalDims(
-        batch=config.train.global_batch // (mesh.data * mesh.fsdp),
+        batch=replica_batch // microbatches,
         seq=config.data.seq_len,
         embed=model.embed_dim,
         heads=-(-model.num_heads // tensor),
@@ -121,7 +130,9 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
         head_dim=model.resolved_head_dim,
         mlp=-(-model.mlp_dim // tensor),
         vocab=-(-model.vocab_size // tensor),
-        layers=model.num_layers,
+        layers=layers,
+        stage_runs=stage_runs,
+        replica_batch=replica_batch,
         act_bytes=np.dtype(model.compute_dtype).itemsize,
         residual_split=tensor if config.mesh.sequence_parallel else 1,
         parallel_block=model.parallel_block,
@@ -257,11 +268,16 @@ def estimate_memory(
     state = _state_bytes(config, mesh)
     dims = local_dims(config, mesh)
     remat = config.model.remat
-    b, s = dims.batch, dims.seq
+    b, s = dims.replica_batch, dims.seq
     # Outside the layers: the embedding output, the final norm's input and output, the softmax
     # (the fused loss keeps a float32 log-sum-exp per token instead).
     softmax = b * s * (1 if dims.fused_loss else dims.vocab) * F32_BYTES
     head = 3 * b * s * dims.embed * dims.act_bytes + softmax
+    if mesh.pipe > 1:
+        # the pipeline's microbatched inputs, its finished outputs, and (circular) the buffer
+        # where microbatches wait to re-enter stage 0: each the replica's whole residual stream
+        buffers = 3 if PipelineLayout.of(config).repeats > 1 else 2
+        head += buffers * b * s * dims.embed * dims.act_bytes
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor).
     gathered = state.layer_gathered if mesh.fsdp > 1 else 0
     return MemoryEstimate(
@@ -269,7 +285,10 @@ def estimate_memory(
         optimizer_bytes=state.optimizer,
         batch_bytes=len(BATCH_FIELDS) * b * s * INT32_BYTES,
         gradients_bytes=state.params,  # float32, sharded like the parameters
-        activations_bytes=round(dims.layers * _saved_per_layer(dims, remat) + head),
+        # a pipeline stage keeps what each of its runs saved (bubble runs included)
+        activations_bytes=round(
+            dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + head
+        ),
         working_bytes=round(_working_set(dims, remat) + gathered),
         update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
     )

@@ -52,7 +52,9 @@ def restore_or_init(
     # The data position is a global sample position, independent of processes and workers.
     samples_seen = restored.meta.get("data", {}).get("samples_seen")
     first_sample = step * config.train.global_batch if samples_seen is None else int(samples_seen)
-    return StartingPoint(restored.state, step, first_sample, restored)
+    # checkpoints hold layers in canonical order; this run's pipeline may keep another
+    state = program.from_canonical(restored.state)
+    return StartingPoint(state, step, first_sample, restored)
 
 
 def check_same_model(config: Config, restored: Restored) -> None:
@@ -77,7 +79,10 @@ class CheckpointSaves:
         start: StartingPoint,
         events: LoopEvents,
         warn: Callable[[str], None],
+        to_canonical: Callable[[Any], Any] | None = None,
     ):
+        # what is saved: the state with its layers in canonical order (TrainProgram.to_canonical)
+        self.to_canonical = to_canonical or (lambda state: state)
         self.config = config
         self.checkpointer = checkpointer
         self.start = start
@@ -101,7 +106,7 @@ class CheckpointSaves:
         }
         self.events.save_begin(step)
         try:
-            self.checkpointer.save(step, state, meta)
+            self.checkpointer.save(step, self.to_canonical(state), meta)
         except Exception as error:
             self._report_error(step, error)
             self.events.save_end(step, None)

@@ -169,7 +169,9 @@ def _prepare(
         validation=[jax.device_put(batch, program.batch_sharding) for batch in data.validation],
         events=events,
         results=results,
-        saves=CheckpointSaves(config, checkpointer, start, events, progress.message),
+        saves=CheckpointSaves(
+            config, checkpointer, start, events, progress.message, program.to_canonical
+        ),
         resilience=resilience,
         progress=progress,
         started=started,

@@ -1,0 +1,224 @@
+"""Pipeline parallelism changes where layers run, never what they compute: every pipe mesh and
+schedule trains like the same global batch without a pipe axis, and checkpoints move between them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from mesh_runs import small_config, train_program
+from small_runs import QUICK_RUN
+
+from msjax.config import load_config
+from msjax.observe.metrics import read_metrics
+from msjax.parallel.mesh import build_mesh
+from msjax.parallel.pipeline import PipelineLayout, to_canonical_order, to_memory_order
+from msjax.resolve import resolve
+from msjax.step import build_program
+from msjax.train import train
+
+FOUR_LAYERS = {"num_layers": 4}
+PARALLEL_WINDOWED = {"num_layers": 4, "parallel_block": True, "attention_window": 8}
+
+
+def circular(microbatches: int, repeats: int = 2) -> dict:
+    return {"schedule": "circular", "microbatches": microbatches, "repeats": repeats}
+
+
+def gpipe(microbatches: int) -> dict:
+    return {"schedule": "gpipe", "microbatches": microbatches}
+
+
+# (data, fsdp, pipe, tensor, sequence_parallel), model overrides, pipeline section
+CASES = {
+    "pipe2-data2-tensor2-gpipe-m2": ((2, 1, 2, 2, False), FOUR_LAYERS, gpipe(2)),
+    "pipe2-data2-tensor2-circular-m4": ((2, 1, 2, 2, False), FOUR_LAYERS, circular(4)),
+    "pipe4-data2-gpipe-m4": ((2, 1, 4, 1, False), FOUR_LAYERS, gpipe(4)),
+    "pipe4-data2-circular-m8": ((2, 1, 4, 1, False), {"num_layers": 8}, circular(8)),
+    "pipe2-fsdp2-tensor2-seqpar-gpipe-m8": ((1, 2, 2, 2, True), FOUR_LAYERS, gpipe(8)),
+    "pipe2-fsdp2-tensor2-seqpar-circular-m2": ((1, 2, 2, 2, True), FOUR_LAYERS, circular(2)),
+    "pipe2-data2-tensor2-parallel-window-circular-m4": (
+        (2, 1, 2, 2, False),
+        PARALLEL_WINDOWED,
+        circular(4),
+    ),
+}
+
+
+def config_of(mesh: tuple, model: dict, pipeline: dict | None = None):
+    data, fsdp, pipe, tensor, sequence_parallel = mesh
+    return small_config(
+        data, fsdp, tensor, sequence_parallel, pipe=pipe, model=model, pipeline=pipeline
+    )
+
+
+_straight_runs: dict[str, tuple] = {}
+
+
+def straight_run(model: dict) -> tuple:
+    """The same model and global batch without a pipe axis (data 2 x fsdp 2 x tensor 2)."""
+    key = repr(sorted(model.items()))
+    if key not in _straight_runs:
+        _straight_runs[key] = train_program(config_of((2, 2, 1, 2, False), model))
+    return _straight_runs[key]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_training_matches_the_straight_run(case: str):
+    mesh, model, pipeline = CASES[case]
+    expected_losses, expected_params = straight_run(model)
+    losses, params = train_program(config_of(mesh, model, pipeline))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for path, expected in jax.tree_util.tree_leaves_with_path(expected_params):
+        actual = params
+        for key in path:
+            actual = actual[key.key]
+        # relative to the array's norm: Adam turns float noise in near-zero gradients into
+        # elementwise differences of ~1e-6 absolute on a few of ~17k elements
+        relative_error = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+        assert relative_error < 1e-5, (path, relative_error)
+    # guards the comparison: the straight run learns, so a pipeline that froze would differ
+    assert expected_losses[-1] < expected_losses[0] - 0.05
+
+
+@pytest.mark.parametrize(
+    ("stages", "repeats", "microbatches"), [(2, 1, 2), (4, 1, 8), (2, 2, 4), (4, 2, 4), (4, 3, 6)]
+)
+def test_idle_stage_iterations_counted_from_the_schedule_equal_the_bubble_formula(
+    stages: int, repeats: int, microbatches: int
+):
+    layout = PipelineLayout(stages, repeats, microbatches, num_layers=stages * repeats)
+    grid = [
+        [layout.work_at(iteration, stage) for stage in range(stages)]
+        for iteration in range(layout.iterations)
+    ]
+    idle = sum(work is None for row in grid for work in row)
+    total = layout.iterations * stages
+    assert idle / total == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
+    assert idle / total == pytest.approx(layout.bubble_fraction)
+    # every (microbatch, repeat) passes the stages in order on consecutive iterations, and a
+    # repeat starts on stage 0 only after the previous one left the last stage
+    visits: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for iteration, row in enumerate(grid):
+        for stage, work in enumerate(row):
+            if work is not None:
+                visits.setdefault(work, []).append((iteration, stage))
+    assert len(visits) == repeats * microbatches
+    for (microbatch, repeat), path in visits.items():
+        assert [stage for _, stage in path] == list(range(stages))
+        assert [iteration - path[0][0] for iteration, _ in path] == list(range(stages))
+        if repeat > 0:
+            previous_exit = visits[(microbatch, repeat - 1)][-1][0]
+            assert path[0][0] > previous_exit
+
+
+def test_memory_order_puts_each_stages_layers_in_its_own_block_and_converts_back():
+    layout = PipelineLayout(stages=2, repeats=2, microbatches=4, num_layers=8)
+    order = layout.memory_order()
+    # device 0 holds virtual stages 0 and 2 (layers 0-1, 4-5), device 1 stages 1 and 3
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    stacked = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    in_memory = to_memory_order(stacked, layout)
+    np.testing.assert_array_equal(np.asarray(in_memory)[2], stacked[4])
+    np.testing.assert_array_equal(to_canonical_order(in_memory, layout), stacked)
+    gpipe_layout = PipelineLayout(stages=4, repeats=1, microbatches=4, num_layers=8)
+    assert gpipe_layout.memory_order().tolist() == list(range(8))
+
+
+def test_each_device_holds_only_its_stages_layers():
+    config = resolve(config_of((2, 1, 2, 2, False), FOUR_LAYERS, circular(4)), 8, "cpu")
+    program = build_program(config, build_mesh(config.mesh))
+    gate = program.init_state().params["layers"]["mlp"]["gate"]  # [layers, embed, mlp]
+    assert {shard.data.shape for shard in gate.addressable_shards} == {(2, 64, 64)}
+
+
+def test_stage_transfers_are_collective_permutes_inside_the_loop():
+    config = resolve(config_of((2, 1, 2, 2, False), FOUR_LAYERS, gpipe(4)), 8, "cpu")
+    program = build_program(config, build_mesh(config.mesh))
+    hlo = program.train_step.lower(program.abstract_state(), program.abstract_batch())
+    text = hlo.compile().as_text()
+    assert "collective-permute" in text
+
+
+LAYOUT = ["mesh.fsdp=1", "mesh.tensor=1"]
+
+
+def resumed_losses(tmp_path, first: list[str], second: list[str]) -> list[float]:
+    run_dir = tmp_path / "run"
+    common = [*QUICK_RUN, "model.num_layers=4", "checkpoint.every_steps=2", f"run.dir={run_dir}"]
+    with open(os.devnull, "w") as quiet:
+        train(load_config(None, [*common, "train.steps=2", *first]), progress_stream=quiet)
+        train(load_config(None, [*common, "train.steps=4", *second]), progress_stream=quiet)
+    return [
+        record["loss"] for record in read_metrics(run_dir / "metrics.jsonl") if "loss" in record
+    ]
+
+
+@pytest.fixture(scope="module")
+def straight_losses(tmp_path_factory) -> list[float]:
+    straight = [*LAYOUT, "mesh.data=8"]
+    return resumed_losses(tmp_path_factory.mktemp("straight"), straight, straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "second",
+    [
+        ["mesh.pipe=1", "mesh.data=8"],
+        ["mesh.pipe=4", "mesh.data=2", "pipeline.microbatches=4"],
+        ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=gpipe", "pipeline.microbatches=2"],
+    ],
+    ids=["pipe1", "pipe4-gpipe", "pipe2-gpipe"],
+)
+def test_checkpoint_saved_under_one_pipeline_resumes_under_another(
+    tmp_path, straight_losses, second
+):
+    circular_pipe2 = [
+        *LAYOUT,
+        "mesh.pipe=2",
+        "mesh.data=4",
+        "pipeline.schedule=circular",
+        "pipeline.repeats=2",
+        "pipeline.microbatches=2",
+    ]
+    resumed = resumed_losses(tmp_path, circular_pipe2, [*LAYOUT, *second])
+    assert len(resumed) == len(straight_losses) == 4  # two steps, then two more after a resume
+    np.testing.assert_allclose(resumed, straight_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["mesh.pipe=4", "mesh.data=2", "model.num_layers=6"], "model.num_layers=6"),
+        (
+            ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=circular", "pipeline.repeats=2"],
+            "mesh.pipe x pipeline.repeats",
+        ),
+        (
+            [
+                "mesh.pipe=4",
+                "mesh.data=2",
+                "model.num_layers=8",
+                "pipeline.schedule=circular",
+                "pipeline.repeats=2",
+                "pipeline.microbatches=2",
+            ],
+            "pipeline.microbatches=2 must be at least mesh.pipe=4",
+        ),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.microbatches=3"], "pipeline.microbatches=3"),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.repeats=2"], "pipeline.schedule=circular"),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.microbatches=0"], "pipeline.microbatches=0"),
+    ],
+    ids=["layers", "virtual-stages", "circular-microbatches", "batch", "repeats-gpipe", "zero"],
+)
+def test_impossible_pipelines_are_one_line_and_write_nothing(tmp_path, capsys, overrides, named):
+    from test_config import assert_one_line_user_error, run_main
+
+    run_dir = tmp_path / "run"
+    base = [*QUICK_RUN, "mesh.fsdp=1", "mesh.tensor=1", "train.steps=1", f"run.dir={run_dir}"]
+    assert_one_line_user_error(*run_main(capsys, *base, *overrides), named)
+    assert not run_dir.exists()
+    assert list(tmp_path.iterdir()) == []
