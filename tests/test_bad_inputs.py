@@ -47,6 +47,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.train", ["run.name=../escape"], "run.name='../escape' must be a plain name"),
     ("msjax.train", ["data.sources={tmp}/nowhere/*.jsonl"], "matches no files"),
     ("msjax.train", ["data.tokenizer={tmp}/missing.model"], "data.tokenizer="),
+    (
+        "msjax.train",
+        ["checkpoint.resume_from={tmp}/foreign", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"],
+        "no finished checkpoint in",
+    ),
     ("msjax.launch", ["--nprocs", "0"], "need nprocs >= 1"),
     ("msjax.launch", ["--", "data.sources={tmp}/missing.txt"], "no such file"),
     ("msjax.launch", ["--nprocs", "two"], "invalid int value: 'two'"),

@@ -12,10 +12,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.checkpoint.manager import Checkpointer, parse_resume_source
+from msjax.checkpoint.manager import Checkpointer, committed_steps, parse_resume_source
 from msjax.config import Config
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.distributed import JobEnv, initialize_distributed
+from msjax.errors import MsjaxError
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
 from msjax.observe.loop_observer import LoopObserver
@@ -69,12 +70,25 @@ def join_job(config: Config) -> tuple[Config, JobEnv]:
     """Simulated CPU devices, the distributed job, then the run's resolved config."""
     import jax
 
-    if config.checkpoint.resume_from:
-        parse_resume_source(config.checkpoint.resume_from)  # a bad path fails before JAX starts
+    if config.checkpoint.resume_from:  # a source with nothing to resume fails before any write
+        check_resume_source(config.checkpoint.resume_from)
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
     return resolve(config, jax.device_count(), jax.default_backend()), job
+
+
+def check_resume_source(source: str) -> None:
+    """checkpoint.resume_from names a folder with a finished checkpoint (of STEP, if given)."""
+    directory, step = parse_resume_source(source)
+    steps = committed_steps(directory)
+    if not steps or (step is not None and step not in steps):
+        wanted = f"of step {step} " if step is not None else ""
+        finished = ", ".join(map(str, steps[-5:])) or "none"
+        raise MsjaxError(
+            f"checkpoint.resume_from={source}: no finished checkpoint {wanted}in {directory} "
+            f"(finished steps: {finished})"
+        )
 
 
 def prepare_run(
