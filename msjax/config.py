@@ -353,7 +353,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {error.start}); save it as UTF-8"
+        ) from None
+    try:
+        tree = yaml.safe_load(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -18,9 +18,14 @@ if TYPE_CHECKING:
         Config,
         ModelConfig,
         ObserveConfig,
+        OptimConfig,
         PipelineConfig,
         ResilienceConfig,
     )
+
+# Integers end up in int32 step counters, shapes and loop bounds: larger ones cannot be right.
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit unsigned seed whole (checked on its own)
 
 
 def validate(config: Config) -> None:
@@ -30,6 +35,12 @@ def validate(config: Config) -> None:
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if is_int and abs(value) > MAX_INT and f"{section.name}.{key}" != "run.seed":
+                raise ConfigError(
+                    f"{section.name}.{key}={value} is out of range; it must be at most "
+                    f"{MAX_INT:,} in size"
+                )
     for index, source in enumerate(data.sources):
         if not (math.isfinite(source.weight) and source.weight > 0):
             raise ConfigError(f"data.sources[{index}].weight={source.weight} must be positive")
@@ -57,6 +68,9 @@ def validate(config: Config) -> None:
         if not value > 0:  # also catches NaN
             raise ConfigError(f"{name}={value} must be positive")
     _check_model(model)
+    _check_optim(config.optim)
+    if not 0 <= config.run.seed <= MAX_SEED:
+        raise ConfigError(f"run.seed={config.run.seed} must be in [0, {MAX_SEED}]")
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1)")
     _check_checkpoint(config.checkpoint)
@@ -107,6 +121,28 @@ def _check_model(model: ModelConfig) -> None:
         )
     if model.from_hf and model.init_from is None:
         raise ConfigError("model.from_hf=true needs model.init_from=hf:PATH to read config.json")
+    if not model.rope_theta > 1:  # the base of the rotary frequencies theta^(-2i/d)
+        raise ConfigError(f"model.rope_theta={model.rope_theta} must be greater than 1")
+    if not 0 < model.norm_eps < 1:
+        raise ConfigError(f"model.norm_eps={model.norm_eps} must be in (0, 1), e.g. 1e-5")
+    if not 0 < model.init_std <= 1:
+        raise ConfigError(f"model.init_std={model.init_std} must be in (0, 1], e.g. 0.02")
+
+
+def _check_optim(optim: OptimConfig) -> None:
+    for key in ("b1", "b2"):
+        if not 0 <= getattr(optim, key) < 1:
+            raise ConfigError(f"optim.{key}={getattr(optim, key)} must be in [0, 1)")
+    if not optim.eps > 0:
+        raise ConfigError(f"optim.eps={optim.eps} must be positive, e.g. 1e-8")
+    if not optim.weight_decay >= 0:
+        raise ConfigError(f"optim.weight_decay={optim.weight_decay} must be >= 0")
+    if not 0 <= optim.final_lr_fraction <= 1:
+        raise ConfigError(f"optim.final_lr_fraction={optim.final_lr_fraction} must be in [0, 1]")
+    if optim.grad_clip_norm is not None and not optim.grad_clip_norm > 0:
+        raise ConfigError(
+            f"optim.grad_clip_norm={optim.grad_clip_norm} must be positive (or null: no clipping)"
+        )
 
 
 def _check_checkpoint(checkpoint: CheckpointConfig) -> None:

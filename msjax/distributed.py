@@ -20,6 +20,7 @@ PROCESS_ID = "MSJAX_PROCESS_ID"
 DISTRIBUTED = "MSJAX_DISTRIBUTED"
 ATTEMPT = "MSJAX_ATTEMPT"
 INIT_TIMEOUT_S = 300
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -85,5 +86,17 @@ def initialize_distributed(job: JobEnv) -> bool:
             num_processes=job.num_processes,
             process_id=job.process_id,
             initialization_timeout=INIT_TIMEOUT_S,
+            coordinator_bind_address=coordinator_bind_address(job.coordinator),
         )
     return True
+
+
+def coordinator_bind_address(coordinator: str | None) -> str | None:
+    """Where process 0's coordination service listens: only on loopback when the job's
+    coordinator is a loopback address (one node), so a single-node job opens no port to the
+    network. None otherwise: JAX's default, every interface on the coordinator's port, unless
+    JAX_COORDINATOR_BIND_ADDRESS says otherwise (README, "Ports")."""
+    if coordinator is None:
+        return None
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    return coordinator if host in LOOPBACK_HOSTS else None

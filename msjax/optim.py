@@ -106,10 +106,6 @@ def make_optimizer(
     array stacked over "layers" where `stacked_layers` (a bool tree shaped like the params, as
     from `stacked_over_layers`) says so.
     """
-    if optim.grad_clip_norm is not None and optim.grad_clip_norm <= 0:
-        raise ConfigError(
-            f"optim.grad_clip_norm={optim.grad_clip_norm} must be positive (or null: no clipping)"
-        )
     schedule = learning_rate_schedule(optim, total_steps)
     if optim.name == "adamw":
         update_rule = optax.adamw(

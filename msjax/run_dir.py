@@ -20,6 +20,7 @@ import yaml
 from msjax.config import Config, config_from_dict
 from msjax.errors import ConfigError, MsjaxError
 from msjax.resolve import utc_stamp
+from msjax.writable import check_writable_dir
 
 # Keys that may change between the runs that share a run directory (a resume may run on another
 # mesh, train longer, evaluate differently, or run the same math through another kernel);
@@ -107,6 +108,11 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def lock(self) -> Path:
+        """Held (flock) by the job using the directory: msjax.run_lock."""
+        return self.path / "job.lock"
 
     @property
     def compile_cache(self) -> Path:
@@ -227,14 +233,25 @@ def differences(before: Config, after: Config) -> list[str]:
     return changed
 
 
+def check_output_dirs(config: Config) -> None:
+    """Every directory the run will write (run dir, corpus cache, compile cache) can be written."""
+    from msjax.data.sources import resolve_cache_dir
+
+    check_writable_dir(Path(config.run.dir or "."), "run.dir")
+    cache_key = "data.cache_dir" if config.data.cache_dir else "MSJAX_CACHE_DIR (or ~/.cache/msjax)"
+    check_writable_dir(resolve_cache_dir(config.data), cache_key)
+    compile_cache = config.resilience.compile_cache_dir
+    if config.resilience.compile_cache and compile_cache:
+        check_writable_dir(Path(compile_cache), "resilience.compile_cache_dir")
+
+
 def plan_run_dir(config: Config) -> RunDirPlan:
     """Decide how to use run.dir (set by msjax.resolve); raise if it holds another run."""
     if not config.run.dir:
         raise ValueError("plan_run_dir needs a resolved config (run.dir set)")
     run_dir = RunDir(Path(config.run.dir))
     path = run_dir.path
-    if path.exists() and not path.is_dir():
-        raise MsjaxError(f"run.dir={path} exists and is not a directory")
+    check_output_dirs(config)
     foreign = run_dir.foreign_entries() if path.is_dir() else []
     if foreign and not run_dir.holds_a_run():
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
@@ -271,7 +288,7 @@ def create_run_dir(plan: RunDirPlan) -> Path | None:
         return None
     aside = plan.run_dir.previous(utc_stamp())
     aside.mkdir()
-    own = plan.run_dir.own_names()
+    own = plan.run_dir.own_names() - {plan.run_dir.lock.name}  # the lock stays with its holder
     for entry in plan.path.iterdir():
         if entry.name in own:
             shutil.move(str(entry), aside / entry.name)

@@ -18,9 +18,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
+from msjax.data.sources import check_sources
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.worker import NonFiniteLoss, leave_job_now
+from msjax.resolve import resolve_run_dir
+from msjax.run_dir import plan_run_dir
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -61,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
+        # what can be told before JAX starts: a run dir it cannot use, data that is not there
+        plan_run_dir(resolve_run_dir(config))
+        check_sources(config.data)
         train(config)
     except MsjaxError as error:
         return user_error("msjax.train", error)

@@ -23,6 +23,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "msjax.observe",
         "msjax.resilience",
         "msjax.run_dir",
+        "msjax.run_lock",
         "msjax.distributed",
     ),
     7: ("msjax.train", "msjax.training"),

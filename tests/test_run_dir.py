@@ -81,4 +81,5 @@ def test_overwrite_sets_aside_msjax_files_only(tmp_path):
     assert (aside / "metrics.jsonl").read_text() == first_metrics
     assert {"config.yaml", "checkpoints", "metrics.jsonl"} <= {p.name for p in aside.iterdir()}
     assert {p.name for p in aside.iterdir()} <= RunDir(run_dir).own_names()
+    assert RunDir(run_dir).lock.exists() and not (aside / RunDir(run_dir).lock.name).exists()
     assert load_config(run_dir / "config.yaml").run.seed == 1

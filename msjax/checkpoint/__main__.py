@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from msjax.cli import user_error
+from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
 
@@ -103,8 +102,8 @@ def inspect_checkpoint(path: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m msjax.checkpoint", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = ArgumentParser(prog="python -m msjax.checkpoint", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)  # same parser class
     list_parser = commands.add_parser("list", help="steps, sizes, times, valid or not")
     list_parser.add_argument("run_dir", type=Path)
     list_parser.add_argument(
@@ -112,9 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     inspect_parser = commands.add_parser("inspect", help="config, step, parameter tree")
     inspect_parser.add_argument("path", type=Path)
-    args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on read-only managers
     try:
+        args = parser.parse_args(argv)
         if args.command == "list":
             lines = list_checkpoints(args.run_dir, verify=not args.quick)
         else:

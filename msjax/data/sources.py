@@ -29,7 +29,7 @@ from msjax.data.token_store import (
     open_token_store,
     write_atomically,
 )
-from msjax.data.tokenizer import ByteTokenizer, Tokenizer, token_dtype
+from msjax.data.tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_spec, token_dtype
 from msjax.errors import MsjaxError
 
 # Bump when what a cached store holds for the same inputs changes (document rule, EOS placement).
@@ -84,6 +84,20 @@ def load_sources(
         else:
             streams.append(_text_source(source, data, files, tokenizer, cache_dir, report))
     return streams
+
+
+def check_sources(data: DataConfig) -> None:
+    """Every data.sources path names files of a known kind, and data.tokenizer is `byte` or a
+    file: what a run can be told before it starts (nothing is read or written)."""
+    for source in data.sources:
+        if source.path != "stdlib":
+            kinds = {_file_kind(path) for path, _ in _match_files(source.path)}
+            if len(kinds) > 1:
+                raise MsjaxError(
+                    f"data.sources path {source.path!r} mixes text files and token files "
+                    f"({', '.join(TOKEN_SUFFIXES)}); give them as separate sources"
+                )
+    check_tokenizer_spec(data.tokenizer)
 
 
 # --- finding files ---------------------------------------------------------------------------

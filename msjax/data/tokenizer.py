@@ -126,16 +126,21 @@ class HuggingFaceTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer named by data.tokenizer: `byte`, a SentencePiece .model or a tokenizer.json."""
-    if spec == "byte":
-        return ByteTokenizer()
-    path = Path(spec).expanduser()
-    if not path.is_file():
+def check_tokenizer_spec(spec: str) -> None:
+    """MsjaxError unless data.tokenizer is `byte` or names a file."""
+    if spec != "byte" and not Path(spec).expanduser().is_file():
         raise MsjaxError(
             f"data.tokenizer={spec}: no such file; give byte, a SentencePiece .model file "
             "or a Hugging Face tokenizer.json file"
         )
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer named by data.tokenizer: `byte`, a SentencePiece .model or a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    check_tokenizer_spec(spec)
+    path = Path(spec).expanduser()
     content = path.read_bytes()
     # By content, not by name: a tokenizer.json is a JSON object, a .model a binary protobuf.
     if _is_json_object(content):

@@ -104,9 +104,12 @@ def job_config(train_args: list[str], max_restarts: int | None) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from msjax.data.sources import check_sources
     from msjax.launch.supervisor import JobLayout, Supervisor
     from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
+    from msjax.run_lock import RunDirLock
 
+    lock: RunDirLock | None = None
     try:
         args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
         nnodes, node_rank, coordinator = args.nnodes, args.node_rank, args.coordinator
@@ -128,19 +131,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif devices < 1:
             raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
         plan = plan_run_dir(config)  # another run's config there: refused before any worker
+        check_sources(config.data)
+        plan.path.mkdir(parents=True, exist_ok=True)
+        # The job holds the lock (node 0's launcher), not its workers: restarts are not refused.
         if node_rank == 0:
+            lock = RunDirLock(plan.run_dir)
+            lock.acquire()
             aside = create_run_dir(plan)
             if aside is not None:
                 print(f"msjax.launch: the earlier run in {plan.path} moved to {aside}")
-        plan.path.mkdir(parents=True, exist_ok=True)
         # Workers read this file rather than parsing the arguments again.
         write_text_atomically(plan.run_dir.job_config, config.to_yaml())
         worker_args = ["--config", str(plan.run_dir.job_config)]
         layout = JobLayout(args.nprocs, devices, nnodes, node_rank, coordinator)
         supervisor = Supervisor(config, plan.path, worker_args, layout, faults=args.fault)
     except MsjaxError as error:
+        if lock is not None:
+            lock.release()
         return user_error("msjax.launch", error)
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -1,16 +1,23 @@
 """Compilation caches, so a restarted worker loads its programs instead of compiling them again:
 JAX's persistent cache (set up before a process's first compilation) and, for the train step,
-one serialized executable per process."""
+one serialized executable per process, signed so that only what this user's msjax wrote loads."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
-from msjax.config import ResilienceConfig
+from msjax.config import DataConfig, ResilienceConfig
+from msjax.data.sources import resolve_cache_dir
 from msjax.run_dir import RunDir
+
+ENTRY_MAGIC = b"msjax-signed-executable-v1\n"
+KEY_FILE = "compile_cache.key"  # in the user's msjax cache folder, never in a run dir
 
 
 def compile_cache_dir(resilience: ResilienceConfig, run_dir: Path, launched: bool) -> Path | None:
@@ -46,27 +53,89 @@ def compile_cached(lowered: Any, directory: Path | None, name: str) -> Any:
     JAX's persistent cache only ever writes from process 0, and other processes' keys differ
     (jax 0.10), so without this every restart recompiles on ranks > 0 and the job waits for
     them. Each process keeps its own serialized executable here, keyed by program, versions,
-    process and devices.
+    process and devices. Loading one unpickles it, so an entry is loaded only when its HMAC
+    matches this user's key (kept outside run dirs): a run dir or cache handed over by someone
+    else is compiled afresh, never executed.
     """
     if directory is None:
         return lowered.compile()
-    import jax
     from jax.experimental import serialize_executable
 
-    path = directory / f"{name}-process{jax.process_index()}-{_program_key(lowered)}.xla"
-    if path.exists():
+    path = cache_entry(lowered, directory, name)
+    key = signing_key()
+    payload = read_signed(path, key, path.name)
+    if payload is not None:
         try:
             return serialize_executable.deserialize_and_load(
-                path.read_bytes(), lowered.in_tree, lowered.out_tree
+                payload, lowered.in_tree, lowered.out_tree
             )
-        except Exception as error:  # a stale or damaged entry: compile afresh and replace it
+        except Exception as error:  # a stale entry of our own: compile afresh and replace it
             print(f"msjax: compile cache entry {path} not usable ({error}); compiling")
     compiled = lowered.compile()
-    payload, _, _ = serialize_executable.serialize(compiled)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_bytes(payload)
-    os.replace(partial, path)
+    if key is not None:
+        payload, _, _ = serialize_executable.serialize(compiled)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.write_bytes(ENTRY_MAGIC + _signature(key, path.name, payload) + payload)
+        os.replace(partial, path)
     return compiled
+
+
+def cache_entry(lowered: Any, directory: Path, name: str) -> Path:
+    """Where this process keeps the executable of `lowered` (program `name`)."""
+    import jax
+
+    return directory / f"{name}-process{jax.process_index()}-{_program_key(lowered)}.xla"
+
+
+def read_signed(path: Path, key: bytes | None, name: str) -> bytes | None:
+    """The payload of a cache entry signed with key for this name, else None (with a note when a
+    file is there but was not written by this user's msjax: it is never unpickled)."""
+    if key is None or not path.exists():
+        return None
+    data = path.read_bytes()
+    size = len(ENTRY_MAGIC) + hashlib.sha256().digest_size
+    signature, payload = data[len(ENTRY_MAGIC) : size], data[size:]
+    if data.startswith(ENTRY_MAGIC) and hmac.compare_digest(
+        signature, _signature(key, name, payload)
+    ):
+        return payload
+    print(f"msjax: compile cache entry {path} was not written by this user's msjax; compiling")
+    return None
+
+
+def signing_key() -> bytes | None:
+    """This user's secret for signing cache entries, made on first use (mode 0600) in the msjax
+    cache folder; None (no cache) if it cannot be made or others could have written it."""
+    folder = resolve_cache_dir(DataConfig())
+    path = folder / KEY_FILE
+    try:
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f".{KEY_FILE}.{os.getpid()}.tmp"
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(secrets.token_bytes(32))
+                file.flush()
+                os.fsync(file.fileno())
+            try:
+                os.link(partial, path)  # atomic and never replaces a key another process made
+            except FileExistsError:
+                pass
+            finally:
+                partial.unlink()
+        status = path.stat()
+        if status.st_uid != os.getuid() or status.st_mode & 0o022:
+            print(f"msjax: {path} is not this user's own; compile cache off", file=sys.stderr)
+            return None
+        key = path.read_bytes()
+    except OSError as error:
+        print(f"msjax: no compile cache signing key ({error}); compile cache off", file=sys.stderr)
+        return None
+    return key if len(key) >= 32 else None
+
+
+def _signature(key: bytes, name: str, payload: bytes) -> bytes:
+    return hmac.new(key, name.encode() + b"\0" + payload, hashlib.sha256).digest()
 
 
 def _program_key(lowered: Any) -> str:

@@ -12,10 +12,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.checkpoint.manager import Checkpointer, parse_resume_source
+from msjax.checkpoint.manager import Checkpointer, committed_steps, parse_resume_source
 from msjax.config import Config
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.distributed import JobEnv, initialize_distributed
+from msjax.errors import MsjaxError
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
 from msjax.observe.loop_observer import LoopObserver
@@ -27,6 +28,7 @@ from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
+from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
 from msjax.training.checkpoints import CheckpointSaves, StartingPoint, restore_or_init
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
@@ -68,12 +70,25 @@ def join_job(config: Config) -> tuple[Config, JobEnv]:
     """Simulated CPU devices, the distributed job, then the run's resolved config."""
     import jax
 
-    if config.checkpoint.resume_from:
-        parse_resume_source(config.checkpoint.resume_from)  # a bad path fails before JAX starts
+    if config.checkpoint.resume_from:  # a source with nothing to resume fails before any write
+        check_resume_source(config.checkpoint.resume_from)
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
     return resolve(config, jax.device_count(), jax.default_backend()), job
+
+
+def check_resume_source(source: str) -> None:
+    """checkpoint.resume_from names a folder with a finished checkpoint (of STEP, if given)."""
+    directory, step = parse_resume_source(source)
+    steps = committed_steps(directory)
+    if not steps or (step is not None and step not in steps):
+        wanted = f"of step {step} " if step is not None else ""
+        finished = ", ".join(map(str, steps[-5:])) or "none"
+        raise MsjaxError(
+            f"checkpoint.resume_from={source}: no finished checkpoint {wanted}in {directory} "
+            f"(finished steps: {finished})"
+        )
 
 
 def prepare_run(
@@ -82,11 +97,40 @@ def prepare_run(
     extra_listeners: Sequence[LoopEvents] = (),
 ) -> PreparedRun:
     """Join the job, resolve the config, then build everything the loop needs."""
-    import jax
 
     started = time.perf_counter()
     config, job = join_job(config)
     plan = plan_run_dir(config)
+    lock = job_lock(plan, job)
+    try:
+        return _prepare(config, job, plan, lock, started, progress_stream, extra_listeners)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
+    """The run dir's lock, taken now if the directory exists (else once it is made). The job holds
+    it: msjax.launch for its workers, process 0 for a job that no launcher started."""
+    import jax
+
+    lock = RunDirLock(plan.run_dir)
+    if not job.launched and jax.process_index() == 0 and plan.path.is_dir():
+        lock.acquire()  # a job already there refuses this one before it writes anything
+    return lock
+
+
+def _prepare(
+    config: Config,
+    job: JobEnv,
+    plan: RunDirPlan,
+    lock: RunDirLock,
+    started: float,
+    progress_stream: IO[str] | None,
+    extra_listeners: Sequence[LoopEvents],
+) -> PreparedRun:
+    import jax
+
     run_dir = plan.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
     mesh = build_mesh(config.mesh)
@@ -97,7 +141,7 @@ def prepare_run(
     if config.observe.tensorboard:
         check_tensorboard_installed()
     if is_writer:
-        write_run_record(plan, config, data, progress.message)
+        write_run_record(plan, config, data, progress.message, lock if not job.launched else None)
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
@@ -116,7 +160,7 @@ def prepare_run(
     listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
     if is_writer:
         listeners.append(MetricsLog(run_dir.metrics))
-    listeners += [ProgressReport(progress), resilience, *extra_listeners]
+    listeners += [ProgressReport(progress), resilience, *extra_listeners, lock]
     events = EventFanOut(listeners)
     events.run_start(start.step, None if start.restored is None else start.restored.path)
     if config.checkpoint.enabled:
@@ -162,9 +206,17 @@ def optional_listeners(config: Config, run_dir: RunDir, is_writer: bool) -> list
 
 
 def write_run_record(
-    plan: RunDirPlan, config: Config, data: TrainingData, message: Callable[[str], None]
+    plan: RunDirPlan,
+    config: Config,
+    data: TrainingData,
+    message: Callable[[str], None],
+    lock: RunDirLock | None,
 ) -> None:
-    """Process 0: the run directory with the resolved config and the corpus it reads."""
+    """Process 0: the run directory (locked, unless a launcher holds it) with the resolved config
+    and the corpus it reads."""
+    plan.path.mkdir(parents=True, exist_ok=True)
+    if lock is not None:
+        lock.acquire()
     aside = create_run_dir(plan)
     if aside is not None:
         message(f"run.overwrite=true: the earlier run in {plan.path} moved to {aside}")
