@@ -112,6 +112,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # never applied to norms and biases
     grad_clip_norm: float | None = 1.0
+    # the dtype fsdp reduce-scatters gradients in when weights are gathered in a narrower
+    # model.compute_dtype; float32 keeps the sum exact to float32 rounding
+    grad_reduce_dtype: DType = "float32"
 
 
 @dataclass(frozen=True)
