@@ -126,6 +126,9 @@ class TrainConfig:
     eval_every: int = 100  # 0: never
     eval_batches: int = 4
     peak_tflops: float | None = None  # per device; None: known GPU table, or measured on CPU
+    # overlap: XLA flags that hide GPU collectives behind compute (msjax.parallel.xla_flags);
+    # a no-op on CPU; flags already in the XLA_FLAGS environment variable win
+    xla_profile: Literal["none", "overlap"] = "overlap"
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class CollectiveStats:
     ops: int  # instructions in the program text
     executions: int  # runs per step (an op in a loop body counts once per trip)
     result_bytes: int  # per step: sum over executions of the results' sizes
+    executions_in_loops: int = 0  # of the executions, those inside a `while` body (layer scan)
 
 
 def _array_bytes(shape_text: str) -> list[int]:
@@ -122,25 +123,32 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
             (callee, loop_trips(factor) if factor < 0 else factor) for callee, factor in calls[name]
         ]
     runs: dict[str, int] = defaultdict(int)
+    loop_runs: dict[str, int] = defaultdict(int)
+    bodies = {callee for name in calls for callee, factor in calls[name] if factor != 1}
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    def visit(name: str, times: int, depth: int = 0, in_loop: bool = False) -> None:
         if depth > 64:  # HLO call graphs are acyclic; this only guards against a bad parse
             return
         runs[name] += times
+        in_loop = in_loop or name in bodies
+        if in_loop:
+            loop_runs[name] += times
         for callee, factor in calls.get(name, ()):
-            visit(callee, times * factor, depth + 1)
+            visit(callee, times * factor, depth + 1, in_loop)
 
     if entry is not None:
         visit(entry, 1)
     ops: dict[str, int] = defaultdict(int)
     executions: dict[str, int] = defaultdict(int)
     result_bytes: dict[str, int] = defaultdict(int)
+    in_loops: dict[str, int] = defaultdict(int)
     for name, collectives in found.items():
         for kind, size in collectives:
             ops[kind] += 1
             executions[kind] += runs.get(name, 0)
             result_bytes[kind] += runs.get(name, 0) * size
+            in_loops[kind] += loop_runs.get(name, 0)
     return {
-        kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind])
+        kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind], in_loops[kind])
         for kind in KINDS
     }
