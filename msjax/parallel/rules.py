@@ -100,8 +100,9 @@ def weight_gather(mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32") 
     """Cast each weight on its shard, then gather it: the all-gather moves compute-dtype bytes.
 
     The backward pass turns the gathered weight's gradient into `grad_reduce_dtype` before it is
-    reduce-scattered back to the shard (float32 by default, whatever the compute dtype), then
-    into the parameter's own dtype. A weight already in the compute dtype keeps XLA's placement.
+    reduced back to the shard (float32 by default, whatever the compute dtype), then into the
+    parameter's own dtype. XLA may still move a narrower reduction past the widening cast (it does
+    on CPU). A weight already in the compute dtype keeps XLA's placement.
     """
     reduce_dtype = jnp.dtype(grad_reduce_dtype)
 
