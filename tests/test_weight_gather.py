@@ -10,6 +10,7 @@ from msjax.config import load_config
 from msjax.parallel.rules import activation_placement, logical_axis_rules
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import MeshShape
+from msjax.planner.planning import estimate_communication, ring_all_gather_bytes
 from msjax.planner.sweep import synthetic_batch
 from msjax.step import mean_over_real_tokens
 
@@ -93,3 +94,13 @@ def test_weights_in_a_plain_run_are_cast_where_used() -> None:
     assert cast.dtype == jax.numpy.bfloat16
     with pytest.raises(ValueError, match="2 logical axes"):
         compute_weight(jax.numpy.ones((4,)), ("embed", "mlp"), jax.numpy.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planned_fsdp_gather_bytes_within_10_percent_of_the_compiled_step(dtype: str) -> None:
+    """msjax.plan's weight all-gathers against the compiled program's, as ring bytes sent."""
+    mesh = MeshShape(1, 8, 1)
+    step = _step(mesh, f"model.compute_dtype={dtype}")
+    compiled = ring_all_gather_bytes(step.collectives["all-gather"].result_bytes, mesh.fsdp)
+    planned = estimate_communication(step.config, mesh).fsdp_gather_bytes
+    assert planned == pytest.approx(compiled, rel=0.10)

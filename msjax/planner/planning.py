@@ -264,6 +264,10 @@ def estimate_memory(
     head = 3 * b * s * dims.embed * dims.act_bytes + softmax
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor).
     gathered = state.layer_gathered if mesh.fsdp > 1 else 0
+    # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
+    # unless remat recomputes the layer, and its gather with it).
+    if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
+        head += dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
     return MemoryEstimate(
         params_bytes=state.params,
         optimizer_bytes=state.optimizer,
@@ -282,6 +286,7 @@ class CommEstimate:
     tensor_bytes: int  # Megatron all-reduces of activations
     fsdp_bytes: int  # weight all-gathers and gradient reduce-scatters
     data_bytes: int  # gradient all-reduce across replicas
+    fsdp_gather_bytes: int = 0  # of fsdp_bytes, the weight all-gathers
 
     @property
     def total_bytes(self) -> int:
@@ -320,11 +325,20 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream, mesh.tensor)
         tensor_bytes = dims.layers * per_layer + 2 * ring_all_reduce_bytes(stream, mesh.tensor)
     state = _state_bytes(config, mesh)
-    fsdp_bytes = 0.0
+    fsdp_bytes = gather_bytes = 0.0
     if mesh.fsdp > 1:
-        # Weights gathered for every forward pass and again for the backward pass (XLA does not
-        # keep them), gradients reduce-scattered once. Weights travel in float32.
-        gathers = passes + 1
-        fsdp_bytes = (gathers + 1) * ring_all_gather_bytes(state.fsdp_gathered, mesh.fsdp)
+        # Float32 compute: weights gathered for every forward pass and again for the backward
+        # pass (XLA does not keep them). A narrower compute dtype: weights cast on the shard and
+        # gathered in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward
+        # reusing them. Gradients reduced once, in optim.grad_reduce_dtype.
+        narrow = dims.act_bytes < F32_BYTES
+        gathers = passes if narrow else passes + 1
+        weight_bytes = state.fsdp_gathered * dims.act_bytes / F32_BYTES
+        grad_bytes = state.fsdp_gathered * np.dtype(config.optim.grad_reduce_dtype).itemsize
+        fsdp_bytes = gather_bytes = gathers * ring_all_gather_bytes(weight_bytes, mesh.fsdp)
+        reduced = grad_bytes / F32_BYTES if narrow else weight_bytes
+        fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
-    return CommEstimate(round(tensor_bytes), round(fsdp_bytes), round(data_bytes))
+    return CommEstimate(
+        round(tensor_bytes), round(fsdp_bytes), round(data_bytes), round(gather_bytes)
+    )
