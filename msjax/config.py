@@ -130,6 +130,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # never applied to norms and biases
     grad_clip_norm: float | None = 1.0
+    # the dtype fsdp reduce-scatters gradients in when weights are gathered in a narrower
+    # model.compute_dtype; float32 keeps the sum exact to float32 rounding
+    grad_reduce_dtype: DType = "float32"
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ class TrainConfig:
     eval_every: int = 100  # 0: never
     eval_batches: int = 4
     peak_tflops: float | None = None  # per device; None: known GPU table, or measured on CPU
+    # overlap: XLA flags that hide GPU collectives behind compute (msjax.parallel.xla_flags);
+    # a no-op on CPU; flags already in the XLA_FLAGS environment variable win
+    xla_profile: Literal["none", "overlap"] = "overlap"
 
 
 @dataclass(frozen=True)

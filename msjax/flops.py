@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import load_config
 from msjax.errors import MsjaxError
-from msjax.observe.flops import count_params, flops_per_step, flops_per_token, mfu
+from msjax.observe.flops import (
+    MFU_CONVENTION,
+    count_params,
+    flops_per_step,
+    flops_per_token,
+    mfu,
+)
 
 _PROG = "msjax.flops"
 
@@ -66,7 +72,7 @@ def report(args: argparse.Namespace) -> list[str]:
         ),
         "FLOPs per token": (
             f"{_human_flops(flops_per_token(model, seq_len))} "
-            f"(6 x matmul params + attention; seq_len {seq_len}, {context})"
+            f"(6 x matmul params + causal attention; seq_len {seq_len}, {context})"
         ),
         "FLOPs per step": (
             f"{_human_flops(step_flops)} (global_batch {global_batch} x seq_len {seq_len} = "
@@ -88,6 +94,7 @@ def report(args: argparse.Namespace) -> list[str]:
             f"{100 * utilisation:.1f}% ({achieved_tflops:.1f} of {peak:g} TFLOP/s per device, "
             f"{args.devices} devices)"
         )
+        rows["MFU convention"] = MFU_CONVENTION
     return [f"{label + ':':<17}{text}" for label, text in rows.items()]
 
 

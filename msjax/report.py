@@ -16,6 +16,7 @@ from typing import Any
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
 from msjax.observe.flight_recorder import diagnose
+from msjax.observe.flops import MFU_CONVENTION
 from msjax.observe.goodput import step_time_split
 from msjax.observe.plots import text_heatmap
 from msjax.observe.run_files import Run, is_step, load_run
@@ -137,6 +138,7 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
             f"median {tokens:,.0f} tokens/s, MFU {mfu_text} (over {len(steady)} steps{excluded})",
             width,
         )
+        lines += _field("MFU counts", MFU_CONVENTION, width)
     if run.steps:
         first, final = min(run.steps), max(run.steps)
         text = (

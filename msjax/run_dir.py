@@ -76,6 +76,11 @@ class RunDir:
     def data_facts(self) -> Path:
         return self.path / "data.json"
 
+    @property
+    def xla_flags(self) -> Path:
+        """train.xla_profile's flags, the user's XLA_FLAGS, and what XLA was given."""
+        return self.path / "xla_flags.json"
+
     # What the run measured.
     @property
     def metrics(self) -> Path:

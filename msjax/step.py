@@ -40,6 +40,7 @@ from msjax.parallel.rules import (
     logical_axis_rules,
     logical_to_spec,
     shardings_for,
+    weight_gather,
 )
 
 Batch = dict[str, jax.Array]  # msjax.batch.BATCH_FIELDS: [batch, seq] int32
@@ -106,7 +107,8 @@ class TrainProgram:
 
     def loss(self, params: Params, batch: Batch) -> jax.Array:
         rules = logical_axis_rules(self.config)
-        with activation_placement(self.mesh, rules):
+        weights = weight_gather(self.mesh, rules, self.config.optim.grad_reduce_dtype)
+        with activation_placement(self.mesh, rules, weights):
             model = self.model(params)
             features = self.features(model, batch)
             losses = ops.token_losses(

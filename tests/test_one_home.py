@@ -14,6 +14,7 @@ RUN_DIR_NAMES = {
     "config.json",
     "job_config.yaml",
     "data.json",
+    "xla_flags.json",
     "metrics.jsonl",
     "ranks.jsonl",
     "goodput.json",

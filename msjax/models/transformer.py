@@ -13,7 +13,7 @@ from flax import nnx
 from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
-from msjax.parallel.context import constrain
+from msjax.parallel.context import compute_weight, constrain
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
 
@@ -61,9 +61,21 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, ("batch", "seq", "act_embed"))
-        query = jnp.einsum("bse,ehd->bshd", x, self.query[...].astype(dtype))
-        key = jnp.einsum("bse,ehd->bshd", x, self.key[...].astype(dtype))
-        value = jnp.einsum("bse,ehd->bshd", x, self.value[...].astype(dtype))
+        query = jnp.einsum(
+            "bse,ehd->bshd",
+            x,
+            compute_weight(self.query[...], ("embed", "heads", "head_dim"), dtype),
+        )
+        key = jnp.einsum(
+            "bse,ehd->bshd",
+            x,
+            compute_weight(self.key[...], ("embed", "kv_heads", "head_dim"), dtype),
+        )
+        value = jnp.einsum(
+            "bse,ehd->bshd",
+            x,
+            compute_weight(self.value[...], ("embed", "kv_heads", "head_dim"), dtype),
+        )
         query = constrain(query, ("batch", "seq", "heads", "head_dim"))
         key = constrain(key, ("batch", "seq", "kv_heads", "head_dim"))
         value = constrain(value, ("batch", "seq", "kv_heads", "head_dim"))
@@ -78,7 +90,11 @@ class Attention(nnx.Module):
             impl=self.config.attention_impl,
         )  # [batch, seq, heads, head_dim]
         attended = constrain(attended, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bshd,hde->bse", attended, self.out[...].astype(dtype))
+        return jnp.einsum(
+            "bshd,hde->bse",
+            attended,
+            compute_weight(self.out[...], ("heads", "head_dim", "embed"), dtype),
+        )
 
 
 class MLP(nnx.Module):
@@ -95,10 +111,12 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, ("batch", "seq", "act_embed"))
-        gate = jnp.einsum("bse,em->bsm", x, self.gate[...].astype(dtype))
-        up = jnp.einsum("bse,em->bsm", x, self.up[...].astype(dtype))
+        gate = jnp.einsum("bse,em->bsm", x, compute_weight(self.gate[...], ("embed", "mlp"), dtype))
+        up = jnp.einsum("bse,em->bsm", x, compute_weight(self.up[...], ("embed", "mlp"), dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
-        return jnp.einsum("bsm,me->bse", hidden, self.down[...].astype(dtype))
+        return jnp.einsum(
+            "bsm,me->bse", hidden, compute_weight(self.down[...], ("mlp", "embed"), dtype)
+        )
 
 
 class Block(nnx.Module):
@@ -171,8 +189,11 @@ class Transformer(nnx.Module):
         return ops.logits(self.features(tokens, positions, segment_ids), self.unembedding_matrix())
 
     def unembedding_matrix(self) -> jax.Array:
-        """[embed, vocab] float32: the embedding table's transpose when they are tied."""
-        return self.embedding[...].T if self.config.tied_embeddings else self.unembedding[...]
+        """[embed, vocab] in the compute dtype: the embedding table's transpose when tied."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        if self.config.tied_embeddings:
+            return compute_weight(self.embedding[...], ("vocab", "embed"), dtype).T
+        return compute_weight(self.unembedding[...], ("embed", "vocab"), dtype)
 
     def features(
         self,
@@ -195,7 +216,8 @@ class Transformer(nnx.Module):
         dtype = jnp.dtype(self.config.compute_dtype)
         # The table is gathered whole along embed (as FSDP does for every weight) and stays
         # split along vocab, so the lookup is a local gather plus a sum over `tensor`.
-        table = constrain(self.embedding[...].astype(dtype), ("vocab", "act_embed"))
+        table = compute_weight(self.embedding[...], ("vocab", "embed"), dtype)
+        table = constrain(table, ("vocab", "act_embed"))
         x = jnp.take(table, tokens, axis=0)  # [batch, seq, embed]
         return constrain(x, RESIDUAL)
 

@@ -31,6 +31,9 @@ _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[(?P<dims>[\d,]
 _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?(?P<name>[\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
+_CONDITION = re.compile(r"\bcondition=%?(?P<name>[\w.\-]+)")
+_S32_CONSTANT = re.compile(r"=\s*s32\[\]\s+constant\((?P<n>\d+)\)")
+_LESS_THAN_ROOT = re.compile(r"^\s*ROOT\s.*\bcompare\(.*direction=LT")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class CollectiveStats:
     ops: int  # instructions in the program text
     executions: int  # runs per step (an op in a loop body counts once per trip)
     result_bytes: int  # per step: sum over executions of the results' sizes
+    executions_in_loops: int = 0  # of the executions, those inside a `while` body (layer scan)
 
 
 def _array_bytes(shape_text: str) -> list[int]:
@@ -70,6 +74,11 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
     entry = None
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     found: dict[str, list[tuple[str, int]]] = defaultdict(list)  # computation -> (kind, bytes)
+    # Before XLA annotates trip counts (an HLO dump taken mid-pipeline), a scan's loop count is
+    # the constant its condition compares the counter against: `i < N` with i from 0.
+    bounds: dict[str, list[int]] = defaultdict(list)
+    counted_by: dict[str, bool] = {}
+    unannotated: list[tuple[str, str]] = []  # (computation holding the while, its condition)
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")):
             header = _HEADER.match(line)
@@ -80,10 +89,20 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
             continue
         if computation is None:
             continue
+        constant = _S32_CONSTANT.search(line)
+        if constant:
+            bounds[computation].append(int(constant["n"]))
+        if _LESS_THAN_ROOT.match(line):
+            counted_by[computation] = True
         trips = _TRIP_COUNT.search(line)
         factor = int(trips["n"]) if trips and " while(" in line else 1
+        condition = _CONDITION.search(line) if " while(" in line and not trips else None
         for callee in _CALLEE.finditer(line):
-            calls[computation].append((callee["name"], factor))
+            if condition and callee["name"] != condition["name"]:
+                unannotated.append((computation, condition["name"]))
+                calls[computation].append((callee["name"], -len(unannotated)))
+            else:
+                calls[computation].append((callee["name"], factor))
         branches = _BRANCHES.search(line)
         if branches:
             for name in branches["names"].split(","):
@@ -94,26 +113,42 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
                 (op["op"], _result_bytes(op["shape"], op["start"] is not None))
             )
 
-    runs: dict[str, int] = defaultdict(int)
+    def loop_trips(marker: int) -> int:
+        _, condition = unannotated[-marker - 1]
+        constants = bounds.get(condition, [])
+        return constants[0] if counted_by.get(condition) and len(constants) == 1 else 1
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    for name in calls:
+        calls[name] = [
+            (callee, loop_trips(factor) if factor < 0 else factor) for callee, factor in calls[name]
+        ]
+    runs: dict[str, int] = defaultdict(int)
+    loop_runs: dict[str, int] = defaultdict(int)
+    bodies = {callee for name in calls for callee, factor in calls[name] if factor != 1}
+
+    def visit(name: str, times: int, depth: int = 0, in_loop: bool = False) -> None:
         if depth > 64:  # HLO call graphs are acyclic; this only guards against a bad parse
             return
         runs[name] += times
+        in_loop = in_loop or name in bodies
+        if in_loop:
+            loop_runs[name] += times
         for callee, factor in calls.get(name, ()):
-            visit(callee, times * factor, depth + 1)
+            visit(callee, times * factor, depth + 1, in_loop)
 
     if entry is not None:
         visit(entry, 1)
     ops: dict[str, int] = defaultdict(int)
     executions: dict[str, int] = defaultdict(int)
     result_bytes: dict[str, int] = defaultdict(int)
+    in_loops: dict[str, int] = defaultdict(int)
     for name, collectives in found.items():
         for kind, size in collectives:
             ops[kind] += 1
             executions[kind] += runs.get(name, 0)
             result_bytes[kind] += runs.get(name, 0) * size
+            in_loops[kind] += loop_runs.get(name, 0)
     return {
-        kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind])
+        kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind], in_loops[kind])
         for kind in KINDS
     }

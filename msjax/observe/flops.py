@@ -56,16 +56,31 @@ def count_params(model: ModelConfig) -> ParamCounts:
     )
 
 
+MFU_CONVENTION = (
+    "model FLOPs = 6 x matmul params + 12 x layers x heads x head_dim x mean causal context "
+    "per token (no recomputation), over dense bf16 peak"
+)
+
+
+def mean_causal_context(seq_len: int, window: int | None) -> float:
+    """Keys each query sees on average under the causal mask (and sliding window)."""
+    if window is None or window >= seq_len:
+        return (seq_len + 1) / 2
+    # queries 1..window see 1..window keys; the rest see window each
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token, without activation recomputation.
 
     6 x matmul parameters (2 forward, 4 backward per multiply-add; Kaplan et al. 2020) plus the
     attention scores and values, 12 x layers x heads x head_dim x context (Megatron-LM,
-    Narayanan et al. 2021; PaLM, Chowdhery et al. 2022, App. B; MegaScale's MFU). The causal mask
-    is not halved, as in those papers; with a sliding window the context is min(window, seq_len).
-    Recomputation under `remat` is hardware FLOPs, not model FLOPs, so it is not counted.
+    Narayanan et al. 2021; PaLM, Chowdhery et al. 2022, App. B), counting only the (query, key)
+    pairs the causal mask keeps: the context is the mean visible keys per query, (seq_len + 1)
+    / 2 for full causal attention, less under a sliding window. Recomputation under `remat` is
+    hardware FLOPs, not model FLOPs, so it is not counted. MFU_CONVENTION says it in one line.
     """
-    context = seq_len if model.attention_window is None else min(model.attention_window, seq_len)
+    context = mean_causal_context(seq_len, model.attention_window)
     attention = 12 * model.num_layers * model.num_heads * model.resolved_head_dim * context
     return 6.0 * count_params(model).matmul + float(attention)
 

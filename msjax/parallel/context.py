@@ -1,5 +1,6 @@
 """The tracing context through which model code reaches the mesh without naming one: activation
-placement behind `constrain`, the mesh per-shard kernels run on, and whether Pallas is interpreted.
+placement behind `constrain`, weights in the compute dtype behind `compute_weight`, the mesh
+per-shard kernels run on, and whether Pallas is interpreted.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 LogicalAxes = tuple[str | None, ...]
@@ -41,6 +43,36 @@ def use_placement(placement: Placement | None) -> Iterator[None]:
         yield
     finally:
         _placement.reset(token)
+
+
+WeightGather = Callable[[jax.Array, LogicalAxes, jnp.dtype], jax.Array]
+
+_weight_gather: contextvars.ContextVar[WeightGather | None] = contextvars.ContextVar(
+    "msjax_weight_gather", default=None
+)
+
+
+def compute_weight(weight: jax.Array, axes: LogicalAxes, dtype: jnp.dtype) -> jax.Array:
+    """A parameter (float32, its logical axes) as the compute needs it: in `dtype`, whole.
+
+    With no gather installed this is `weight.astype(dtype)` and XLA places the cast; with one
+    (msjax.parallel.rules) the cast runs on each device's shard before the shards are gathered,
+    so a sharded weight crosses the wire in the compute dtype.
+    """
+    if len(axes) != weight.ndim:
+        raise ValueError(f"{len(axes)} logical axes {axes} for a weight of shape {weight.shape}")
+    gather = _weight_gather.get()
+    return weight.astype(dtype) if gather is None else gather(weight, axes, jnp.dtype(dtype))
+
+
+@contextlib.contextmanager
+def use_weight_gather(gather: WeightGather | None) -> Iterator[None]:
+    """Install how weights reach the compute while tracing model code inside this block."""
+    token = _weight_gather.set(gather)
+    try:
+        yield
+    finally:
+        _weight_gather.reset(token)
 
 
 @dataclass(frozen=True)

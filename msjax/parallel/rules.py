@@ -9,14 +9,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from msjax.config import Config
-from msjax.parallel.context import KernelMesh, LogicalAxes, use_kernel_mesh, use_placement
+from msjax.parallel.context import (
+    KernelMesh,
+    LogicalAxes,
+    WeightGather,
+    use_kernel_mesh,
+    use_placement,
+    use_weight_gather,
+)
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = dict[str, MeshAxes]
+STORAGE_AXES = ("fsdp",)  # mesh axes that split a weight only while stored, never for compute
 
 
 def logical_axis_rules(config: Config) -> Rules:
@@ -79,10 +88,61 @@ def shardings_for(logical_axes: Any, mesh: Mesh, rules: Rules) -> Any:
     )
 
 
+def without_storage_axes(spec: PartitionSpec) -> PartitionSpec:
+    """The spec a weight is computed with: its stored spec less the fsdp axis (gathered)."""
+
+    def keep(entry: MeshAxes) -> MeshAxes:
+        if entry is None or isinstance(entry, str):
+            return None if entry in STORAGE_AXES else entry
+        kept = tuple(axis for axis in entry if axis not in STORAGE_AXES)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return PartitionSpec(*(keep(entry) for entry in spec))
+
+
+def weight_gather(mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32") -> WeightGather:
+    """Cast each weight on its shard, then gather it: the all-gather moves compute-dtype bytes.
+
+    The backward pass turns the gathered weight's gradient into `grad_reduce_dtype` before it is
+    reduced back to the shard (float32 by default, whatever the compute dtype), then into the
+    parameter's own dtype. XLA may still move a narrower reduction past the widening cast (it does
+    on CPU). A weight already in the compute dtype keeps XLA's placement.
+    """
+    reduce_dtype = jnp.dtype(grad_reduce_dtype)
+
+    def gather(weight: jax.Array, axes: LogicalAxes, dtype: jnp.dtype) -> jax.Array:
+        if weight.dtype == dtype:
+            return weight
+        stored = NamedSharding(mesh, logical_to_spec(axes, rules))
+        computed = NamedSharding(mesh, without_storage_axes(stored.spec))
+        param_dtype = weight.dtype
+
+        @jax.custom_vjp
+        def cast_then_gather(shard: jax.Array) -> jax.Array:
+            narrow = jax.lax.with_sharding_constraint(shard.astype(dtype), stored)
+            return jax.lax.with_sharding_constraint(narrow, computed)
+
+        def forward(shard: jax.Array) -> tuple[jax.Array, None]:
+            return cast_then_gather(shard), None
+
+        def backward(_: None, grad: jax.Array) -> tuple[jax.Array]:
+            wide = jax.lax.with_sharding_constraint(grad.astype(reduce_dtype), computed)
+            reduced = jax.lax.with_sharding_constraint(wide, stored)
+            return (reduced.astype(param_dtype),)
+
+        cast_then_gather.defvjp(forward, backward)
+        return cast_then_gather(weight)
+
+    return gather
+
+
 @contextmanager
-def activation_placement(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """While tracing model code: turn logical activation hints into sharding constraints, and
-    give per-shard kernels (msjax.ops) the mesh and rules to build their shard_map from."""
+def activation_placement(
+    mesh: Mesh, rules: Rules, weights: WeightGather | None = None
+) -> Iterator[None]:
+    """While tracing model code: turn logical activation hints into sharding constraints, give
+    per-shard kernels (msjax.ops) the mesh and rules to build their shard_map from, and gather
+    weights with `weights` (None: casts placed by XLA)."""
 
     def place(x: jax.Array, axes: LogicalAxes) -> jax.Array:
         return jax.lax.with_sharding_constraint(
@@ -90,7 +150,7 @@ def activation_placement(mesh: Mesh, rules: Rules) -> Iterator[None]:
         )
 
     kernels = KernelMesh(mesh, lambda axes: logical_to_spec(axes, rules))
-    with use_placement(place), use_kernel_mesh(kernels):
+    with use_placement(place), use_kernel_mesh(kernels), use_weight_gather(weights):
         yield
 
 

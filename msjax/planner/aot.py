@@ -4,15 +4,17 @@ for an abstract mesh of any size, which needs no devices.
 A mesh of k devices is built on the first k local devices, so a smaller mesh (1,1,1 among eight)
 runs beside the full ones. The config is resolved for this host's backend, and compiles are cached
 per resolved (config, mesh): the sweep, the plan's XLA check and their tests compile each pair once
-per process.
+per process. On CPU a bfloat16 step's collectives are counted as a GPU would send them.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -26,6 +28,10 @@ from msjax.parallel.mesh import MESH_AXES, build_mesh
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.step import TrainProgram, build_program
 
+# XLA's CPU backend widens every bfloat16 op it lacks a kernel for, collectives included, to
+# float32 (this pass). A GPU moves the bfloat16 bytes, so on CPU the collectives of a bfloat16
+# step are read from the partitioned program just before the pass: what a GPU would send.
+CPU_WIDENING_PASS = "float-normalization-bf16"
 LOWERING_PLATFORMS = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}  # backend -> JAX's platform name
 
 
@@ -67,7 +73,16 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
     started = time.perf_counter()
     program = build_program(config, device_mesh)
     lowered = program.train_step.lower(program.abstract_state(), program.abstract_batch())
-    compiled = lowered.compile()
+    widened = jax.default_backend() == "cpu" and config.model.compute_dtype != "float32"
+    with tempfile.TemporaryDirectory(prefix="msjax-hlo-") as dump:
+        if widened:
+            compiled = lowered.compile(
+                {"xla_dump_to": dump, "xla_dump_hlo_pass_re": CPU_WIDENING_PASS}
+            )
+            collectives = count_collectives(_program_before_widening(Path(dump)))
+        else:
+            compiled = lowered.compile()
+            collectives = count_collectives(compiled.as_text())
     compile_s = time.perf_counter() - started
     return CompiledStep(
         config=config,
@@ -76,8 +91,16 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         compiled=compiled,
         compile_s=compile_s,
         memory=compiled_memory(compiled),
-        collectives=count_collectives(compiled.as_text()),
+        collectives=collectives,
     )
+
+
+def _program_before_widening(dump: Path) -> str:
+    """The partitioned program as XLA dumped it just before the CPU widening pass."""
+    found = sorted(dump.glob(f"*before_{CPU_WIDENING_PASS}.txt"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one HLO dump before {CPU_WIDENING_PASS} in {dump}: {found}")
+    return found[0].read_text()
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,10 @@ def estimate_memory(
         head += buffers * b * s * dims.embed * dims.act_bytes
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor).
     gathered = state.layer_gathered if mesh.fsdp > 1 else 0
+    # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
+    # unless remat recomputes the layer, and its gather with it).
+    if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
+        head += dims.stage_runs * dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
     return MemoryEstimate(
         params_bytes=state.params,
         optimizer_bytes=state.optimizer,
@@ -302,6 +306,7 @@ class CommEstimate:
     fsdp_bytes: int  # weight all-gathers and gradient reduce-scatters
     data_bytes: int  # gradient all-reduce across replicas
     pipe_bytes: int = 0  # stage-to-stage activations and their gradients (collective permutes)
+    fsdp_gather_bytes: int = 0  # of fsdp_bytes, the weight all-gathers
 
     @property
     def total_bytes(self) -> int:
@@ -354,17 +359,23 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
             replica_stream, mesh.tensor
         )
     state = _state_bytes(config, mesh)
-    fsdp_bytes = 0.0
+    fsdp_bytes = gather_bytes = 0.0
     if mesh.fsdp > 1:
-        # Weights gathered for every forward pass and again for the backward pass (XLA does not
-        # keep them), gradients reduce-scattered once. Weights travel in float32.
-        gathers = passes + 1
+        # Float32 compute: weights gathered for every forward pass and again for the backward
+        # pass (XLA does not keep them). A narrower compute dtype: weights cast on the shard and
+        # gathered in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward
+        # reusing them. Gradients reduced once, in optim.grad_reduce_dtype. On a pipe mesh a
+        # stage's weights are gathered again for every stage run.
+        narrow = dims.act_bytes < F32_BYTES
+        gathers = passes if narrow else passes + 1
         stacked = state.layer_gathered * config.model.num_layers / mesh.pipe  # this device's
         unstacked = state.fsdp_gathered - stacked
-        weights = (layer_runs / dims.layers) * stacked + unstacked  # gathered per step, once
-        fsdp_bytes = gathers * ring_all_gather_bytes(weights, mesh.fsdp) + ring_all_gather_bytes(
-            state.fsdp_gathered, mesh.fsdp
-        )
+        gathered = (layer_runs / dims.layers) * stacked + unstacked  # float32, per pass
+        weight_bytes = gathered * dims.act_bytes / F32_BYTES
+        grad_bytes = state.fsdp_gathered * np.dtype(config.optim.grad_reduce_dtype).itemsize
+        fsdp_bytes = gather_bytes = gathers * ring_all_gather_bytes(weight_bytes, mesh.fsdp)
+        reduced = grad_bytes / F32_BYTES if narrow else state.fsdp_gathered
+        fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
     pipe_bytes = 0.0
     if mesh.pipe > 1:
@@ -374,5 +385,9 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         split = dims.residual_split
         pipe_bytes = (2 * dims.stage_runs * stream + 2 * replica_stream) / split
     return CommEstimate(
-        round(tensor_bytes), round(fsdp_bytes), round(data_bytes), round(pipe_bytes)
+        round(tensor_bytes),
+        round(fsdp_bytes),
+        round(data_bytes),
+        pipe_bytes=round(pipe_bytes),
+        fsdp_gather_bytes=round(gather_bytes),
     )

@@ -24,6 +24,7 @@ from msjax.observe.metrics import ProgressLine
 from msjax.observe.profiles import ProfileCapture
 from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
+from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve
@@ -66,16 +67,17 @@ class PreparedRun:
         )
 
 
-def join_job(config: Config) -> tuple[Config, JobEnv]:
-    """Simulated CPU devices, the distributed job, then the run's resolved config."""
+def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
+    """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config."""
     import jax
 
     if config.checkpoint.resume_from:  # a source with nothing to resume fails before any write
         check_resume_source(config.checkpoint.resume_from)
+    xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
-    return resolve(config, jax.device_count(), jax.default_backend()), job
+    return resolve(config, jax.device_count(), jax.default_backend()), job, xla_flags
 
 
 def check_resume_source(source: str) -> None:
@@ -99,7 +101,7 @@ def prepare_run(
     """Join the job, resolve the config, then build everything the loop needs."""
 
     started = time.perf_counter()
-    config, job = join_job(config)
+    config, job, xla_flags = join_job(config)
     plan = plan_run_dir(config)
     lock = job_lock(plan, job)
     try:
@@ -142,6 +144,7 @@ def _prepare(
         check_tensorboard_installed()
     if is_writer:
         write_run_record(plan, config, data, progress.message, lock if not job.launched else None)
+        write_json(run_dir.xla_flags, xla_flags.record())
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
