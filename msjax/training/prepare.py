@@ -105,7 +105,9 @@ def prepare_run(
     plan = plan_run_dir(config)
     lock = job_lock(plan, job)
     try:
-        return _prepare(config, job, plan, lock, started, progress_stream, extra_listeners)
+        return _prepare(
+            config, job, xla_flags, plan, lock, started, progress_stream, extra_listeners
+        )
     except BaseException:
         lock.release()
         raise
@@ -125,6 +127,7 @@ def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
 def _prepare(
     config: Config,
     job: JobEnv,
+    xla_flags: XlaFlagsRecord,
     plan: RunDirPlan,
     lock: RunDirLock,
     started: float,
