@@ -251,7 +251,7 @@ def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
         params=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in params),
         optimizer=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in opt_state)
         + STEP_BYTES,
-        layer_gathered=layer_gathered // config.model.num_layers,
+        layer_gathered=layer_gathered // (config.model.num_layers // mesh.pipe),  # per layer
         fsdp_gathered=sum(_shard_elements(a, rules, unsharded) * a.itemsize for a in params),
     )
 
@@ -278,8 +278,10 @@ def estimate_memory(
         # where microbatches wait to re-enter stage 0: each the replica's whole residual stream
         buffers = 3 if PipelineLayout.of(config).repeats > 1 else 2
         head += buffers * b * s * dims.embed * dims.act_bytes
-    # With fsdp one layer's weights at a time are gathered whole (still split by tensor).
-    gathered = state.layer_gathered if mesh.fsdp > 1 else 0
+    # With fsdp one layer's weights at a time are gathered whole (still split by tensor); a
+    # pipeline stage gathers all its layers' once, outside the pipeline's loop.
+    stage_layers = config.model.num_layers // mesh.pipe if mesh.pipe > 1 else 1
+    gathered = stage_layers * state.layer_gathered if mesh.fsdp > 1 else 0
     # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
     # unless remat recomputes the layer, and its gather with it).
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
@@ -365,15 +367,17 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         # pass (XLA does not keep them). A narrower compute dtype: weights cast on the shard and
         # gathered in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward
         # reusing them. Gradients reduced once, in optim.grad_reduce_dtype. On a pipe mesh a
-        # stage's weights are gathered again for every stage run.
+        # stage's weights do not change between pipeline iterations: XLA gathers them once per
+        # pass, outside the pipeline's loop, and keep the tables used outside it (embedding,
+        # unembedding) for the backward pass.
         narrow = dims.act_bytes < F32_BYTES
         gathers = passes if narrow else passes + 1
         stacked = state.layer_gathered * config.model.num_layers / mesh.pipe  # this device's
-        unstacked = state.fsdp_gathered - stacked
-        gathered = (layer_runs / dims.layers) * stacked + unstacked  # float32, per pass
+        kept = state.fsdp_gathered - stacked if mesh.pipe > 1 else 0.0
+        gathered = gathers * state.fsdp_gathered - (gathers - passes) * kept
         weight_bytes = gathered * dims.act_bytes / F32_BYTES
         grad_bytes = state.fsdp_gathered * np.dtype(config.optim.grad_reduce_dtype).itemsize
-        fsdp_bytes = gather_bytes = gathers * ring_all_gather_bytes(weight_bytes, mesh.fsdp)
+        fsdp_bytes = gather_bytes = ring_all_gather_bytes(weight_bytes, mesh.fsdp)
         reduced = grad_bytes / F32_BYTES if narrow else state.fsdp_gathered
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
