@@ -112,7 +112,7 @@ def mesh_for(kv_heads: int) -> MeshConfig:
     return MeshConfig(data=8 // (4 * tensor), fsdp=4, tensor=tensor)
 
 
-@pytest.mark.parametrize(("kv_heads", "tied"), [(1, False), (2, True), (4, False), (1, True)])
+@pytest.mark.parametrize(("kv_heads", "tied"), [(k, t) for k in (1, 2, 4) for t in (False, True)])
 def test_imported_llama_matches_transformers(tmp_path: Path, kv_heads: int, tied: bool) -> None:
     random_llama(tmp_path, kv_heads, tied)
     config = Config(

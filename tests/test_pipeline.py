@@ -222,3 +222,17 @@ def test_impossible_pipelines_are_one_line_and_write_nothing(tmp_path, capsys, o
     assert_one_line_user_error(*run_main(capsys, *base, *overrides), named)
     assert not run_dir.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_parameters_given_in_canonical_order_are_placed_for_the_pipeline():
+    # what an imported (Hugging Face) model does: canonical parameters into a circular layout
+    straight = resolve(config_of((2, 2, 1, 2, False), FOUR_LAYERS), 8, "cpu")
+    params = build_program(straight, build_mesh(straight.mesh)).init_state().params
+    config = resolve(config_of((2, 1, 2, 2, False), FOUR_LAYERS, circular(4)), 8, "cpu")
+    program = build_program(config, build_mesh(config.mesh))
+    placed = program.state_from_params(jax.device_put(params, program.state_shardings.params))
+    query = np.asarray(params["layers"]["attention"]["query"])
+    in_memory = np.asarray(placed.params["layers"]["attention"]["query"])
+    np.testing.assert_array_equal(in_memory[1], query[2])  # device 0 holds layers 0 and 2
+    back = jax.tree.map(np.asarray, program.to_canonical(placed).params)
+    jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, params))
