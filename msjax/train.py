@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
-from msjax.resilience.worker import NonFiniteLoss, leave_job_now
+from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
+from msjax.resilience.worker import NonFiniteLoss
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -63,14 +65,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         train(config)
     except MsjaxError as error:
-        return user_error("msjax.train", error)
+        code = user_error("msjax.train", error)
+        leave_job_now(code, str(error).splitlines()[0])  # peers may still be mid-step
+        return code
     except NonFiniteLoss as error:
         print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.NONFINITE_LOSS)  # peers may still be mid-step
+        leave_job_now(exit_codes.NONFINITE_LOSS, f"the loss of step {error.step} is not finite")
         return exit_codes.NONFINITE_LOSS
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
-        return 130
+        leave_job_now(exit_codes.INTERRUPTED, "interrupted")
+        return exit_codes.INTERRUPTED
+    except Exception:
+        if not in_job():
+            raise
+        # a peer that left first explains a failed collective here: its exit code is the job's
+        code = peer_exit_code(wait_s=2.0)
+        if code is None:
+            traceback.print_exc()
+            leave_job_now(exit_codes.CRASHED, "crashed (its log has the traceback)")
+        print(f"msjax.train: stopping: a peer ended the job with exit code {code}", file=sys.stderr)
+        leave_job_now(code)
+        raise
     return 0
 
 

@@ -3,11 +3,12 @@
 Every choice here changes what a process does next, so in a multi-process job all processes
 must make it for the same step. Step-count choices (eval every N, save every N) are the same on
 every process by construction; `agree` is where choices that one process can see alone (a stop
-signal, a wall-clock save) are made the same for all.
+signal, a wall-clock save, a save overdue) are made the same for all, by one vote per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ from typing import Any
 
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config
+from msjax.parallel.agreement import ProcessVote, process_vote
+
+STOP_SIGNALS = (None, "SIGTERM", "SIGINT")  # a vote's stop value indexes this
 
 
 class StopSignal:
@@ -65,6 +69,7 @@ class Decider:
         self.eval_every = config.train.eval_every if can_evaluate else 0
         self.checkpointer = checkpointer
         self.stop = stop
+        self.vote = process_vote("decide")
 
     def after_step(self, step: int) -> Decision:
         """The decision once the state has `step` updates; the run's last step is never saved
@@ -73,16 +78,27 @@ class Decider:
         local = Decision(
             step=step,
             evaluate=bool(self.eval_every) and step % self.eval_every == 0 and before_end,
-            save=self.checkpointer.due(step) and before_end,
+            save=self.checkpointer.due_by_steps(step) and before_end,
             stop_by=self.stop.received,
         )
-        return agree(local)
+        return agree(local, self.checkpointer.due_by_clock() and before_end, self.vote)
 
 
-def agree(local: Decision) -> Decision:
+def agree(local: Decision, clock_save: bool, vote: ProcessVote | None) -> Decision:
     """The decision every process acts on for this step.
 
-    One process: its own. Several: the step-count parts are identical everywhere already; the
-    signal and the wall-clock save are still each process's own view here.
+    One process: its own. Several: the step-count parts are identical everywhere already; a
+    stop signal seen by any process stops all, and a save that is due by the clock is process
+    0's call (each clock would decide at another step).
     """
-    return local
+    if vote is None:
+        return dataclasses.replace(local, save=local.save or clock_save)
+    import jax
+
+    clock_save = clock_save and jax.process_index() == 0
+    agreed_stop, agreed_clock_save = vote.agree(
+        [STOP_SIGNALS.index(local.stop_by), int(clock_save)]
+    )
+    return dataclasses.replace(
+        local, save=local.save or bool(agreed_clock_save), stop_by=STOP_SIGNALS[agreed_stop]
+    )

@@ -24,6 +24,7 @@ from msjax.observe.profiles import ProfileCapture
 from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
+from msjax.resilience.job_end import watch_for_peer_exit
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
@@ -86,6 +87,7 @@ def prepare_run(
 
     started = time.perf_counter()
     config, job = join_job(config)
+    watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     plan = plan_run_dir(config)
     run_dir = plan.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
