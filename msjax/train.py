@@ -22,7 +22,7 @@ from msjax.config import Config, load_config
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
-from msjax.resilience.worker import NonFiniteLoss
+from msjax.resilience.worker import NonFiniteLoss, SavesFailing
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -72,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"msjax.train: {error}", file=sys.stderr)
         leave_job_now(exit_codes.NONFINITE_LOSS, f"the loss of step {error.step} is not finite")
         return exit_codes.NONFINITE_LOSS
+    except SavesFailing as error:
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.SAVES_FAILED, "checkpoint saves kept failing")
+        return exit_codes.SAVES_FAILED
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
         leave_job_now(exit_codes.INTERRUPTED, "interrupted")
@@ -110,7 +114,9 @@ def train(
     stopped_by = eval_loss = None
     with events:
         with StopSignal() as stop, run.batches() as batches:
-            decide = Decider(run.config, run.saves.checkpointer, stop, bool(run.validation))
+            decide = Decider(
+                run.config, run.saves.checkpointer, stop, bool(run.validation), run.saves
+            )
             for step in range(run.start.step, run.config.train.steps):
                 events.step_begin(step)
                 if run.resilience.skips(step):
@@ -132,6 +138,12 @@ def train(
                     in_flight = None
                 if decision.evaluate:
                     eval_loss = evaluate(run, state, step)
+                if decision.saves_failing:
+                    raise SavesFailing(
+                        f"checkpoint saves kept failing for checkpoint.max_unsaved_minutes="
+                        f"{run.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
+                        f"{step + 1}); ending the attempt to restart from the last good one"
+                    )
                 if decision.stop_by:
                     stopped_by = decision.stop_by
                     break

@@ -18,7 +18,7 @@ from typing import Any
 
 ERROR_KEY = "msjax/job_end"
 ACK_PREFIX = "msjax/job_end_seen"
-ACK_WAIT_S = 5.0  # the publisher hosts the coordinator (rank 0): it waits for its peers to read
+ACK_WAIT_S = 5.0  # how long process 0 waits for its peers to leave before it does
 # the watch asks again this often, so that it can end with its process (a thread still blocked
 # in the key-value client when Python finalizes aborts the process)
 WATCH_POLL_MS = 1000
@@ -46,14 +46,22 @@ def leave_job_now(code: int, reason: str = "") -> None:
         return
     import jax
 
-    rank, peers = jax.process_index(), jax.process_count()
-    record = json.dumps({"code": code, "rank": rank, "reason": reason})
-    try:
+    record = json.dumps({"code": code, "rank": jax.process_index(), "reason": reason})
+    with contextlib.suppress(Exception):  # another process published first: its code wins
         client.key_value_set(ERROR_KEY, record)
-        published = True
-    except Exception:  # another process published first (its code wins) or the service is gone
-        published = False
-    if published:
+    _exit_in_order(client, code)
+
+
+def _exit_in_order(client: Any, code: int) -> None:
+    """Exit with code; process 0 last, once every peer has said it is leaving: process 0 hosts
+    the coordination service, and a peer that loses it mid-call aborts instead of exiting."""
+    import jax
+
+    rank, peers = jax.process_index(), jax.process_count()
+    if rank != 0:
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"{ACK_PREFIX}/{rank}", "1")
+    else:
         deadline = time.monotonic() + ACK_WAIT_S
         while time.monotonic() < deadline:
             try:
@@ -61,7 +69,8 @@ def leave_job_now(code: int, reason: str = "") -> None:
                     break
             except Exception:
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
+        time.sleep(0.2)  # the peers' own exits, after their last call
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -102,17 +111,13 @@ def watch_for_peer_exit(program: str) -> threading.Thread | None:
         record = json.loads(text)
         if record["rank"] == rank:
             return  # this process published it and is leaving already
-        with contextlib.suppress(Exception):  # the publisher may be gone already
-            client.key_value_set(f"{ACK_PREFIX}/{rank}", "1")
         reason = f": {record['reason']}" if record["reason"] else ""
         print(
             f"{program}: stopping: process {record['rank']} ended the job with exit code "
             f"{record['code']}{reason}",
             file=sys.stderr,
         )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(record["code"]))
+        _exit_in_order(client, int(record["code"]))
 
     def stop_watching() -> None:  # runs before JAX's own exit-time shutdown (registered later)
         leaving.set()

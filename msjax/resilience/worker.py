@@ -15,7 +15,7 @@ from msjax.resilience.faults import FaultInjector
 from msjax.resilience.heartbeat import Heartbeat, Phase
 from msjax.resilience.job_end import leave_job_now
 
-__all__ = ["NonFiniteLoss", "WorkerResilience", "leave_job_now", "skip_update"]
+__all__ = ["NonFiniteLoss", "SavesFailing", "WorkerResilience", "leave_job_now", "skip_update"]
 from msjax.resilience.skips import read_skipped_steps
 
 
@@ -30,6 +30,11 @@ class NonFiniteLoss(Exception):
         )
         self.step = step
         self.loss = loss
+
+
+class SavesFailing(Exception):
+    """Checkpoint saves kept failing (an infrastructure fault, not a user error): the attempt
+    ends with exit code 6, which the supervisor restarts from the last good checkpoint."""
 
 
 class WorkerResilience(LoopEvents):
@@ -85,6 +90,7 @@ class WorkerResilience(LoopEvents):
 
     def save_begin(self, step: int) -> None:
         self.heartbeat.beat("checkpoint", step)
+        self.faults.before_save(step)
 
     def save_end(self, step: int, blocked_s: float | None) -> None:
         if blocked_s is not None:

@@ -17,6 +17,7 @@ from typing import Any
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config
 from msjax.parallel.agreement import ProcessVote, process_vote
+from msjax.training.checkpoints import CheckpointSaves
 
 STOP_SIGNALS = (None, "SIGTERM", "SIGINT")  # a vote's stop value indexes this
 
@@ -52,34 +53,44 @@ class Decision:
     evaluate: bool = False
     save: bool = False
     stop_by: str | None = None  # the signal that asked the run to stop
+    saves_failing: bool = False  # saves kept failing past checkpoint.max_unsaved_minutes
 
     @property
     def needs_result(self) -> bool:
         """Whether the step's metrics must be read now (they are reported before what follows)."""
-        return self.evaluate or self.save or self.stop_by is not None
+        return self.evaluate or self.save or self.stop_by is not None or self.saves_failing
 
 
 class Decider:
-    """Makes the decision after each step from the config, the checkpoint clock and signals."""
+    """Makes the decision after each step from the config, the checkpoint clock, the saves'
+    failures and signals."""
 
     def __init__(
-        self, config: Config, checkpointer: Checkpointer, stop: StopSignal, can_evaluate: bool
+        self,
+        config: Config,
+        checkpointer: Checkpointer,
+        stop: StopSignal,
+        can_evaluate: bool,
+        saves: CheckpointSaves | None = None,
     ):
         self.total_steps = config.train.steps
         self.eval_every = config.train.eval_every if can_evaluate else 0
         self.checkpointer = checkpointer
         self.stop = stop
+        self.saves = saves
         self.vote = process_vote("decide")
 
     def after_step(self, step: int) -> Decision:
         """The decision once the state has `step` updates; the run's last step is never saved
         or evaluated here (the end of the run does both)."""
         before_end = step < self.total_steps
+        retry = self.saves is not None and self.saves.retry_due()
         local = Decision(
             step=step,
             evaluate=bool(self.eval_every) and step % self.eval_every == 0 and before_end,
-            save=self.checkpointer.due_by_steps(step) and before_end,
+            save=(self.checkpointer.due_by_steps(step) or retry) and before_end,
             stop_by=self.stop.received,
+            saves_failing=self.saves is not None and self.saves.overdue(),
         )
         return agree(local, self.checkpointer.due_by_clock() and before_end, self.vote)
 
@@ -88,17 +99,18 @@ def agree(local: Decision, clock_save: bool, vote: ProcessVote | None) -> Decisi
     """The decision every process acts on for this step.
 
     One process: its own. Several: the step-count parts are identical everywhere already; a
-    stop signal seen by any process stops all, and a save that is due by the clock is process
-    0's call (each clock would decide at another step).
+    stop signal, a save to retry or saves failing for too long, seen by any process, count for
+    all; a save that is due by the clock is process 0's call (each clock would decide at
+    another step).
     """
     if vote is None:
         return dataclasses.replace(local, save=local.save or clock_save)
     import jax
 
     clock_save = clock_save and jax.process_index() == 0
-    agreed_stop, agreed_clock_save = vote.agree(
-        [STOP_SIGNALS.index(local.stop_by), int(clock_save)]
+    stop, save, failing = vote.agree(
+        [STOP_SIGNALS.index(local.stop_by), int(local.save or clock_save), int(local.saves_failing)]
     )
     return dataclasses.replace(
-        local, save=local.save or bool(agreed_clock_save), stop_by=STOP_SIGNALS[agreed_stop]
+        local, save=bool(save), stop_by=STOP_SIGNALS[stop], saves_failing=bool(failing)
     )
