@@ -64,6 +64,8 @@ def collect_diagnostics(
     live = [worker for worker in attempt.workers if worker.alive]
     states = {worker.rank: worker.state() for worker in live}
     for worker in live:
+        # a worker hung before its first heartbeat has no heartbeats/ directory yet
+        run_dir.stacks(worker.rank).parent.mkdir(parents=True, exist_ok=True)
         run_dir.stacks(worker.rank).write_text("")
         worker.signal(signal.SIGUSR1)
         if states[worker.rank] in ("T", "t"):
