@@ -160,6 +160,9 @@ class CheckpointConfig:
     keep_every_steps: int | None = None  # checkpoints at multiples of this are never deleted
     resume_from: str | None = None  # a checkpoints dir or run dir, optionally /STEP
     on_save_error: Literal["continue", "stop"] = "continue"
+    # while saves keep failing (retried with a growing pause), training goes on for at most this
+    # long after the last good checkpoint; then the attempt ends with exit code 6 (retried)
+    max_unsaved_minutes: float | None = 60.0
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,13 @@ class ResilienceConfig:
     heartbeat_every_s: float = 1.0  # each rank rewrites RUN_DIR/heartbeats/rank<r>.json this often
     # Hang: a rank's heartbeat shows no progress for longer than its phase's deadline.
     step_deadline_s: float = 120.0  # the step phase
-    compile_deadline_s: float = 900.0  # start-up, restore, compiling, the first step, evaluation
+    compile_deadline_s: float = 900.0  # compiling, the first step, evaluation
+    # Start-up phases, each with its own deadline: joining the job and building (init), reading
+    # or tokenizing the corpus (data: its progress counts, so only a stalled tokenizer is a
+    # hang, however large the corpus), restoring a checkpoint (restore)
+    init_deadline_s: float = 600.0
+    data_deadline_s: float = 600.0
+    restore_deadline_s: float = 900.0
     checkpoint_deadline_s: float = 600.0  # a save, and waiting for saves in flight
     on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
     max_restarts: int = 10  # restarts of the whole job before the supervisor gives up

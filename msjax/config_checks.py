@@ -150,6 +150,11 @@ def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError(f"checkpoint.every_steps={checkpoint.every_steps} must be >= 0")
     if checkpoint.every_minutes is not None and not checkpoint.every_minutes > 0:
         raise ConfigError(f"checkpoint.every_minutes={checkpoint.every_minutes} must be positive")
+    unsaved = checkpoint.max_unsaved_minutes
+    if unsaved is not None and not unsaved > 0:
+        raise ConfigError(
+            f"checkpoint.max_unsaved_minutes={unsaved} must be positive (or null: no bound)"
+        )
     if checkpoint.max_to_keep < 1:
         raise ConfigError(f"checkpoint.max_to_keep={checkpoint.max_to_keep} must be at least 1")
     if checkpoint.keep_every_steps is not None and checkpoint.keep_every_steps < 1:
@@ -229,6 +234,9 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
         "heartbeat_every_s",
         "step_deadline_s",
         "compile_deadline_s",
+        "init_deadline_s",
+        "data_deadline_s",
+        "restore_deadline_s",
         "checkpoint_deadline_s",
         "stop_grace_s",
     ):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
-from msjax.resilience.worker import NonFiniteLoss, leave_job_now
+from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
+from msjax.resilience.worker import NonFiniteLoss, SavesFailing
 from msjax.resolve import resolve_run_dir
 from msjax.run_dir import plan_run_dir
 
@@ -69,14 +71,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_sources(config.data)
         train(config)
     except MsjaxError as error:
-        return user_error("msjax.train", error)
+        code = user_error("msjax.train", error)
+        leave_job_now(code, str(error).splitlines()[0])  # peers may still be mid-step
+        return code
     except NonFiniteLoss as error:
         print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.NONFINITE_LOSS)  # peers may still be mid-step
+        leave_job_now(exit_codes.NONFINITE_LOSS, f"the loss of step {error.step} is not finite")
         return exit_codes.NONFINITE_LOSS
+    except SavesFailing as error:
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.SAVES_FAILED, "checkpoint saves kept failing")
+        return exit_codes.SAVES_FAILED
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
-        return 130
+        leave_job_now(exit_codes.INTERRUPTED, "interrupted")
+        return exit_codes.INTERRUPTED
+    except Exception:
+        if not in_job():
+            raise
+        # a peer that left first explains a failed collective here: its exit code is the job's
+        code = peer_exit_code(wait_s=2.0)
+        if code is None:
+            traceback.print_exc()
+            leave_job_now(exit_codes.CRASHED, "crashed (its log has the traceback)")
+        print(f"msjax.train: stopping: a peer ended the job with exit code {code}", file=sys.stderr)
+        leave_job_now(code)
+        raise
     return 0
 
 
@@ -100,7 +120,9 @@ def train(
     stopped_by = eval_loss = None
     with events:
         with StopSignal() as stop, run.batches() as batches:
-            decide = Decider(run.config, run.saves.checkpointer, stop, bool(run.validation))
+            decide = Decider(
+                run.config, run.saves.checkpointer, stop, bool(run.validation), run.saves
+            )
             for step in range(run.start.step, run.config.train.steps):
                 events.step_begin(step)
                 if run.resilience.skips(step):
@@ -122,6 +144,12 @@ def train(
                     in_flight = None
                 if decision.evaluate:
                     eval_loss = evaluate(run, state, step)
+                if decision.saves_failing:
+                    raise SavesFailing(
+                        f"checkpoint saves kept failing for checkpoint.max_unsaved_minutes="
+                        f"{run.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
+                        f"{step + 1}); ending the attempt to restart from the last good one"
+                    )
                 if decision.stop_by:
                     stopped_by = decision.stop_by
                     break

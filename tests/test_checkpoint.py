@@ -202,22 +202,24 @@ def immutable(directory: Path):
 
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
-def test_a_failed_save_is_reported_and_training_continues_or_stops_as_configured(
+def test_a_failed_save_is_an_infrastructure_fault_that_ends_the_attempt(
     straight_run: Path, tmp_path: Path, policy: str
 ):
+    from msjax.resilience.worker import SavesFailing
+
     run_dir = tmp_path / policy
     shutil.copytree(straight_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "8")  # resume from 4; the save at 8 must fail
+    shutil.rmtree(run_dir / "checkpoints" / "8")  # resume from 4; the save at 8 (the last) fails
     overrides = (f"checkpoint.on_save_error={policy}",)
     with immutable(run_dir / "checkpoints"):
-        if policy == "continue":
-            printed = run(run_dir, *overrides)
-            assert "checkpoint save at step 8 failed" in printed
-            assert "earlier checkpoints are untouched; training continues" in printed
-            assert "done: steps 4-8" in printed
-        else:
-            with pytest.raises(MsjaxError, match="checkpoint save at step 8 failed"):
-                run(run_dir, *overrides)
+        # stop: at the first failure; continue: the run's last save cannot be given up on
+        expected = (
+            "checkpoint save at step 8 failed"
+            if policy == "stop"
+            else r"the last checkpoint \(step 8\) could not be saved"
+        )
+        with pytest.raises(SavesFailing, match=expected):
+            run(run_dir, *overrides)
     assert committed_steps(run_dir / "checkpoints") == [4]
     assert saved_fingerprints(run_dir, 4) == saved_fingerprints(straight_run, 4)
 

@@ -26,6 +26,7 @@ from msjax.checkpoint.fingerprint import (
 )
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
+from msjax.parallel.agreement import agree_any, agree_min, process_vote
 from msjax.run_dir import RunDir
 
 FORMAT_VERSION = 1
@@ -162,14 +163,17 @@ class Checkpointer:
         )
         self._compiling.start()
 
-    def due(self, step: int) -> bool:
-        """Whether a periodic save falls after `step` updates."""
-        if not self.options.enabled:
-            return False
-        by_steps = self.options.every_steps and step % self.options.every_steps == 0
+    def due_by_steps(self, step: int) -> bool:
+        """Whether checkpoint.every_steps asks for a save after `step` updates."""
+        every = self.options.every_steps
+        return bool(self.options.enabled and every and step % every == 0)
+
+    def due_by_clock(self) -> bool:
+        """Whether checkpoint.every_minutes have passed since the last save (this clock's view)."""
         minutes = self.options.every_minutes
-        by_time = minutes is not None and time.monotonic() - self._last_save_time >= 60 * minutes
-        return bool(by_steps or by_time)
+        if not self.options.enabled or minutes is None:
+            return False
+        return time.monotonic() - self._last_save_time >= 60 * minutes
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start an asynchronous save; returns once the arrays are copied off the devices.
@@ -235,17 +239,32 @@ class Checkpointer:
         warn: Callable[[str], None],
         at_most: int | None = None,
     ) -> Restored | None:
-        """The newest checkpoint (<= at_most) that reads back intact; warns for each skipped."""
+        """The newest checkpoint (<= at_most) that reads back intact; warns for each skipped.
+
+        In a multi-process job every process restores the same step: the step tried is the
+        least of the processes' candidates, and one that any process cannot read is skipped by
+        all (each process reads its own shards, so only some may see the damage).
+        """
         for name in uncommitted_entries(self.directory):
             warn(f"skipped checkpoint {self.directory / name}: the save never finished")
-        for step in reversed(committed_steps(self.directory)):
-            if at_most is not None and step > at_most:
-                continue
+        vote = process_vote("restore")
+        bound = at_most
+        while True:
+            candidates = [s for s in committed_steps(self.directory) if bound is None or s <= bound]
+            step = agree_min(vote, candidates[-1] if candidates else -1)
+            if step < 0:
+                return None
+            bound = step - 1
             try:
-                return self.restore(step, abstract_state)
+                restored = self.restore(step, abstract_state)
             except MsjaxError as error:
                 warn(f"skipped {error}")
-        return None
+                agree_any(vote, True)
+                continue
+            if agree_any(vote, False):
+                warn(f"skipped checkpoint {restored.path}: another process could not read it")
+                continue
+            return restored
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of one step (no optimizer state read), checked by fingerprint."""

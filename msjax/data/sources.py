@@ -27,6 +27,7 @@ from msjax.data.token_store import (
     TokenStoreWriter,
     open_token_file,
     open_token_store,
+    remove_abandoned_writes,
     write_atomically,
 )
 from msjax.data.tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_spec, token_dtype
@@ -251,6 +252,8 @@ def _cached_streams(
         (train, built_facts), (evaluation, _) = train_found, eval_found
         cache = "hit"
     else:
+        for abandoned in remove_abandoned_writes(store_dir):
+            report(f"{label}: removed {abandoned}, left by a writer that was stopped")
         train, evaluation, built_facts = _build_stores(
             label, facts, documents, tokenizer, train_path, eval_path
         )

@@ -1,7 +1,8 @@
 """Token arrays on disk: a `TokenStore` reads a range of a flat file through a memmap.
 
 Stores are written atomically (`TokenStoreWriter`; a JSON sidecar marks them complete) and found
-again (`open_token_store`); `open_token_file` reads a user's .bin or .npy in place.
+again (`open_token_store`); `open_token_file` reads a user's .bin or .npy in place. Writers report
+their progress to `write_progress` listeners; `remove_abandoned_writes` clears a killed writer's.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,55 @@ import numpy as np
 from msjax.errors import MsjaxError
 
 TOKEN_DTYPES = ("uint16", "uint32")
+_progress_listeners: list[Callable[[int], None]] = []  # called with tokens written so far
+
+
+@contextlib.contextmanager
+def write_progress(listener: Callable[[int], None]) -> Iterator[None]:
+    """Within the block, every TokenStoreWriter of this process reports its tokens written
+    (a heartbeat uses it: tokenizing a large corpus is slow, not stuck)."""
+    _progress_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _progress_listeners.remove(listener)
+
+
+def _writer_prefix(path: Path) -> str:
+    # host and pid name the writer, so a later start can tell an abandoned file from a live one
+    return f".{path.name}.{_host()}-{os.getpid()}."
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_")  # no dots: the name splits on them
+
+
+def remove_abandoned_writes(directory: Path) -> list[Path]:
+    """Delete the temporary files of writers on this host that died before committing."""
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+            continue
+        # .STORE.HOST-PID.RANDOM.tmp
+        writer = entry.name.removesuffix(".tmp").rsplit(".", 2)[-2:][0]
+        writer_host, _, pid = writer.rpartition("-")
+        if writer_host == _host() and pid.isdigit() and not _process_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -86,13 +138,15 @@ class TokenStoreWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.num_tokens = 0
         self._file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed by commit or abort
-            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp", delete=False
+            dir=self.path.parent, prefix=_writer_prefix(self.path), suffix=".tmp", delete=False
         )
 
     def append(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids)
         self._file.write(ids.astype(self.dtype, copy=False).tobytes())
         self.num_tokens += ids.size
+        for listener in _progress_listeners:
+            listener(self.num_tokens)
 
     def commit(self, metadata: dict[str, Any]) -> TokenStore:
         """Publish the store, then its sidecar (dtype, num_tokens, metadata), each atomically."""

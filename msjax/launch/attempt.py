@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from msjax.launch.workers import WorkerProcess
-from msjax.resilience.heartbeat import HeartbeatRecord
+from msjax.resilience.heartbeat import STARTUP_PHASES, HeartbeatRecord
 from msjax.run_dir import RunDir
 
 
@@ -56,22 +56,23 @@ class Attempt:
             if record is None or record.pid != worker.pid:
                 continue
             previous = self.heartbeats.get(worker.rank)
-            moved = previous is None or (previous.phase, previous.step) != (
+            moved = previous is None or (previous.phase, previous.step, previous.progress) != (
                 record.phase,
                 record.step,
+                record.progress,
             )
             self.heartbeats[worker.rank] = record
             if moved:
                 self.progress_at[worker.rank] = time.monotonic()
                 self.progress_unix_s[worker.rank] = record.unix_s
-            if record.phase not in ("init", "nonfinite"):
+            if record.phase not in (*STARTUP_PHASES, "nonfinite"):
                 self.max_step = max(self.max_step, record.step)
             if worker.rank == self.workers[0].rank:
                 self._note_first_rank(record)
 
     def _note_first_rank(self, record: HeartbeatRecord) -> None:
         """The first rank's heartbeat times the attempt's compilation and first step."""
-        if record.phase != "init" and self.compile_unix_s is None:
+        if record.phase not in STARTUP_PHASES and self.compile_unix_s is None:
             self.compile_unix_s = (
                 record.phase_started_unix_s if record.phase == "compile" else record.unix_s
             )

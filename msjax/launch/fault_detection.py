@@ -34,7 +34,12 @@ def deadline_s(resilience: ResilienceConfig, phase: str) -> float:
         return resilience.step_deadline_s
     if phase in ("checkpoint", "done", "nonfinite"):
         return resilience.checkpoint_deadline_s
-    return resilience.compile_deadline_s  # init, compile, eval (which compiles)
+    startup = {
+        "init": resilience.init_deadline_s,  # from spawn: joining the job, building the program
+        "data": resilience.data_deadline_s,  # between reports of tokenizing progress
+        "restore": resilience.restore_deadline_s,
+    }
+    return startup.get(phase, resilience.compile_deadline_s)  # compile, eval (which compiles)
 
 
 def exit_fault(attempt: Attempt, failed: list[WorkerProcess], last_poll_unix_s: float) -> Fault:
@@ -61,6 +66,8 @@ def exit_fault(attempt: Attempt, failed: list[WorkerProcess], last_poll_unix_s: 
         fault.nonfinite_step = record.step if record is not None else attempt.max_step
         fault.step = fault.nonfinite_step
         fault.detail = f"the loss of step {fault.nonfinite_step} is not finite"
+    elif code == exit_codes.SAVES_FAILED:
+        fault.detail += " (checkpoint saves kept failing)"
     elif first.rank == 0:
         fault.detail += "; rank 0 hosted the coordinator"
     return fault

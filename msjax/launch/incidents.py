@@ -18,6 +18,7 @@ from msjax.launch.attempt import Attempt
 from msjax.launch.fault_detection import Fault
 from msjax.launch.workers import describe_exit
 from msjax.observe.flight_recorder import diagnose
+from msjax.resilience.heartbeat import STARTUP_PHASES
 from msjax.run_dir import RunDir
 
 STACK_DUMP_WAIT_S = 1.0
@@ -63,6 +64,8 @@ def collect_diagnostics(
     live = [worker for worker in attempt.workers if worker.alive]
     states = {worker.rank: worker.state() for worker in live}
     for worker in live:
+        # a worker hung before its first heartbeat has no heartbeats/ directory yet
+        run_dir.stacks(worker.rank).parent.mkdir(parents=True, exist_ok=True)
         run_dir.stacks(worker.rank).write_text("")
         worker.signal(signal.SIGUSR1)
         if states[worker.rank] in ("T", "t"):
@@ -166,7 +169,9 @@ class IncidentLog:
             caught_up = attempt.compile_unix_s  # resumed at (or past) the pre-fault step
         elif attempt.max_step >= incident["step"] and attempt.first_step_unix_s is not None:
             caught_up = max(
-                record.unix_s for record in attempt.heartbeats.values() if record.phase != "init"
+                record.unix_s
+                for record in attempt.heartbeats.values()
+                if record.phase not in STARTUP_PHASES
             )
         if caught_up is not None:
             incident["catch_up_s"] = round(caught_up - detected, 3)

@@ -4,10 +4,13 @@ Schedulers key their restart policies on these (launch/README.md, launch/slurm, 
 """
 
 OK = 0  # train.steps reached
+CRASHED = 1  # train: an unexpected error (its traceback is in the log); the supervisor restarts
 USER_ERROR = 2  # a config or command-line mistake: restarting cannot help
 NONFINITE_LOSS = 3  # a loss was NaN or infinite (train); with on_nonfinite_loss=stop (launch)
 RESTARTS_EXHAUSTED = 4  # launch: resilience.max_restarts spent; the last good checkpoint is kept
 JOB_RESTART_NEEDED = 5  # launch, multi-node: a worker failed; restart the whole job to resume
+SAVES_FAILED = 6  # train: checkpoint saves kept failing (disk full, I/O errors); the supervisor
+# restarts the attempt from the last good checkpoint
 INTERRUPTED = 130  # SIGINT
 TERMINATED = 143  # launch: SIGTERM (e.g. preemption); workers saved a checkpoint; rerun to resume
 

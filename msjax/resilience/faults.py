@@ -7,6 +7,7 @@
   nan            the loss rank R reads back for step K is NaN
   slow           from step K on, rank R sleeps X percent of its step time after every step
   crash_in_save  the process exits while the checkpoint of step K is being written
+  save_error     saves from step K on fail with OSError ENOSPC (a full disk), `times` saves
 Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
 RUN_DIR/faults.jsonl before they happen. Kept out of the config on purpose: a drill is not part of
 what defines a run.
@@ -14,6 +15,7 @@ what defines a run.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,7 +29,7 @@ from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
 
 ENV_VAR = "MSJAX_FAULT"
-KINDS = ("crash", "hang", "nan", "slow", "crash_in_save")
+KINDS = ("crash", "hang", "nan", "slow", "crash_in_save", "save_error")
 CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught exception
 
 
@@ -116,6 +118,7 @@ class FaultInjector:
             if fault.rank == rank
             and (fault.kind == "slow" or fired.get(fault.spec, 0) < fault.times)
         ]
+        self._fired = fired  # firings per fault over every attempt so far
         self._last_step_at: float | None = None
         self._slow_noted = False
 
@@ -173,6 +176,16 @@ class FaultInjector:
         if self._take("nan", step):
             return float("nan")
         return loss
+
+    def before_save(self, step: int) -> None:
+        """A save of step >= the fault's step fails as on a full disk, `times` saves in a row."""
+        for fault in self._pending:
+            if fault.kind == "save_error" and step >= fault.step:
+                self._record(fault, step)
+                self._fired[fault.spec] = self._fired.get(fault.spec, 0) + 1
+                if self._fired[fault.spec] >= fault.times:
+                    self._pending.remove(fault)
+                raise OSError(errno.ENOSPC, "No space left on device (injected save_error)")
 
     def after_save_started(self, step: int) -> None:
         """Exit while the asynchronous save of step `step` is being written, as injected."""

@@ -17,7 +17,11 @@ from typing import IO, Any, Literal
 
 from msjax.run_dir import RunDir
 
-Phase = Literal["init", "compile", "step", "checkpoint", "eval", "nonfinite", "done"]
+Phase = Literal[
+    "init", "data", "restore", "compile", "step", "checkpoint", "eval", "nonfinite", "done"
+]
+# before the state is ready: the step a heartbeat of these phases carries means nothing yet
+STARTUP_PHASES = ("init", "data", "restore")
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,14 @@ class HeartbeatRecord:
     phase: str
     phase_started_unix_s: float
     unix_s: float  # when it was written
+    progress: int = 0  # work done within the phase (tokens written while tokenizing)
 
     @classmethod
     def read(cls, path: Path) -> HeartbeatRecord | None:
         """The heartbeat in path, or None if there is none (or it is being replaced)."""
         try:
             values = json.loads(path.read_text())
-            return cls(**{key: values[key] for key in cls.__dataclass_fields__})
+            return cls(**{key: values[key] for key in cls.__dataclass_fields__ if key in values})
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -56,15 +61,18 @@ class Heartbeat:
         self.step = 0
         self.start_step = 0
         self.phase: str = ""
+        self.progress = 0
         self._phase_started = time.time()
         self._written_at = -float("inf")
         self._stacks_file: IO[str] | None = None
 
-    def beat(self, phase: Phase, step: int | None = None) -> None:
-        """Record phase and step; writes now if the phase changed or every_s has passed."""
+    def beat(self, phase: Phase, step: int | None = None, progress: int = 0) -> None:
+        """Record phase, step and progress within the phase; writes now if the phase changed
+        or every_s has passed."""
         now = time.time()
         if step is not None:
             self.step = step
+        self.progress = progress
         if phase != self.phase:
             self.phase = phase
             self._phase_started = now
@@ -82,6 +90,7 @@ class Heartbeat:
             "phase": self.phase,
             "phase_started_unix_s": self._phase_started,
             "unix_s": now,
+            "progress": self.progress,
         }
         partial = self.path.with_name(f".{self.path.name}.{self.pid}.tmp")
         partial.write_text(json.dumps(record))

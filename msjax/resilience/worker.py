@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,9 @@ from msjax.config import ResilienceConfig
 from msjax.loop_events import LoopEvents, StepRecord
 from msjax.resilience.faults import FaultInjector
 from msjax.resilience.heartbeat import Heartbeat, Phase
+from msjax.resilience.job_end import leave_job_now
+
+__all__ = ["NonFiniteLoss", "SavesFailing", "WorkerResilience", "leave_job_now", "skip_update"]
 from msjax.resilience.skips import read_skipped_steps
 
 
@@ -29,6 +30,11 @@ class NonFiniteLoss(Exception):
         )
         self.step = step
         self.loss = loss
+
+
+class SavesFailing(Exception):
+    """Checkpoint saves kept failing (an infrastructure fault, not a user error): the attempt
+    ends with exit code 6, which the supervisor restarts from the last good checkpoint."""
 
 
 class WorkerResilience(LoopEvents):
@@ -84,6 +90,7 @@ class WorkerResilience(LoopEvents):
 
     def save_begin(self, step: int) -> None:
         self.heartbeat.beat("checkpoint", step)
+        self.faults.before_save(step)
 
     def save_end(self, step: int, blocked_s: float | None) -> None:
         if blocked_s is not None:
@@ -95,17 +102,6 @@ class WorkerResilience(LoopEvents):
     def run_end(self, final_step: int) -> None:
         self.heartbeat.beat("done", final_step)
         self.heartbeat.close()
-
-
-def leave_job_now(code: int) -> None:
-    """In a multi-process job, exit at once with code: JAX's exit-time shutdown would wait for
-    peers that are blocked in a collective with this process. One process: return."""
-    jax = sys.modules.get("jax")
-    if jax is None or not jax.distributed.is_initialized():
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def skip_update(state: Any) -> Any:

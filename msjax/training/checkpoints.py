@@ -3,6 +3,7 @@ record of the data position, reported to the loop's listeners."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from msjax.checkpoint.manager import Checkpointer, Restored, parse_resume_source
 from msjax.config import Config, config_from_dict
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
+from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
 
 
@@ -81,9 +83,14 @@ def check_same_model(config: Config, restored: Restored) -> None:
         )
 
 
+RETRY_PAUSE_MAX_S = 60.0  # a failed save is retried after 1 s, 2 s, 4 s, ... at most this
+
+
 class CheckpointSaves:
-    """Saves of the train state with the run's config and data position; failures follow
-    checkpoint.on_save_error (continue with a warning, or stop)."""
+    """Saves of the train state with the run's config and data position. A failed save is
+    retried (the loop saves again once `retry_due`); checkpoint.on_save_error=stop ends the
+    attempt at the first failure, and checkpoint.max_unsaved_minutes bounds how long training
+    goes on while saves keep failing."""
 
     def __init__(
         self,
@@ -101,6 +108,9 @@ class CheckpointSaves:
         self.start = start
         self.events = events
         self.warn = warn
+        self.last_good_s = time.monotonic()  # the last save that did not fail (or the start)
+        self.failures = 0  # saves failed in a row
+        self._failed_at_s = 0.0
 
     @property
     def directory(self) -> Path:
@@ -117,14 +127,27 @@ class CheckpointSaves:
             "seed": self.config.run.seed,
             "msjax_version": __version__,
         }
-        self.events.save_begin(step)
         try:
+            self.events.save_begin(step)  # an injected save_error fault strikes here
             self.checkpointer.save(step, self.to_canonical(state), meta)
         except Exception as error:
             self._report_error(step, error)
             self.events.save_end(step, None)
         else:
+            self.failures = 0
+            self.last_good_s = time.monotonic()
             self.events.save_end(step, self.checkpointer.save_blocked_s[-1])
+
+    def retry_due(self) -> bool:
+        """Whether a failed save is waiting to be retried and its pause is over."""
+        pause_s = min(2.0 ** (self.failures - 1), RETRY_PAUSE_MAX_S)
+        return self.failures > 0 and time.monotonic() - self._failed_at_s >= pause_s
+
+    def overdue(self) -> bool:
+        """Whether saves are failing and the last good one is older than max_unsaved_minutes."""
+        minutes = self.config.checkpoint.max_unsaved_minutes
+        unsaved_s = time.monotonic() - self.last_good_s
+        return self.failures > 0 and minutes is not None and unsaved_s > 60 * minutes
 
     def finish(self, state: Any, final_step: int) -> None:
         """The last save (unless the state is saved already), then wait for every save."""
@@ -137,12 +160,19 @@ class CheckpointSaves:
         except Exception as error:
             self._report_error(final_step, error)
         self.checkpointer.close()
+        if self.failures:
+            raise SavesFailing(
+                f"the last checkpoint (step {final_step}) could not be saved; the good ones in "
+                f"{self.directory} are kept"
+            )
 
     def _report_error(self, step: int, error: Exception) -> None:
+        self.failures += 1
+        self._failed_at_s = time.monotonic()
         message = (
             f"checkpoint save at step {step} failed ({type(error).__name__}: {error}); "
             "earlier checkpoints are untouched"
         )
         if self.config.checkpoint.on_save_error == "stop":
-            raise MsjaxError(message + "; stopping (checkpoint.on_save_error=stop)") from None
-        self.warn("warning: " + message + "; training continues")
+            raise SavesFailing(message + "; stopping (checkpoint.on_save_error=stop)") from None
+        self.warn("warning: " + message + "; training continues and the save is retried")

@@ -3,11 +3,12 @@
 Every choice here changes what a process does next, so in a multi-process job all processes
 must make it for the same step. Step-count choices (eval every N, save every N) are the same on
 every process by construction; `agree` is where choices that one process can see alone (a stop
-signal, a wall-clock save) are made the same for all.
+signal, a wall-clock save, a save overdue) are made the same for all, by one vote per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from typing import Any
 
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config
+from msjax.parallel.agreement import ProcessVote, process_vote
+from msjax.training.checkpoints import CheckpointSaves
+
+STOP_SIGNALS = (None, "SIGTERM", "SIGINT")  # a vote's stop value indexes this
 
 
 class StopSignal:
@@ -48,41 +53,64 @@ class Decision:
     evaluate: bool = False
     save: bool = False
     stop_by: str | None = None  # the signal that asked the run to stop
+    saves_failing: bool = False  # saves kept failing past checkpoint.max_unsaved_minutes
 
     @property
     def needs_result(self) -> bool:
         """Whether the step's metrics must be read now (they are reported before what follows)."""
-        return self.evaluate or self.save or self.stop_by is not None
+        return self.evaluate or self.save or self.stop_by is not None or self.saves_failing
 
 
 class Decider:
-    """Makes the decision after each step from the config, the checkpoint clock and signals."""
+    """Makes the decision after each step from the config, the checkpoint clock, the saves'
+    failures and signals."""
 
     def __init__(
-        self, config: Config, checkpointer: Checkpointer, stop: StopSignal, can_evaluate: bool
+        self,
+        config: Config,
+        checkpointer: Checkpointer,
+        stop: StopSignal,
+        can_evaluate: bool,
+        saves: CheckpointSaves | None = None,
     ):
         self.total_steps = config.train.steps
         self.eval_every = config.train.eval_every if can_evaluate else 0
         self.checkpointer = checkpointer
         self.stop = stop
+        self.saves = saves
+        self.vote = process_vote("decide")
 
     def after_step(self, step: int) -> Decision:
         """The decision once the state has `step` updates; the run's last step is never saved
         or evaluated here (the end of the run does both)."""
         before_end = step < self.total_steps
+        retry = self.saves is not None and self.saves.retry_due()
         local = Decision(
             step=step,
             evaluate=bool(self.eval_every) and step % self.eval_every == 0 and before_end,
-            save=self.checkpointer.due(step) and before_end,
+            save=(self.checkpointer.due_by_steps(step) or retry) and before_end,
             stop_by=self.stop.received,
+            saves_failing=self.saves is not None and self.saves.overdue(),
         )
-        return agree(local)
+        return agree(local, self.checkpointer.due_by_clock() and before_end, self.vote)
 
 
-def agree(local: Decision) -> Decision:
+def agree(local: Decision, clock_save: bool, vote: ProcessVote | None) -> Decision:
     """The decision every process acts on for this step.
 
-    One process: its own. Several: the step-count parts are identical everywhere already; the
-    signal and the wall-clock save are still each process's own view here.
+    One process: its own. Several: the step-count parts are identical everywhere already; a
+    stop signal, a save to retry or saves failing for too long, seen by any process, count for
+    all; a save that is due by the clock is process 0's call (each clock would decide at
+    another step).
     """
-    return local
+    if vote is None:
+        return dataclasses.replace(local, save=local.save or clock_save)
+    import jax
+
+    clock_save = clock_save and jax.process_index() == 0
+    stop, save, failing = vote.agree(
+        [STOP_SIGNALS.index(local.stop_by), int(local.save or clock_save), int(local.saves_failing)]
+    )
+    return dataclasses.replace(
+        local, save=bool(save), stop_by=STOP_SIGNALS[stop], saves_failing=bool(failing)
+    )

@@ -15,6 +15,7 @@ from typing import IO, Any
 from msjax.checkpoint.manager import Checkpointer, committed_steps, parse_resume_source
 from msjax.config import Config
 from msjax.data.dataset import TrainingData, build_training_data
+from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
 from msjax.errors import MsjaxError
 from msjax.loop_events import EventFanOut, LoopEvents
@@ -26,6 +27,8 @@ from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installe
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
 from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
+from msjax.resilience.heartbeat import Heartbeat
+from msjax.resilience.job_end import watch_for_peer_exit
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
@@ -102,6 +105,7 @@ def prepare_run(
 
     started = time.perf_counter()
     config, job, xla_flags = join_job(config)
+    watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     plan = plan_run_dir(config)
     lock = job_lock(plan, job)
     try:
@@ -140,7 +144,7 @@ def _prepare(
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
     mesh = build_mesh(config.mesh)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
-    data = build_training_data(config, progress.message)
+    data = read_data_watched(config, run_dir, job, progress.message)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     is_writer = jax.process_index() == 0
     if config.observe.tensorboard:
@@ -160,6 +164,7 @@ def _prepare(
     )
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
+    resilience.beat("restore")
     start = restore_or_init(config, checkpointer, program, abstract_state, progress.message)
     describe_data(data, config, start, progress.message)
     observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
@@ -196,6 +201,23 @@ def _prepare(
         progress=progress,
         started=started,
     )
+
+
+def read_data_watched(
+    config: Config, run_dir: RunDir, job: JobEnv, message: Callable[[str], None]
+) -> TrainingData:
+    """The corpus, read or tokenized; under msjax.launch with a heartbeat in phase `data` that
+    reports the tokens written, so a large corpus counts as progress, not as a hang."""
+    import jax
+
+    if not job.launched:
+        return build_training_data(config, message)
+    heartbeat = Heartbeat(
+        run_dir.path, jax.process_index(), config.resilience.heartbeat_every_s, job.attempt
+    )
+    heartbeat.beat("data")
+    with write_progress(lambda tokens: heartbeat.beat("data", progress=tokens)):
+        return build_training_data(config, message)
 
 
 def optional_listeners(config: Config, run_dir: RunDir, is_writer: bool) -> list[LoopEvents]:

@@ -1,0 +1,101 @@
+"""The start-up watch and failed saves, piece by piece: per-phase deadlines, heartbeat progress,
+abandoned token-store writes, the save retry pause and the bound on unsaved time."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from msjax.config import Config, ResilienceConfig, load_config
+from msjax.data.token_store import (
+    TokenStoreWriter,
+    open_token_store,
+    remove_abandoned_writes,
+    write_progress,
+)
+from msjax.errors import ConfigError
+from msjax.launch.fault_detection import deadline_s
+from msjax.resilience.heartbeat import Heartbeat, HeartbeatRecord
+
+
+def test_each_start_up_phase_has_its_own_deadline():
+    resilience = ResilienceConfig(
+        init_deadline_s=1, data_deadline_s=2, restore_deadline_s=3, compile_deadline_s=4
+    )
+    phases = ("init", "data", "restore", "compile", "eval", "step")
+    assert [deadline_s(resilience, phase) for phase in phases] == [1, 2, 3, 4, 4, 120]
+
+
+def test_heartbeat_carries_progress_within_a_phase_and_old_records_still_read(tmp_path):
+    heartbeat = Heartbeat(tmp_path, rank=0, every_s=0.0)
+    heartbeat.beat("data", progress=1234)
+    record = HeartbeatRecord.read(heartbeat.path)
+    assert (record.phase, record.progress) == ("data", 1234)
+    old = heartbeat.path.read_text().replace(', "progress": 1234', "")
+    heartbeat.path.write_text(old)
+    assert HeartbeatRecord.read(heartbeat.path).progress == 0
+
+
+def test_token_writers_report_their_progress_to_listeners(tmp_path):
+    seen: list[int] = []
+    with write_progress(seen.append), TokenStoreWriter(tmp_path / "train.bin", "uint16") as w:
+        w.append(np.arange(5))
+        w.append(np.arange(3))
+        w.commit({})
+    with TokenStoreWriter(tmp_path / "other.bin", "uint16") as w:
+        w.append(np.arange(2))  # no listener any more
+    assert seen == [5, 8]
+
+
+def test_a_killed_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_path):
+    code = (
+        "import sys, numpy as np; from pathlib import Path;"
+        "from msjax.data.token_store import TokenStoreWriter;"
+        "w = TokenStoreWriter(Path(sys.argv[1]), 'uint16'); w.append(np.arange(10));"
+        "w._file.flush(); import os; os._exit(0)"  # dies before commit, like a killed worker
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "train.bin")], check=True, env=env)
+    (abandoned,) = tmp_path.iterdir()
+    with TokenStoreWriter(tmp_path / "train.bin", "uint16") as live:
+        live.append(np.arange(4))
+        assert remove_abandoned_writes(tmp_path) == [abandoned]
+        assert not abandoned.exists() and Path(live._file.name).exists()
+        live.commit({})
+    assert open_token_store(tmp_path / "train.bin")[0].num_tokens == 4
+
+
+def test_max_unsaved_minutes_must_be_positive_or_null():
+    with pytest.raises(ConfigError, match=r"checkpoint\.max_unsaved_minutes=0"):
+        load_config(None, ["checkpoint.max_unsaved_minutes=0"])
+    assert (
+        load_config(None, ["checkpoint.max_unsaved_minutes=null"]).checkpoint.max_unsaved_minutes
+        is None
+    )
+
+
+def test_a_failed_save_is_retried_after_a_growing_pause_and_bounded_in_time():
+    from msjax.loop_events import EventFanOut
+    from msjax.training.checkpoints import CheckpointSaves
+
+    config = dataclasses.replace(
+        Config(),
+        checkpoint=dataclasses.replace(Config().checkpoint, max_unsaved_minutes=0.5 / 60),
+    )
+    saves = CheckpointSaves(config, None, None, EventFanOut([]), lambda line: None)
+    assert not saves.retry_due() and not saves.overdue()
+    saves._report_error(3, OSError(28, "No space left on device"))
+    assert not saves.retry_due()  # the first retry waits 1 s
+    time.sleep(0.6)
+    assert saves.overdue()  # 0.5 s without a good save, and saves are failing
+    time.sleep(0.5)
+    assert saves.retry_due()
+    saves._report_error(4, OSError(28, "No space left on device"))
+    assert not saves.retry_due()  # now 2 s
