@@ -96,6 +96,8 @@ class DataConfig:
     max_corpus_mib: int = 24  # stdlib source: read at most this much text (keeps start-up fast)
     num_workers: int = 0  # Grain worker processes preparing batches; 0: a thread in the trainer
     prefetch_batches: int = 2
+    # resume even when the corpus differs from the one the checkpoint was trained on (recorded)
+    allow_changed: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ class CheckpointConfig:
     keep_every_steps: int | None = None  # checkpoints at multiples of this are never deleted
     resume_from: str | None = None  # a checkpoints dir or run dir, optionally /STEP
     on_save_error: Literal["continue", "stop"] = "continue"
+    # when checkpoints exist but none restores: stop (exit 2, one line per checkpoint) or restart
+    # from step 0
+    if_none_valid: Literal["stop", "restart"] = "stop"
 
 
 @dataclass(frozen=True)

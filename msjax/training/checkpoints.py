@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax import __version__
-from msjax.checkpoint.manager import Checkpointer, Restored, parse_resume_source
+from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored, parse_resume_source
 from msjax.config import Config, config_from_dict
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
@@ -45,6 +45,7 @@ def restore_or_init(
     else:
         restored = checkpointer.restore_newest_valid(abstract_state, message)
     if restored is None:
+        refuse_silent_restart(config, checkpointer, message)
         return StartingPoint(program.init_state(), 0, 0, None)
     check_same_model(config, restored)
     message(f"resumed from {restored.path} (step {restored.step})")
@@ -53,6 +54,34 @@ def restore_or_init(
     samples_seen = restored.meta.get("data", {}).get("samples_seen")
     first_sample = step * config.train.global_batch if samples_seen is None else int(samples_seen)
     return StartingPoint(restored.state, step, first_sample, restored)
+
+
+def refuse_silent_restart(
+    config: Config, checkpointer: Checkpointer, message: Callable[[str], None]
+) -> None:
+    """Checkpoints exist but none restored (each skipped one has had its line): stop, unless
+    checkpoint.if_none_valid=restart."""
+    damaged_before = checkpointer.damaged_entries()
+    if not checkpointer.skipped and not damaged_before:
+        return  # a new run, or only saves that never finished: step 0 loses nothing
+    count = len(checkpointer.skipped) + len(damaged_before)
+    what = (
+        f"none of the {count} checkpoints in {checkpointer.directory} restores"
+        + (" (the reasons are above)" if checkpointer.skipped else "")
+        + (
+            f"; {len(damaged_before)} found damaged earlier are in "
+            f"{checkpointer.directory / DAMAGED_DIR}"
+            if damaged_before
+            else ""
+        )
+    )
+    if config.checkpoint.if_none_valid == "restart":
+        message(f"warning: {what}; starting from step 0 (checkpoint.if_none_valid=restart)")
+        return
+    raise MsjaxError(
+        f"{what}; not starting again from step 0 silently: restore a good checkpoint there, "
+        "or pass checkpoint.if_none_valid=restart to start from step 0"
+    )
 
 
 def check_same_model(config: Config, restored: Restored) -> None:

@@ -106,7 +106,12 @@ def prepare_run(
 
     checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
     resilience = WorkerResilience(
-        config.resilience, run_dir.path, jax.process_index(), job.attempt, checkpointer.wait
+        config.resilience,
+        run_dir.path,
+        jax.process_index(),
+        job.attempt,
+        checkpointer.wait,
+        config.model.vocab_size,
     )
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
