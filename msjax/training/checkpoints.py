@@ -11,6 +11,7 @@ from typing import Any
 from msjax import __version__
 from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored, parse_resume_source
 from msjax.config import Config, config_from_dict
+from msjax.data.identity import corpus_changes
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.run_dir import differences
@@ -95,6 +96,36 @@ def check_same_model(config: Config, restored: Restored) -> None:
         )
 
 
+def check_same_corpus(
+    config: Config, start: StartingPoint, corpus: dict[str, Any], message: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Refuse to resume on another corpus than the checkpoint's, unless data.allow_changed=true.
+
+    Returns the allowed changes to record in later checkpoints (earlier ones carried along).
+    """
+    if start.restored is None:
+        return []
+    saved_data = start.restored.meta.get("data", {})
+    earlier = list(saved_data.get("allowed_changes", []))
+    saved = saved_data.get("corpus")
+    if saved is None:
+        return earlier  # saved before checkpoints recorded their corpus
+    changes = corpus_changes(saved, corpus)
+    if not changes:
+        return earlier
+    what = (
+        f"the corpus differs from the one checkpoint {start.restored.path} was trained on: "
+        + "; ".join(changes)
+    )
+    if not config.data.allow_changed:
+        raise MsjaxError(
+            f"{what}; resume with that data, or pass data.allow_changed=true to go on with this "
+            "one (recorded in every later checkpoint)"
+        )
+    message(f"warning: {what}; going on (data.allow_changed=true, recorded in the checkpoints)")
+    return [*earlier, {"at_step": start.step, "changes": changes}]
+
+
 class CheckpointSaves:
     """Saves of the train state with the run's config and data position; failures follow
     checkpoint.on_save_error (continue with a warning, or stop)."""
@@ -106,8 +137,12 @@ class CheckpointSaves:
         start: StartingPoint,
         events: LoopEvents,
         warn: Callable[[str], None],
+        corpus: dict[str, Any] | None = None,
+        allowed_data_changes: list[dict[str, Any]] = (),
     ):
         self.config = config
+        self.corpus = corpus  # msjax.data.identity: what the saved state was trained on
+        self.allowed_data_changes = list(allowed_data_changes)
         self.checkpointer = checkpointer
         self.start = start
         self.events = events
@@ -124,7 +159,12 @@ class CheckpointSaves:
         )
         meta = {
             "config": self.config.to_dict(),
-            "data": {"next_step": step, "samples_seen": samples_seen},
+            "data": {
+                "next_step": step,
+                "samples_seen": samples_seen,
+                "corpus": self.corpus,
+                "allowed_changes": self.allowed_data_changes,
+            },
             "seed": self.config.run.seed,
             "msjax_version": __version__,
         }

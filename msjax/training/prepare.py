@@ -28,7 +28,12 @@ from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.step import TrainProgram, build_program
-from msjax.training.checkpoints import CheckpointSaves, StartingPoint, restore_or_init
+from msjax.training.checkpoints import (
+    CheckpointSaves,
+    StartingPoint,
+    check_same_corpus,
+    restore_or_init,
+)
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
 
 
@@ -116,6 +121,8 @@ def prepare_run(
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
     start = restore_or_init(config, checkpointer, program, abstract_state, progress.message)
+    corpus = data.identity()
+    allowed_data_changes = check_same_corpus(config, start, corpus, progress.message)
     describe_data(data, config, start, progress.message)
     observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
     listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
@@ -144,7 +151,9 @@ def prepare_run(
         validation=[jax.device_put(batch, program.batch_sharding) for batch in data.validation],
         events=events,
         results=results,
-        saves=CheckpointSaves(config, checkpointer, start, events, progress.message),
+        saves=CheckpointSaves(
+            config, checkpointer, start, events, progress.message, corpus, allowed_data_changes
+        ),
         resilience=resilience,
         progress=progress,
         started=started,
