@@ -169,3 +169,43 @@ def test_when_no_checkpoint_restores_the_run_stops_instead_of_starting_from_step
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "starting from step 0 (checkpoint.if_none_valid=restart)" in restarted.stdout
     assert committed_steps(checkpoints) == [6]
+
+
+def launch_job(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2", "--",
+        *QUICK_RUN, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1", f"train.steps={steps}",
+        "train.eval_every=0", "checkpoint.every_steps=2", "resilience.max_restarts=0",
+        f"run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="both ranks fall back to step 2 together, but the first save after it fails "
+    "(Gloo AllGather: connection closed by peer); not yet understood",
+    strict=False,
+)
+def test_a_checkpoint_damaged_in_rank_1s_shards_makes_both_ranks_fall_back_to_the_same_step(
+    tmp_path,
+):
+    run_dir = tmp_path / "run"
+    first = launch_job(run_dir, 4)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    assert committed_steps(checkpoints) == [2, 4]
+    rank_1_files = sorted((checkpoints / "4" / "state" / "ocdbt.process_1").rglob("*"))
+    largest = max((path for path in rank_1_files if path.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])  # rank 1's shards
+
+    second = launch_job(run_dir, 6)
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-5000:]
+    assert f"skipped checkpoint {checkpoints}/4" in output
+    assert f"resumed from {checkpoints}/2 (step 2)" in output
+    resumes = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("event") == "resume"]
+    assert [r["step"] for r in resumes] == [2]
+    assert committed_steps(checkpoints) == [2, 4, 6]  # 4 saved again, from the restored 2
+    assert (checkpoints / "damaged" / "4").is_dir()

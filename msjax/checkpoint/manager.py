@@ -136,12 +136,13 @@ class Checkpointer:
     def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
         self.directory = directory
         self.options = options
+        # float weights and moments barely compress; zstd would only take host CPU from the
+        # steps that overlap the write
+        self._state_handler = ocp.PyTreeCheckpointHandler(use_compression=False)
         self._manager = ocp.CheckpointManager(
             directory.absolute(),
             item_handlers={
-                # float weights and moments barely compress; zstd would only take host CPU
-                # from the steps that overlap the write
-                "state": ocp.PyTreeCheckpointHandler(use_compression=False),
+                "state": self._state_handler,
                 "meta": _MetaHandler(META_FILE),
             },
             # Retention is msjax's (`prune`): Orbax would count a damaged step as kept and delete
@@ -233,7 +234,8 @@ class Checkpointer:
         for step in intact[: -self.options.max_to_keep]:
             if not (keep_every and step % keep_every == 0):
                 shutil.rmtree(self.directory / str(step), ignore_errors=True)
-        self._manager.reload()
+        # Orbax's own list of steps is not reloaded here: a failed save may still have threads
+        # waiting on it, and with max_to_keep=None it deletes nothing from that list.
 
     def _record_ok(self, step: int) -> bool:
         try:
@@ -273,6 +275,27 @@ class Checkpointer:
         read error is retried READ_ATTEMPTS times before the step counts as unreadable.
         """
         path = self.directory / str(step)
+        try:
+            meta, state = self._read(path, abstract_state)
+            local_error = None
+        except MsjaxError as error:
+            local_error = str(error)
+        # Every process reads its own shards; all act on the same verdict, so a checkpoint that
+        # one process cannot read makes all of them fall back together.
+        failed = processes_failing(local_error is not None)
+        if local_error is not None:
+            raise MsjaxError(local_error)
+        if failed:
+            raise MsjaxError(
+                f"checkpoint {path} could not be read by process "
+                + ", ".join(str(process) for process in failed)
+            )
+        # computed over the global arrays: every process gets the same fingerprints
+        _check_fingerprints(path, meta, fingerprints(state, meta.get("fingerprint_format", 1)))
+        return Restored(step=step, state=state, meta=meta, path=path)
+
+    def _read(self, path: Path, abstract_state: Any) -> tuple[dict[str, Any], Any]:
+        """This process's part of a step: its record, checked, and its shards of the state."""
         if not (path / COMMIT_MARKER).exists():
             raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
         raw = self._read_with_retries(path, lambda: (path / "meta" / META_FILE).read_bytes())
@@ -280,30 +303,23 @@ class Checkpointer:
         if problem is not None:
             raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
         meta = json.loads(raw)
-        state = self._read_with_retries(
-            path,
-            lambda: (
-                self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.PyTreeRestore(
-                            abstract_state,
-                            restore_args=ocp.checkpoint_utils.construct_restore_args(
-                                abstract_state
-                            ),
-                        )
-                    ),
-                ).state
-            ),
-        )
         fingerprint_format = meta.get("fingerprint_format", 1)  # format 1 records had none
         if fingerprint_format not in FINGERPRINT_FORMATS:
             raise MsjaxError(
                 f"checkpoint {path} has fingerprint format {fingerprint_format}, newer than this "
                 f"msjax reads ({FINGERPRINT_FORMATS[-1]}); restore it with a newer msjax"
             )
-        _check_fingerprints(path, meta, fingerprints(state, fingerprint_format))
-        return Restored(step=step, state=state, meta=meta, path=path)
+        # The item handler itself, not the manager: the manager's restore ends in a barrier of
+        # all processes that one whose read failed would never reach.
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        state = self._read_with_retries(
+            path,
+            lambda: self._state_handler.restore(
+                path.absolute() / "state",
+                args=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
+            ),
+        )
+        return meta, state
 
     @staticmethod
     def _read_with_retries(path: Path, read: Callable[[], Any]) -> Any:
@@ -363,6 +379,18 @@ class Checkpointer:
         """The meta JSON of one step, without reading any array."""
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))
         return dict(restored.meta)
+
+
+def processes_failing(failed_here: bool) -> list[int]:
+    """The processes for which `failed_here` is true, the same list on every process (one
+    collective; every process must call it the same number of times)."""
+    if jax.process_count() == 1:
+        return [0] if failed_here else []
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(failed_here)], np.int32))
+    return [int(process) for process in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
 
 def _check_fingerprints(path: Path, meta: dict[str, Any], actual: dict[str, int]) -> None:
