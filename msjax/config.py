@@ -114,6 +114,8 @@ class DataConfig:
     max_corpus_mib: int = 24  # stdlib source: read at most this much text (keeps start-up fast)
     num_workers: int = 0  # Grain worker processes preparing batches; 0: a thread in the trainer
     prefetch_batches: int = 2
+    # resume even when the corpus differs from the one the checkpoint was trained on (recorded)
+    allow_changed: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,9 @@ class CheckpointConfig:
     # while saves keep failing (retried with a growing pause), training goes on for at most this
     # long after the last good checkpoint; then the attempt ends with exit code 6 (retried)
     max_unsaved_minutes: float | None = 60.0
+    # when checkpoints exist but none restores: stop (exit 2, one line per checkpoint) or restart
+    # from step 0
+    if_none_valid: Literal["stop", "restart"] = "stop"
 
 
 @dataclass(frozen=True)

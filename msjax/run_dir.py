@@ -44,6 +44,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "data.prefetch_batches",
         "data.num_workers",
         "data.cache_dir",
+        "data.allow_changed",
         "model.attention_impl",
         "model.norm_impl",
         "model.loss_impl",

@@ -22,6 +22,7 @@ from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.models.transformer import Transformer, apply_layer_stack
 from msjax.optim import (
+    advance_schedule,
     learning_rate_schedule,
     make_optimizer,
     stacked_over_layers,
@@ -55,6 +56,25 @@ class TrainState:
     step: jax.Array  # int32 scalar: the number of updates applied so far
     params: Params
     opt_state: optax.OptState
+
+
+def update_is_finite(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
+    """bool scalar: the loss, every gradient (through their norm) and every new parameter are
+    finite. A norm also turns inf when the squares overflow (gradients beyond ~1e19)."""
+    params_finite = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.stack(params_finite).all()
+
+
+def keep_unless_finite(
+    update_finite: jax.Array, updated: TrainState, state: TrainState
+) -> TrainState:
+    """`updated` when the update is finite; otherwise the state of a skipped step (parameters
+    and moments as they were, step and schedule one further), so a non-finite update is never
+    applied and never reaches a checkpoint (msjax.resilience.skips: the same as a rollback's)."""
+    skipped = dataclasses.replace(
+        state, step=state.step + 1, opt_state=advance_schedule(state.opt_state)
+    )
+    return jax.tree.map(lambda new, old: jnp.where(update_finite, new, old), updated, skipped)
 
 
 def mean_over_real_tokens(losses: jax.Array, batch: Batch) -> jax.Array:
@@ -285,14 +305,18 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
         loss, grads = jax.value_and_grad(program.loss)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        update_finite = update_is_finite(loss, grad_norm, params)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state.step),
+            "update_finite": update_finite,
         }
-        new_state = dataclasses.replace(
+        updated = dataclasses.replace(
             state, step=state.step + 1, params=params, opt_state=opt_state
         )
+        new_state = keep_unless_finite(update_finite, updated, state)
         return new_state, metrics
 
     program.train_step = jax.jit(

@@ -133,6 +133,7 @@ def train(
                     events.step_skipped(step)
                 else:
                     batch, data_wait_s = next(batches)
+                    batch = run.resilience.batch(step, batch)
                     events.batch_ready(step, data_wait_s)
                     state, device_metrics = run.train_step(state, batch)
                     events.step_dispatched(step)

@@ -2,17 +2,24 @@
 
 Orbax notices a truncated file (the read fails) but restores flipped bytes silently. Each array's
 fingerprint is a position-weighted sum of its raw bits modulo 2**32: exact integer arithmetic,
-so it is the same however the array is sharded.
+so it is the same however the array is sharded. Every weight is odd, so any single-bit flip
+(which changes one word by 2**b, b < 32) changes the sum by 2**b x odd, never 0 mod 2**32.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-_MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant; odd, so every position counts
+_MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant
+# Format 1 weighted word i by i * _MULTIPLIER + 1, which is even for every odd i: a flip of bit
+# 31 (a float32's sign) there added 2**31 x even = 0 mod 2**32 and went unseen. Format 2 weights
+# word i by 2 * (i * _MULTIPLIER) + 1, odd everywhere. Checkpoints of format 1 are still checked
+# with the weights they were written with.
+FINGERPRINT_FORMATS = (1, 2)
 
 
 def _bits_u32(x: jax.Array) -> jax.Array:
@@ -29,28 +36,35 @@ def _bits_u32(x: jax.Array) -> jax.Array:
 _ROW = 32
 
 
-def _array_fingerprint(x: jax.Array) -> jax.Array:
+def _weights(flat_index: jax.Array, fingerprint_format: int) -> jax.Array:
+    scrambled = flat_index * jnp.uint32(_MULTIPLIER)
+    if fingerprint_format == 1:
+        return scrambled + 1
+    return scrambled * jnp.uint32(2) + 1  # odd: see the module docstring
+
+
+def _array_fingerprint(x: jax.Array, fingerprint_format: int = 2) -> jax.Array:
     bits = _bits_u32(x)
     pad = (-bits.shape[0]) % _ROW  # zeros add nothing to the sum
     bits = jnp.pad(bits, (0, pad)).reshape(-1, _ROW)  # [rows, 32]
     flat_index = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 0) * jnp.uint32(
         _ROW
     ) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 1)
-    weights = flat_index * jnp.uint32(_MULTIPLIER) + 1
+    weights = _weights(flat_index, fingerprint_format)
     row_sums = jnp.sum(bits * weights, axis=1, dtype=jnp.uint32)  # [rows]
     # keeps XLA from merging the two sums into the one long reduction the comment above avoids
     row_sums = jax.lax.optimization_barrier(row_sums)
     return jnp.sum(row_sums, dtype=jnp.uint32)
 
 
-@jax.jit
-def _fingerprints(tree: Any) -> Any:
-    return jax.tree.map(_array_fingerprint, tree)
+@functools.partial(jax.jit, static_argnames="fingerprint_format")
+def _fingerprints(tree: Any, fingerprint_format: int = FINGERPRINT_FORMATS[-1]) -> Any:
+    return jax.tree.map(lambda x: _array_fingerprint(x, fingerprint_format), tree)
 
 
 def compile_fingerprints(abstract_tree: Any) -> None:
     """Compile the fingerprint program for these shapes and shardings ahead of the first use."""
-    _fingerprints.lower(abstract_tree).compile()
+    _fingerprints.lower(abstract_tree, fingerprint_format=FINGERPRINT_FORMATS[-1]).compile()
 
 
 def leaf_name(path: tuple[Any, ...]) -> str:
@@ -74,8 +88,9 @@ class PendingFingerprints:
     background, so the training loop does not wait for it.
     """
 
-    def __init__(self, tree: Any):
-        self._values = _fingerprints(tree)  # a tree of uint32 scalars, still being computed
+    def __init__(self, tree: Any, fingerprint_format: int = FINGERPRINT_FORMATS[-1]):
+        # a tree of uint32 scalars, still being computed
+        self._values = _fingerprints(tree, fingerprint_format=fingerprint_format)
 
     def result(self) -> dict[str, int]:
         """{path: fingerprint} for every array leaf; blocks until they are computed."""
@@ -84,6 +99,6 @@ class PendingFingerprints:
         return {leaf_name(path): int(value) for path, value in leaves}
 
 
-def fingerprints(tree: Any) -> dict[str, int]:
+def fingerprints(tree: Any, fingerprint_format: int = FINGERPRINT_FORMATS[-1]) -> dict[str, int]:
     """{path: fingerprint} for every array leaf of tree (computed where the arrays live)."""
-    return PendingFingerprints(tree).result()
+    return PendingFingerprints(tree, fingerprint_format).result()

@@ -2,13 +2,16 @@
 
 A checkpoint is a step directory holding `state` (parameters, optimizer state, step; arrays
 only) and `meta` (JSON: the resolved config, the data position, the seed, fingerprints of every
-array). No pickle anywhere: restoring reads arrays and JSON, never code.
+array, sealed with a CRC-32). No pickle anywhere: restoring reads arrays and JSON, never code.
+A checkpoint found damaged is moved to `checkpoints/damaged/STEP`; old ones are deleted only
+once a newer one is committed with an intact record, counting only those.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -20,16 +23,22 @@ import jax
 import orbax.checkpoint as ocp
 
 from msjax.checkpoint.fingerprint import (
+    FINGERPRINT_FORMATS,
     PendingFingerprints,
     compile_fingerprints,
     fingerprints,
 )
+from msjax.checkpoint.record import record_problem, seal_record
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
 from msjax.parallel.agreement import agree_any, agree_min, process_vote
 from msjax.run_dir import RunDir
 
-FORMAT_VERSION = 1
+# 2: odd fingerprint weights (msjax.checkpoint.fingerprint) and a sealed record; 1 still restores
+FORMAT_VERSION = 2
+DAMAGED_DIR = "damaged"  # checkpoints/damaged/STEP: found damaged on restore, kept for a look
+READ_ATTEMPTS = 3  # a read error is retried (a file system hiccup) before a step is damaged
+READ_RETRY_S = 0.5
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` when the
 # save is finalized; a finalized step directory also holds this metadata file.
 COMMIT_MARKER = "_CHECKPOINT_METADATA"
@@ -104,7 +113,7 @@ class _MetaHandler(ocp.JsonCheckpointHandler):
         async def write() -> None:
             if jax.process_index() == 0:
                 meta = {**args.meta, "fingerprints": args.fingerprints.result()}
-                (Path(directory) / META_FILE).write_text(json.dumps(meta))
+                (Path(directory) / META_FILE).write_bytes(seal_record(meta))
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="msjax_meta")]
 
@@ -128,17 +137,19 @@ class Checkpointer:
     def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
         self.directory = directory
         self.options = options
+        # float weights and moments barely compress; zstd would only take host CPU from the
+        # steps that overlap the write
+        self._state_handler = ocp.PyTreeCheckpointHandler(use_compression=False)
         self._manager = ocp.CheckpointManager(
             directory.absolute(),
             item_handlers={
-                # float weights and moments barely compress; zstd would only take host CPU
-                # from the steps that overlap the write
-                "state": ocp.PyTreeCheckpointHandler(use_compression=False),
+                "state": self._state_handler,
                 "meta": _MetaHandler(META_FILE),
             },
+            # Retention is msjax's (`prune`): Orbax would count a damaged step as kept and delete
+            # the last good one for it.
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=options.max_to_keep,
-                keep_period=options.keep_every_steps,
+                max_to_keep=None,
                 enable_async_checkpointing=True,
                 create=not read_only,
                 read_only=read_only,
@@ -148,6 +159,8 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.save_blocked_s: list[float] = []  # how long each save() held up the loop
         self._compiling: threading.Thread | None = None
+        self.read_only = read_only
+        self.skipped: list[str] = []  # why restore_newest_valid passed over each step
 
     def prepare(self, abstract_state: Any) -> None:
         """Compile the fingerprint program in the background, so the first save() need not.
@@ -188,10 +201,13 @@ class Checkpointer:
         meta = {
             **meta,
             "format_version": FORMAT_VERSION,
+            "fingerprint_format": FINGERPRINT_FORMATS[-1],
             "step": step,
             "saved_at_unix_s": time.time(),
         }
         pending = PendingFingerprints(state)  # the next step, donating state, waits for it
+        self._manager.wait_until_finished()  # Orbax would wait here too; the last save is whole
+        self.prune()
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -204,34 +220,125 @@ class Checkpointer:
         self.last_saved_step = step
 
     def wait(self) -> None:
-        """Block until every started save is finalized on disk."""
+        """Block until every started save is finalized on disk, then apply retention."""
         self._manager.wait_until_finished()
+        self.prune()
+
+    def prune(self) -> None:
+        """Delete checkpoints past `max_to_keep`, counting only committed steps whose record is
+        intact (process 0; call when no save is in flight).
+
+        Multiples of `keep_every_steps` stay, and so does every step newer than the newest
+        intact one: a damaged newest step never costs the last good one.
+        """
+        if self.read_only or jax.process_index() != 0:
+            return
+        intact = [step for step in committed_steps(self.directory) if self._record_ok(step)]
+        keep_every = self.options.keep_every_steps
+        for step in intact[: -self.options.max_to_keep]:
+            if not (keep_every and step % keep_every == 0):
+                shutil.rmtree(self.directory / str(step), ignore_errors=True)
+        # Orbax's own list of steps is not reloaded here: a failed save may still have threads
+        # waiting on it, and with max_to_keep=None it deletes nothing from that list.
+
+    def _record_ok(self, step: int) -> bool:
+        try:
+            raw = (self.directory / str(step) / "meta" / META_FILE).read_bytes()
+        except OSError:
+            return False
+        return record_problem(raw) is None
+
+    def move_aside(self, step: int) -> Path | None:
+        """Move a damaged step to checkpoints/damaged/STEP (process 0, this run's own checkpoints
+        only); where it went, or None when not moved."""
+        if self.read_only or jax.process_index() != 0:
+            return None
+        source = self.directory / str(step)
+        target = self.directory / DAMAGED_DIR / str(step)
+        suffix = 1
+        while target.exists():  # the same step damaged again after a rerun
+            target = self.directory / DAMAGED_DIR / f"{step}-{suffix}"
+            suffix += 1
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+        self._manager.reload()
+        return target
+
+    def damaged_entries(self) -> list[str]:
+        """Names under checkpoints/damaged/: steps found damaged by earlier restores."""
+        damaged = self.directory / DAMAGED_DIR
+        return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
 
     def close(self) -> None:
         self._manager.close()
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
-        """One step, placed as abstract_state's shardings say; MsjaxError if it is not valid."""
+        """One step, placed as abstract_state's shardings say; MsjaxError if it is not valid.
+
+        The record is checked first (its seal, then the arrays against its fingerprints); a
+        read error is retried READ_ATTEMPTS times before the step counts as unreadable.
+        """
         path = self.directory / str(step)
+        try:
+            meta, state = self._read(path, abstract_state)
+            local_error = None
+        except MsjaxError as error:
+            local_error = str(error)
+        # Every process reads its own shards; all act on the same verdict, so a checkpoint that
+        # one process cannot read makes all of them fall back together.
+        failed = processes_failing(local_error is not None)
+        if local_error is not None:
+            raise MsjaxError(local_error)
+        if failed:
+            raise MsjaxError(
+                f"checkpoint {path} could not be read by process "
+                + ", ".join(str(process) for process in failed)
+            )
+        # computed over the global arrays: every process gets the same fingerprints
+        _check_fingerprints(path, meta, fingerprints(state, meta.get("fingerprint_format", 1)))
+        return Restored(step=step, state=state, meta=meta, path=path)
+
+    def _read(self, path: Path, abstract_state: Any) -> tuple[dict[str, Any], Any]:
+        """This process's part of a step: its record, checked, and its shards of the state."""
         if not (path / COMMIT_MARKER).exists():
             raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
-        try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        abstract_state,
-                        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
-                    ),
-                    meta=_MetaRestore(),
-                ),
+        raw = self._read_with_retries(path, lambda: (path / "meta" / META_FILE).read_bytes())
+        problem = record_problem(raw)
+        if problem is not None:
+            raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
+        meta = json.loads(raw)
+        fingerprint_format = meta.get("fingerprint_format", 1)  # format 1 records had none
+        if fingerprint_format not in FINGERPRINT_FORMATS:
+            raise MsjaxError(
+                f"checkpoint {path} has fingerprint format {fingerprint_format}, newer than this "
+                f"msjax reads ({FINGERPRINT_FORMATS[-1]}); restore it with a newer msjax"
             )
-        except Exception as error:  # Orbax and TensorStore raise many types for bad files
-            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-            raise MsjaxError(f"checkpoint {path} could not be read: {reason}") from None
-        meta = dict(restored.meta)
-        _check_fingerprints(path, meta, fingerprints(restored.state))
-        return Restored(step=step, state=restored.state, meta=meta, path=path)
+        # The item handler itself, not the manager: the manager's restore ends in a barrier of
+        # all processes that one whose read failed would never reach.
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        state = self._read_with_retries(
+            path,
+            lambda: self._state_handler.restore(
+                path.absolute() / "state",
+                args=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
+            ),
+        )
+        return meta, state
+
+    @staticmethod
+    def _read_with_retries(path: Path, read: Callable[[], Any]) -> Any:
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                return read()
+            except Exception as error:  # Orbax and TensorStore raise many types for bad files
+                if attempt + 1 < READ_ATTEMPTS:
+                    time.sleep(READ_RETRY_S * 2**attempt)
+                    continue
+                reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+                raise MsjaxError(
+                    f"checkpoint {path} could not be read ({READ_ATTEMPTS} tries): {reason}"
+                ) from None
+        raise AssertionError("unreachable")
 
     def restore_newest_valid(
         self,
@@ -239,12 +346,15 @@ class Checkpointer:
         warn: Callable[[str], None],
         at_most: int | None = None,
     ) -> Restored | None:
-        """The newest checkpoint (<= at_most) that reads back intact; warns for each skipped.
+        """The newest checkpoint (<= at_most) that reads back intact.
 
-        In a multi-process job every process restores the same step: the step tried is the
-        least of the processes' candidates, and one that any process cannot read is skipped by
-        all (each process reads its own shards, so only some may see the damage).
+        Warns one line for each one skipped and moves each damaged one aside (this run's own
+        checkpoints only); `self.skipped` lists why each committed step was skipped. In a
+        multi-process job every process restores the same step: the step tried is the least of
+        the processes' candidates, and one that any process cannot read is skipped by all (each
+        process reads its own shards, so only some may see the damage).
         """
+        self.skipped = []
         for name in uncommitted_entries(self.directory):
             warn(f"skipped checkpoint {self.directory / name}: the save never finished")
         vote = process_vote("restore")
@@ -258,13 +368,21 @@ class Checkpointer:
             try:
                 restored = self.restore(step, abstract_state)
             except MsjaxError as error:
-                warn(f"skipped {error}")
                 agree_any(vote, True)
+                self._skip(step, f"skipped {error}", warn)
                 continue
             if agree_any(vote, False):
-                warn(f"skipped checkpoint {restored.path}: another process could not read it")
+                reason = f"skipped checkpoint {restored.path}: another process could not read it"
+                self._skip(step, reason, warn)
                 continue
             return restored
+
+    def _skip(self, step: int, reason: str, warn: Callable[[str], None]) -> None:
+        """Record and warn why a step is skipped, and move it aside as damaged."""
+        aside = self.move_aside(step)
+        line = reason + (f"; moved to {aside}" if aside else "")
+        self.skipped.append(line)
+        warn(line)
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of one step (no optimizer state read), checked by fingerprint."""
@@ -309,6 +427,18 @@ class Checkpointer:
         """The meta JSON of one step, without reading any array."""
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))
         return dict(restored.meta)
+
+
+def processes_failing(failed_here: bool) -> list[int]:
+    """The processes for which `failed_here` is true, the same list on every process (one
+    collective; every process must call it the same number of times)."""
+    if jax.process_count() == 1:
+        return [0] if failed_here else []
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(failed_here)], np.int32))
+    return [int(process) for process in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
 
 def _check_fingerprints(path: Path, meta: dict[str, Any], actual: dict[str, int]) -> None:

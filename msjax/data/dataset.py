@@ -11,6 +11,7 @@ from typing import Any
 
 from msjax.config import Config
 from msjax.data.batches import GlobalBatches, eval_batch_list
+from msjax.data.identity import corpus_identity
 from msjax.data.packing import Batch, PackedSource
 from msjax.data.sources import SourceStreams, load_sources
 from msjax.data.tokenizer import Tokenizer, load_tokenizer
@@ -25,6 +26,10 @@ class TrainingData:
     train: GlobalBatches
     validation: list[Batch]  # [global_batch, seq] arrays; empty when nothing is held out
     sources: list[SourceStreams]
+
+    def identity(self) -> dict[str, Any]:
+        """The corpus as a checkpoint records it (msjax.data.identity)."""
+        return corpus_identity(self.tokenizer.name, self.sources)
 
     def facts(self) -> dict[str, Any]:
         """What each source holds, for the run record."""

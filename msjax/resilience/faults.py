@@ -5,6 +5,8 @@
   crash          the process exits abruptly before step K runs
   hang           the loop stops making progress before step K (the process stays alive)
   nan            the loss rank R reads back for step K is NaN
+  bad_token      rank R's first input token of step K is model.vocab_size, out of the table:
+                 its embedding, and so the loss and every gradient of that step, are NaN
   slow           from step K on, rank R sleeps X percent of its step time after every step
   crash_in_save  the process exits while the checkpoint of step K is being written
   save_error     saves from step K on fail with OSError ENOSPC (a full disk), `times` saves
@@ -29,7 +31,7 @@ from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
 
 ENV_VAR = "MSJAX_FAULT"
-KINDS = ("crash", "hang", "nan", "slow", "crash_in_save", "save_error")
+KINDS = ("crash", "hang", "nan", "slow", "crash_in_save", "save_error", "bad_token")
 CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught exception
 
 
@@ -186,6 +188,29 @@ class FaultInjector:
                 if self._fired[fault.spec] >= fault.times:
                     self._pending.remove(fault)
                 raise OSError(errno.ENOSPC, "No space left on device (injected save_error)")
+
+    def batch(self, step: int, batch: dict, vocab_size: int) -> dict:
+        """Step `step`'s batch, with an out-of-range first token on this rank if injected.
+
+        Only this process's shards change (every copy of the first one it holds, so replicas
+        stay equal); nothing is computed across processes.
+        """
+        if not self._take("bad_token", step):
+            return batch
+        import jax
+        import numpy as np
+
+        inputs = batch["inputs"]
+        shards = inputs.addressable_shards
+        poisoned = []
+        for shard in shards:
+            rows = np.asarray(shard.data)
+            if shard.index == shards[0].index:
+                rows = rows.copy()
+                rows.flat[0] = vocab_size
+            poisoned.append(jax.device_put(rows, shard.device))
+        placed = jax.make_array_from_single_device_arrays(inputs.shape, inputs.sharding, poisoned)
+        return {**batch, "inputs": placed}
 
     def after_save_started(self, step: int) -> None:
         """Exit while the asynchronous save of step `step` is being written, as injected."""

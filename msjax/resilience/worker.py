@@ -20,11 +20,15 @@ from msjax.resilience.skips import read_skipped_steps
 
 
 class NonFiniteLoss(Exception):
-    """A step's loss was NaN or infinite; the run stops before saving that state."""
+    """A step's loss, gradients or new parameters were NaN or infinite; the run stops (the
+    step itself kept the state as it was, so no checkpoint holds a non-finite value)."""
 
-    def __init__(self, step: int, loss: float):
+    def __init__(self, step: int, loss: float, update_finite: bool = True):
+        what = f"the loss of step {step} is {loss}"
+        if math.isfinite(loss) and not update_finite:
+            what = f"the update of step {step} (gradients or new parameters) is not finite"
         super().__init__(
-            f"the loss of step {step} is {loss}; stopping before any checkpoint of that state "
+            f"{what}; stopping before any checkpoint of that state "
             "(under msjax.launch with resilience.on_nonfinite_loss=rollback the run resumes "
             "from the last checkpoint and skips that step's batch)"
         )
@@ -51,12 +55,14 @@ class WorkerResilience(LoopEvents):
         rank: int,
         attempt: int,
         wait_for_saves: Callable[[], None],
+        vocab_size: int = 0,
     ):
         self.heartbeat = Heartbeat(run_dir, rank, options.heartbeat_every_s, attempt)
         self.heartbeat.dump_stacks_on_sigusr1(run_dir)
         self.faults = FaultInjector.from_env(run_dir, rank, attempt)
         self.skipped_steps = read_skipped_steps(run_dir)
         self.wait_for_saves = wait_for_saves
+        self.vocab_size = vocab_size  # an injected bad token is this id, just past the table
         self.heartbeat.beat("init")
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
@@ -65,6 +71,10 @@ class WorkerResilience(LoopEvents):
     def skips(self, step: int) -> bool:
         """Whether step's batch is to be dropped (a rollback after a non-finite loss)."""
         return step in self.skipped_steps
+
+    def batch(self, step: int, batch: dict) -> dict:
+        """The batch of step `step` as the step sees it (an injected `bad_token` alters it)."""
+        return self.faults.batch(step, batch, self.vocab_size) if self.faults.active else batch
 
     def loss(self, step: int, loss: float) -> float:
         """The loss as this rank reads it back (an injected `nan` fault replaces it)."""
@@ -80,9 +90,10 @@ class WorkerResilience(LoopEvents):
     def step_end(self, record: StepRecord) -> None:
         """A heartbeat, or NonFiniteLoss before any save of that state."""
         step, loss = record["step"], record["loss"]
-        if not math.isfinite(loss):
+        update_finite = record.get("update_finite", True)
+        if not math.isfinite(loss) or not update_finite:
             self.heartbeat.beat("nonfinite", step)  # step: the index whose loss was bad
-            raise NonFiniteLoss(step, loss)
+            raise NonFiniteLoss(step, loss, update_finite)
         self.heartbeat.beat("step", step + 1)
 
     def eval_begin(self, step: int) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from msjax import __version__
-from msjax.checkpoint.manager import Checkpointer, Restored, parse_resume_source
+from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored, parse_resume_source
 from msjax.config import Config, config_from_dict
+from msjax.data.identity import corpus_changes
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.resilience.worker import SavesFailing
@@ -49,6 +50,7 @@ def restore_or_init(
     if restored is None and config.model.init_from is not None:
         return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
     if restored is None:
+        refuse_silent_restart(config, checkpointer, message)
         return StartingPoint(program.init_state(), 0, 0, None)
     check_same_model(config, restored)
     message(f"resumed from {restored.path} (step {restored.step})")
@@ -72,6 +74,34 @@ def init_from_hf(config: Config, program: Any, message: Callable[[str], None]) -
     return program.state_from_params(params)
 
 
+def refuse_silent_restart(
+    config: Config, checkpointer: Checkpointer, message: Callable[[str], None]
+) -> None:
+    """Checkpoints exist but none restored (each skipped one has had its line): stop, unless
+    checkpoint.if_none_valid=restart."""
+    damaged_before = checkpointer.damaged_entries()
+    if not checkpointer.skipped and not damaged_before:
+        return  # a new run, or only saves that never finished: step 0 loses nothing
+    count = len(checkpointer.skipped) + len(damaged_before)
+    what = (
+        f"none of the {count} checkpoints in {checkpointer.directory} restores"
+        + (" (the reasons are above)" if checkpointer.skipped else "")
+        + (
+            f"; {len(damaged_before)} found damaged earlier are in "
+            f"{checkpointer.directory / DAMAGED_DIR}"
+            if damaged_before
+            else ""
+        )
+    )
+    if config.checkpoint.if_none_valid == "restart":
+        message(f"warning: {what}; starting from step 0 (checkpoint.if_none_valid=restart)")
+        return
+    raise MsjaxError(
+        f"{what}; not starting again from step 0 silently: restore a good checkpoint there, "
+        "or pass checkpoint.if_none_valid=restart to start from step 0"
+    )
+
+
 def check_same_model(config: Config, restored: Restored) -> None:
     """A checkpoint restores only into the model it was saved from (kernels may differ)."""
     saved = config_from_dict(restored.meta["config"])
@@ -84,6 +114,36 @@ def check_same_model(config: Config, restored: Restored) -> None:
 
 
 RETRY_PAUSE_MAX_S = 60.0  # a failed save is retried after 1 s, 2 s, 4 s, ... at most this
+
+
+def check_same_corpus(
+    config: Config, start: StartingPoint, corpus: dict[str, Any], message: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Refuse to resume on another corpus than the checkpoint's, unless data.allow_changed=true.
+
+    Returns the allowed changes to record in later checkpoints (earlier ones carried along).
+    """
+    if start.restored is None:
+        return []
+    saved_data = start.restored.meta.get("data", {})
+    earlier = list(saved_data.get("allowed_changes", []))
+    saved = saved_data.get("corpus")
+    if saved is None:
+        return earlier  # saved before checkpoints recorded their corpus
+    changes = corpus_changes(saved, corpus)
+    if not changes:
+        return earlier
+    what = (
+        f"the corpus differs from the one checkpoint {start.restored.path} was trained on: "
+        + "; ".join(changes)
+    )
+    if not config.data.allow_changed:
+        raise MsjaxError(
+            f"{what}; resume with that data, or pass data.allow_changed=true to go on with this "
+            "one (recorded in every later checkpoint)"
+        )
+    message(f"warning: {what}; going on (data.allow_changed=true, recorded in the checkpoints)")
+    return [*earlier, {"at_step": start.step, "changes": changes}]
 
 
 class CheckpointSaves:
@@ -100,10 +160,14 @@ class CheckpointSaves:
         events: LoopEvents,
         warn: Callable[[str], None],
         to_canonical: Callable[[Any], Any] | None = None,
+        corpus: dict[str, Any] | None = None,
+        allowed_data_changes: list[dict[str, Any]] = (),
     ):
         # what is saved: the state with its layers in canonical order (TrainProgram.to_canonical)
         self.to_canonical = to_canonical or (lambda state: state)
         self.config = config
+        self.corpus = corpus  # msjax.data.identity: what the saved state was trained on
+        self.allowed_data_changes = list(allowed_data_changes)
         self.checkpointer = checkpointer
         self.start = start
         self.events = events
@@ -123,7 +187,12 @@ class CheckpointSaves:
         )
         meta = {
             "config": self.config.to_dict(),
-            "data": {"next_step": step, "samples_seen": samples_seen},
+            "data": {
+                "next_step": step,
+                "samples_seen": samples_seen,
+                "corpus": self.corpus,
+                "allowed_changes": self.allowed_data_changes,
+            },
             "seed": self.config.run.seed,
             "msjax_version": __version__,
         }

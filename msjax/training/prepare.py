@@ -34,7 +34,12 @@ from msjax.resolve import mesh_device_count, resolve
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
-from msjax.training.checkpoints import CheckpointSaves, StartingPoint, restore_or_init
+from msjax.training.checkpoints import (
+    CheckpointSaves,
+    StartingPoint,
+    check_same_corpus,
+    restore_or_init,
+)
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
 
 
@@ -160,12 +165,19 @@ def _prepare(
 
     checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
     resilience = WorkerResilience(
-        config.resilience, run_dir.path, jax.process_index(), job.attempt, checkpointer.wait
+        config.resilience,
+        run_dir.path,
+        jax.process_index(),
+        job.attempt,
+        checkpointer.wait,
+        config.model.vocab_size,
     )
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
     resilience.beat("restore")
     start = restore_or_init(config, checkpointer, program, abstract_state, progress.message)
+    corpus = data.identity()
+    allowed_data_changes = check_same_corpus(config, start, corpus, progress.message)
     describe_data(data, config, start, progress.message)
     observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
     listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
@@ -195,7 +207,14 @@ def _prepare(
         events=events,
         results=results,
         saves=CheckpointSaves(
-            config, checkpointer, start, events, progress.message, program.to_canonical
+            config,
+            checkpointer,
+            start,
+            events,
+            progress.message,
+            to_canonical=program.to_canonical,
+            corpus=corpus,
+            allowed_data_changes=allowed_data_changes,
         ),
         resilience=resilience,
         progress=progress,

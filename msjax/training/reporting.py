@@ -70,6 +70,8 @@ class StepResults:
             "mfu": mfu(self.step_flops, step_time_s, self.device_count, self.peak_tflops),
             "data_wait_s": in_flight.data_wait_s,
         }
+        if not values.get("update_finite", True):  # the step kept the state as it was
+            self.last["update_finite"] = False
         self.events.step_end(self.last)
 
 
