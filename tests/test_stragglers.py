@@ -226,7 +226,12 @@ def test_every_rank_is_timed_every_step_with_its_mesh_coordinates(slowed_job):
     # process p holds device p; the mesh is data 2 x fsdp 2, so p = 2 * data + fsdp
     for identity in header["ranks"]:
         rank = identity["rank"]
-        assert identity["mesh"] == {"data": [rank // 2], "fsdp": [rank % 2], "tensor": [0]}
+        assert identity["mesh"] == {
+            "data": [rank // 2],
+            "fsdp": [rank % 2],
+            "pipe": [0],
+            "tensor": [0],
+        }
     assert [r["step"] for r in steps] == list(range(SLOW_FROM + 25))
     for record in steps:
         assert len(record["work_s"]) == 4
@@ -257,6 +262,7 @@ def test_two_hundred_clean_steps_flag_nobody_and_a_slowed_rank_is_named_within_2
         == {
             "data": [1],
             "fsdp": [0],
+            "pipe": [0],
             "tensor": [0],
         }
     )
@@ -283,7 +289,7 @@ def test_a_rank_slowed_from_outside_is_named_and_a_sigstopped_rank_is_named_by_t
                 named = read_ranks(run_dir)[2]
         assert [event["rank"] for event in named] == [duty_rank]
         assert named[0]["phase"] == "stalled"
-        assert named[0]["mesh"] == {"data": [0], "fsdp": [1], "tensor": [0]}
+        assert named[0]["mesh"] == {"data": [0], "fsdp": [1], "pipe": [0], "tensor": [0]}
 
         hung_rank = 3
         workers[hung_rank].send_signal(signal.SIGSTOP)
