@@ -183,11 +183,6 @@ def launch_job(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="both ranks fall back to step 2 together, but the first save after it fails "
-    "(Gloo AllGather: connection closed by peer); not yet understood",
-    strict=False,
-)
 def test_a_checkpoint_damaged_in_rank_1s_shards_makes_both_ranks_fall_back_to_the_same_step(
     tmp_path,
 ):

@@ -31,7 +31,7 @@ from msjax.checkpoint.fingerprint import (
 from msjax.checkpoint.record import record_problem, seal_record
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
-from msjax.parallel.agreement import agree_any, agree_min, process_vote
+from msjax.parallel.agreement import ProcessVote, agree_any, agree_min, process_vote
 from msjax.run_dir import RunDir
 
 # 2: odd fingerprint weights (msjax.checkpoint.fingerprint) and a sealed record; 1 still restores
@@ -261,7 +261,6 @@ class Checkpointer:
             suffix += 1
         target.parent.mkdir(parents=True, exist_ok=True)
         source.rename(target)
-        self._manager.reload()
         return target
 
     def damaged_entries(self) -> list[str]:
@@ -369,17 +368,24 @@ class Checkpointer:
                 restored = self.restore(step, abstract_state)
             except MsjaxError as error:
                 agree_any(vote, True)
-                self._skip(step, f"skipped {error}", warn)
+                self._skip(step, f"skipped {error}", warn, vote)
                 continue
             if agree_any(vote, False):
                 reason = f"skipped checkpoint {restored.path}: another process could not read it"
-                self._skip(step, reason, warn)
+                self._skip(step, reason, warn, vote)
                 continue
             return restored
 
-    def _skip(self, step: int, reason: str, warn: Callable[[str], None]) -> None:
-        """Record and warn why a step is skipped, and move it aside as damaged."""
+    def _skip(
+        self, step: int, reason: str, warn: Callable[[str], None], vote: ProcessVote | None
+    ) -> None:
+        """Record and warn why a step is skipped, and move it aside as damaged. Every process
+        then reloads its list of steps once the move is done, so all agree on which steps exist
+        (a process that still listed the step would skip saving it again, and the save's
+        collectives would no longer match)."""
         aside = self.move_aside(step)
+        agree_any(vote, False)  # process 0 has moved it: a barrier before every process reloads
+        self._manager.reload()
         line = reason + (f"; moved to {aside}" if aside else "")
         self.skipped.append(line)
         warn(line)
