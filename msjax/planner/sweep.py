@@ -47,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--meshes",
         default="auto",
-        help='data,fsdp,tensor triples separated by spaces, or "auto": every factorisation of '
-        "the device count that the config accepts (default: auto)",
+        help="meshes separated by spaces: data,fsdp,tensor (pipe 1) or data,fsdp,pipe,tensor; "
+        'or "auto": every factorisation of the device count that the config accepts, pipe '
+        "sizes too when the config's mesh.pipe is not 1 (default: auto)",
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mesh (default 5)")
     parser.add_argument(
@@ -124,7 +125,9 @@ def resolve_meshes(text: str, config: Config, device_count: int) -> list[MeshSha
         if mesh not in meshes:
             meshes.append(mesh)
     if not meshes:
-        raise MsjaxError("--meshes is empty; give data,fsdp,tensor triples or 'auto'")
+        raise MsjaxError(
+            "--meshes is empty; give data,fsdp,tensor or data,fsdp,pipe,tensor meshes, or 'auto'"
+        )
     return meshes
 
 
