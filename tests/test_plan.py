@@ -183,3 +183,15 @@ def test_impossible_plans_are_rejected_with_one_line(argv, named, capsys):
     assert len(error_lines) == 1
     assert error_lines[0].startswith("msjax.plan: error:")
     assert named in error_lines[0]
+
+
+def test_four_numbers_name_a_pipe_mesh_and_three_mean_pipe_one():
+    assert parse_mesh("2,1,2,2") == MeshShape(2, 1, 2, pipe=2)
+    assert str(parse_mesh("2,1,2,2")) == "2,1,2,2" and str(parse_mesh("2,2,2")) == "2,2,2"
+    assert parse_mesh("2,2,2").pipe == 1
+    pipelined = load_config(
+        "configs/tiny.yaml", ["train.global_batch=8", "mesh.pipe=2", "pipeline.microbatches=2"]
+    )
+    meshes = valid_meshes(pipelined, 8, "cpu")
+    assert any(mesh.pipe == 2 for mesh in meshes)  # auto tries pipe sizes when asked for one
+    assert all(mesh.pipe == 1 for mesh in valid_meshes(TINY, 8, "cpu"))
