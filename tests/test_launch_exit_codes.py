@@ -230,4 +230,5 @@ def test_a_worker_user_error_is_one_line_and_no_restart(finished):
     job = finished["user_error"]
     (incident,) = job.incidents
     assert (incident["cause"], incident["action"]) == ("user_error", "stop")
-    assert "msjax.train: error: checkpoint.resume_from: no valid checkpoint in" in job.output
+    assert "msjax.train: error: checkpoint.resume_from=" in job.output
+    assert "no finished checkpoint in" in job.output
