@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from small_runs import QUICK_RUN
 
 from msjax.resilience import exit_codes
 
@@ -21,15 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 60  # long enough for a signal to land mid-run (steps take ~0.1 s)
 TIMEOUT_S = 420
 TRAIN_ARGS = [
-    "model.num_layers=2",
-    "model.embed_dim=64",
-    "model.mlp_dim=128",
-    "data.seq_len=32",
-    "data.max_corpus_mib=1",
-    "train.global_batch=8",
+    *QUICK_RUN,
     f"train.steps={STEPS}",
     "train.eval_every=0",
-    "train.peak_tflops=0.5",
     "checkpoint.every_steps=1000",
     "mesh.data=2",
     "mesh.fsdp=2",

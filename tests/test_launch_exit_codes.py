@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from small_runs import QUICK_RUN
 
 from msjax.resilience import exit_codes
 from msjax.resilience.heartbeat import HeartbeatRecord
@@ -23,14 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 480
 STEP_DEADLINE_S = 3.0
 SMALL = [
-    "model.num_layers=2",
-    "model.embed_dim=64",
-    "model.mlp_dim=128",
-    "data.seq_len=32",
-    "data.max_corpus_mib=1",
-    "train.global_batch=8",
+    *QUICK_RUN,
     "train.eval_every=0",
-    "train.peak_tflops=0.5",
     "resilience.heartbeat_every_s=0.1",
     f"resilience.step_deadline_s={STEP_DEADLINE_S}",
     "resilience.stop_grace_s=2",
