@@ -8,6 +8,7 @@ with explicit input and output shardings and a donated state. The loop that feed
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,40 +154,47 @@ class TrainProgram:
         with nnx.use_eager_sharding(False):
             return jax.jit(init, out_shardings=self.state_shardings)()
 
-    def _reorder_layers(self, params: Params, reorder: Any) -> Params:
-        """params with reorder(array, layout) applied to each array stacked over layers."""
+    def _reorder_layers(self, tree: Any, reorder: Any) -> Any:
+        """params (or the optimizer state holding trees like them) with reorder(array, layout)
+        applied to each array stacked over layers."""
         layout, stacked = self.pipeline, stacked_over_layers(self.logical_axes)
-        return jax.tree.map(
-            lambda array, is_stacked: reorder(array, layout) if is_stacked else array,
-            params,
-            stacked,
-        )
+
+        def one(array: jax.Array, is_stacked: bool) -> jax.Array:
+            return reorder(array, layout) if is_stacked else array
+
+        if isinstance(tree, dict):
+            return jax.tree.map(one, tree, stacked)
+        # optimizer moments follow the parameters' layout, layer by layer
+        return optax.tree_map_params(self.optimizer, one, tree, stacked)
 
     def to_canonical(self, state: TrainState) -> TrainState:
         """The state with every layer-stacked array in canonical layer order (what checkpoints
         hold, whatever the pipeline layout); the state itself when the layouts agree."""
-        return self._convert_layer_order(state, to_canonical_order)
+        if not self.pipeline.reorders_layers:
+            return state
+        return self._layer_order_converters[0](state)
 
     def from_canonical(self, state: TrainState) -> TrainState:
         """The inverse of to_canonical: a restored state in this run's pipeline layer order."""
-        return self._convert_layer_order(state, to_memory_order)
-
-    def _convert_layer_order(self, state: TrainState, reorder: Any) -> TrainState:
         if not self.pipeline.reorders_layers:
             return state
+        return self._layer_order_converters[1](state)
 
-        def convert(state: TrainState) -> TrainState:
-            layout = self.pipeline
-            # optimizer moments follow the parameters' layout, layer by layer
-            opt_state = optax.tree_map_params(
-                self.optimizer,
-                lambda array, is_stacked: reorder(array, layout) if is_stacked else array,
-                state.opt_state,
-                stacked_over_layers(self.logical_axes),
-            )
-            return TrainState(state.step, self._reorder_layers(state.params, reorder), opt_state)
+    @functools.cached_property
+    def _layer_order_converters(self) -> tuple[Any, Any]:
+        """(to canonical, to memory) order, each jitted once: every save converts."""
 
-        return jax.jit(convert, out_shardings=self.state_shardings)(state)
+        def converter(reorder: Any) -> Any:
+            def convert(state: TrainState) -> TrainState:
+                return TrainState(
+                    state.step,
+                    self._reorder_layers(state.params, reorder),
+                    self._reorder_layers(state.opt_state, reorder),
+                )
+
+            return jax.jit(convert, out_shardings=self.state_shardings)
+
+        return converter(to_canonical_order), converter(to_memory_order)
 
     def state_from_params(self, params: Params) -> TrainState:
         """A step-0 state around given (already sharded) parameters in canonical layer order:
