@@ -81,8 +81,9 @@ class PipelineConfig:
     """How the layer stack runs over the `pipe` mesh axis (used when mesh.pipe > 1)."""
 
     # gpipe: each microbatch passes the stages once; circular (interleaved): each device holds
-    # `repeats` virtual stages (layers s, s+P, ...), which shrinks the bubble R times.
-    schedule: Literal["gpipe", "circular"] = "gpipe"
+    # `repeats` virtual stages (layers s, s+P, ...), which shrinks the bubble R times; 1f1b:
+    # forward and backward interleaved, a stage keeps at most 2 x pipe - 1 microbatches' inputs.
+    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     microbatches: int = 4  # each data-parallel replica's batch is split into this many
     repeats: int = 1  # virtual stages per device (circular only)
 

@@ -190,6 +190,12 @@ def _check_pipeline_fits(config: Config, sizes: dict[str, int]) -> None:
             f"pipeline.microbatches={pipeline.microbatches} must be at least mesh.pipe={pipe} "
             "for the circular schedule (a microbatch re-enters stage 0 only after leaving the last)"
         )
+    if pipeline.schedule == "1f1b" and pipeline.microbatches < pipe:
+        raise ConfigError(
+            f"pipeline.microbatches={pipeline.microbatches} must be at least mesh.pipe={pipe} "
+            "for the 1f1b schedule (with fewer, every microbatch stays alive and only the bubble "
+            "grows; use gpipe)"
+        )
     data_parallel = sizes["data"] * sizes["fsdp"]
     if data_parallel > 0 and config.train.global_batch % data_parallel == 0:
         per_replica = config.train.global_batch // data_parallel

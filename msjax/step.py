@@ -30,8 +30,10 @@ from msjax.optim import (
     weight_decay_mask,
 )
 from msjax.parallel.context import LogicalAxes
+from msjax.parallel.one_f_one_b import one_f_one_b_loss
 from msjax.parallel.pipeline import (
     PipelineLayout,
+    StageFunction,
     run_pipeline,
     to_canonical_order,
     to_memory_order,
@@ -78,9 +80,14 @@ def keep_unless_finite(
     return jax.tree.map(lambda new, old: jnp.where(update_finite, new, old), updated, skipped)
 
 
+def real_token_weights(batch: Batch) -> jax.Array:
+    """[batch, seq] float32: 1 for a real token, 0 for padding (segment id 0)."""
+    return (batch["segment_ids"] != 0).astype(jnp.float32)
+
+
 def mean_over_real_tokens(losses: jax.Array, batch: Batch) -> jax.Array:
     """Mean of per-token losses [batch, seq] over real tokens (segment id 0 marks padding)."""
-    weights = (batch["segment_ids"] != 0).astype(jnp.float32)
+    weights = real_token_weights(batch)
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -116,6 +123,12 @@ class TrainProgram:
         layout = self.pipeline
         if layout.stages == 1:
             return model.features(inputs, positions, segment_ids)
+        stage, layer_params = self._stage_function(model)
+        x = run_pipeline(stage, layer_params, model.embed(inputs), positions, segment_ids, layout)
+        return model.finish(x)
+
+    def _stage_function(self, model: Transformer) -> tuple[StageFunction, nnx.State]:
+        """(a pipeline stage's function of its layers' parameters, the stacked layer params)."""
         layers_graphdef, layer_params = nnx.split(model.layers)
         remat = self.config.model.remat
 
@@ -123,14 +136,40 @@ class TrainProgram:
             layers = nnx.merge(layers_graphdef, chunk)
             return apply_layer_stack(layers, x, positions, segment_ids, remat)
 
-        x = run_pipeline(stage, layer_params, model.embed(inputs), positions, segment_ids, layout)
-        return model.finish(x)
+        return stage, layer_params
+
+    def _one_f_one_b_summed_loss(
+        self, model: Transformer, params: Params, batch: Batch, token_weights: jax.Array
+    ) -> jax.Array:
+        """The weighted sum of token losses, its gradient computed by the 1F1B loop."""
+        stage, layer_params = self._stage_function(model)
+        unembedding = "embedding" if self.config.model.tied_embeddings else "unembedding"
+        head_params = {name: params[name] for name in ("final_norm", unembedding)}
+        loss_impl = self.config.model.loss_impl
+
+        def head(head_params: Params, x: jax.Array, targets: jax.Array, weights: jax.Array):
+            # the head reads only these parameters; the model's others stay abstract
+            head_model = self.model(head_params)
+            features = head_model.finish(x)
+            losses = ops.token_losses(
+                features, head_model.unembedding_matrix(), targets, impl=loss_impl
+            )
+            return jnp.sum(losses * weights)
+
+        summed_loss = one_f_one_b_loss(stage, head, self.pipeline)
+        labels = (batch["targets"], token_weights, batch["positions"], batch["segment_ids"])
+        return summed_loss(layer_params, head_params, model.embed(batch["inputs"]), labels)
 
     def loss(self, params: Params, batch: Batch) -> jax.Array:
         rules = logical_axis_rules(self.config)
         weights = weight_gather(self.mesh, rules, self.config.optim.grad_reduce_dtype)
         with activation_placement(self.mesh, rules, weights):
             model = self.model(params)
+            layout = self.pipeline
+            if layout.stages > 1 and layout.interleaves_backward:
+                token_weights = real_token_weights(batch)
+                summed = self._one_f_one_b_summed_loss(model, params, batch, token_weights)
+                return summed / jnp.maximum(jnp.sum(token_weights), 1.0)
             features = self.features(model, batch)
             losses = ops.token_losses(
                 features,

@@ -32,6 +32,10 @@ def gpipe(microbatches: int) -> dict:
     return {"schedule": "gpipe", "microbatches": microbatches}
 
 
+def one_f_one_b(microbatches: int) -> dict:
+    return {"schedule": "1f1b", "microbatches": microbatches}
+
+
 # (data, fsdp, pipe, tensor, sequence_parallel), model overrides, pipeline section
 CASES = {
     "pipe2-data2-tensor2-gpipe-m2": ((2, 1, 2, 2, False), FOUR_LAYERS, gpipe(2)),
@@ -44,6 +48,14 @@ CASES = {
         (2, 1, 2, 2, False),
         PARALLEL_WINDOWED,
         circular(4),
+    ),
+    "pipe2-data2-tensor2-1f1b-m4": ((2, 1, 2, 2, False), FOUR_LAYERS, one_f_one_b(4)),
+    "pipe4-data2-1f1b-m8": ((2, 1, 4, 1, False), FOUR_LAYERS, one_f_one_b(8)),
+    "pipe2-fsdp2-tensor2-seqpar-1f1b-m4": ((1, 2, 2, 2, True), FOUR_LAYERS, one_f_one_b(4)),
+    "pipe2-data2-tensor2-parallel-window-1f1b-m4": (
+        (2, 1, 2, 2, False),
+        PARALLEL_WINDOWED,
+        one_f_one_b(4),
     ),
 }
 

@@ -1,5 +1,6 @@
 """Pipeline parallelism over the `pipe` mesh axis: GPipe and circular (interleaved) schedules
-run as one SPMD program, and the layer order that keeps each stage's layers on its devices.
+run as one SPMD program, the layout every schedule shares (1F1B's loop lives in
+msjax.parallel.one_f_one_b), and the layer order that keeps each stage's layers on its devices.
 
 The model is not involved beyond a stage function (layer parameters, activations) -> activations;
 everything inside a stage still composes with fsdp, tensor and sequence parallelism and remat.
@@ -27,35 +28,79 @@ StageFunction = Callable[[Any, jax.Array, jax.Array, jax.Array | None], jax.Arra
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """P stages, R virtual stages (repeats) per device, M microbatches, L layers.
+    """P stages, R virtual stages (repeats) per device, M microbatches, L layers, a schedule.
 
     Virtual stage v = r P + s (device s, repeat r) runs layers [v K, (v + 1) K), K = L / (P R):
-    GPipe is R = 1; circular gives device s the layers s, s + P, ... in chunks of K.
+    GPipe and 1F1B are R = 1; circular gives device s the layers s, s + P, ... in chunks of K.
     """
 
     stages: int
     repeats: int
     microbatches: int
     num_layers: int
+    schedule: str = "gpipe"  # PipelineConfig.schedule: gpipe, circular or 1f1b
 
     @classmethod
     def of(cls, config: Config) -> PipelineLayout:
-        repeats = config.pipeline.repeats if config.pipeline.schedule == "circular" else 1
-        return cls(config.mesh.pipe, repeats, config.pipeline.microbatches, config.model.num_layers)
+        pipeline = config.pipeline
+        repeats = pipeline.repeats if pipeline.schedule == "circular" else 1
+        return cls(
+            config.mesh.pipe,
+            repeats,
+            pipeline.microbatches,
+            config.model.num_layers,
+            pipeline.schedule,
+        )
+
+    @property
+    def interleaves_backward(self) -> bool:
+        """Whether the loop runs each microbatch's backward pass too (1F1B), not autodiff."""
+        return self.schedule == "1f1b"
 
     @property
     def layers_per_stage(self) -> int:
         return self.num_layers // (self.stages * self.repeats)
 
     @property
-    def iterations(self) -> int:
-        """Loop iterations of one forward pass: R M + P - 1."""
+    def forward_iterations(self) -> int:
+        """Loop iterations of a forward pass alone (GPipe, circular): R M + P - 1."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
+    def iterations(self) -> int:
+        """Loop iterations of the schedule: R M + P - 1 (each run once forward, once backward
+        under autodiff), or M + 2P - 2 for 1F1B (each a forward and a backward)."""
+        if self.interleaves_backward:
+            return self.microbatches + 2 * self.stages - 2
+        return self.forward_iterations
+
+    @property
     def bubble_fraction(self) -> float:
-        """Share of stage-iterations idle: (P - 1) / (R M + P - 1)."""
-        return (self.stages - 1) / self.iterations
+        """Share of stage-iterations idle: (P - 1) / (R M + P - 1), or for 1F1B
+        (2P - 2) / (M + 2P - 2): a microbatch's cotangent needs 2(P - 1 - s) iterations to come
+        back to stage s, one hop per iteration each way."""
+        return (self.iterations - self.repeats * self.microbatches) / self.iterations
+
+    @property
+    def stash_slots(self) -> int:
+        """1F1B: stage inputs a stage keeps for its backward passes, min(M, 2P - 1).
+
+        Stage s forwards microbatch m at iteration m + s and runs its backward at
+        m + 2P - 2 - s, so it holds 2(P - 1 - s) + 1 consecutive microbatches at most
+        (stage 0 the most); microbatch m lives in slot m mod stash_slots.
+        """
+        return min(self.microbatches, 2 * self.stages - 1)
+
+    def forward_at(self, iteration: int, stage: int) -> int | None:
+        """1F1B: the microbatch a stage runs forward in an iteration (t - s), or None."""
+        microbatch = iteration - stage
+        return microbatch if 0 <= microbatch < self.microbatches else None
+
+    def backward_at(self, iteration: int, stage: int) -> int | None:
+        """1F1B: the microbatch a stage runs backward in an iteration (t - (2P - 2 - s)), or
+        None. The last stage runs the backward of the microbatch it has just run forward."""
+        microbatch = iteration - (2 * self.stages - 2 - stage)
+        return microbatch if 0 <= microbatch < self.microbatches else None
 
     def work_at(self, iteration: int, stage: int) -> tuple[int, int] | None:
         """(microbatch, repeat) that a stage works on in an iteration, or None when idle."""
@@ -195,6 +240,6 @@ def run_pipeline(
     returned = per_stage_buffer if repeats > 1 else jnp.zeros((stages, 1), inputs.dtype)
     carry = (first, returned, per_stage_buffer)
     (_, _, outputs), _ = jax.lax.scan(
-        iteration_body, carry, jnp.arange(layout.iterations, dtype=jnp.int32)
+        iteration_body, carry, jnp.arange(layout.forward_iterations, dtype=jnp.int32)
     )
     return merge_microbatches(outputs[stages - 1])
