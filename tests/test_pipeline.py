@@ -4,6 +4,7 @@ schedule trains like the same global batch without a pipe axis, and checkpoints 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -13,6 +14,7 @@ from mesh_runs import small_config, train_program
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
+from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.observe.metrics import read_metrics
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.pipeline import PipelineLayout, to_canonical_order, to_memory_order
@@ -127,6 +129,87 @@ def test_idle_stage_iterations_counted_from_the_schedule_equal_the_bubble_formul
             assert path[0][0] > previous_exit
 
 
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (4, 4), (4, 9), (3, 16)])
+def test_one_f_one_b_runs_each_microbatch_once_each_way_within_its_stash(
+    stages: int, microbatches: int
+):
+    layout = PipelineLayout(stages, 1, microbatches, num_layers=stages, schedule="1f1b")
+    forwards: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> iteration
+    backwards: dict[tuple[int, int], int] = {}
+    slots: list[list[int | None]] = [[None] * layout.stash_slots for _ in range(stages)]
+    idle = 0
+    for iteration in range(layout.iterations):
+        for stage in range(stages):
+            forward = layout.forward_at(iteration, stage)
+            backward = layout.backward_at(iteration, stage)
+            idle += forward is None
+            if forward is not None:
+                assert (stage, forward) not in forwards
+                forwards[(stage, forward)] = iteration
+                stash = slots[stage]
+                overwritten = stash[forward % layout.stash_slots]
+                # a slot is reused only once its microbatch's backward has run
+                assert overwritten is None or (stage, overwritten) in backwards
+                stash[forward % layout.stash_slots] = forward
+            if backward is not None:
+                assert (stage, backward) not in backwards
+                assert forwards[(stage, backward)] <= iteration  # the same iteration: last stage
+                assert slots[stage][backward % layout.stash_slots] == backward
+                backwards[(stage, backward)] = iteration
+            live = [m for m in range(microbatches) if (stage, m) in forwards]
+            live = [
+                m for m in live if (stage, m) not in backwards or backwards[(stage, m)] == iteration
+            ]
+            assert len(live) <= layout.stash_slots
+    every_pair = {(stage, m) for stage in range(stages) for m in range(microbatches)}
+    assert set(forwards) == set(backwards) == every_pair
+    for (stage, microbatch), iteration in forwards.items():
+        if stage > 0:  # the activation arrived from the previous stage one iteration earlier
+            assert forwards[(stage - 1, microbatch)] == iteration - 1
+        if stage < stages - 1:  # the cotangent arrived from the next stage one iteration earlier
+            assert backwards[(stage + 1, microbatch)] == backwards[(stage, microbatch)] - 1
+    assert forwards[(stages - 1, 0)] == backwards[(stages - 1, 0)]  # the head turns it round
+    assert layout.iterations == microbatches + 2 * stages - 2
+    assert idle / (layout.iterations * stages) == pytest.approx(layout.bubble_fraction)
+    assert layout.bubble_fraction == pytest.approx(
+        (2 * stages - 2) / (microbatches + 2 * stages - 2)
+    )
+    assert layout.stash_slots == min(microbatches, 2 * stages - 1)
+
+
+def train_step_memory(config) -> CompiledMemory:
+    """XLA's memory analysis of a config's compiled train step, per device."""
+    config = resolve(config, 8, "cpu")
+    program = build_program(config, build_mesh(config.mesh))
+    lowered = program.train_step.lower(program.abstract_state(), program.abstract_batch())
+    return compiled_memory(lowered.compile())
+
+
+def test_one_f_one_b_step_needs_far_less_memory_than_gpipe_at_equal_microbatches():
+    # activations dominate: 128 tokens a row, 2 layers per stage, no remat
+    model = {"num_layers": 4, "mlp_dim": 256, "remat": "none"}
+    memory = {}
+    for schedule in ("gpipe", "1f1b"):
+        config = config_of((4, 1, 2, 1, False), model, {"schedule": schedule, "microbatches": 8})
+        config = dataclasses.replace(
+            config,
+            data=dataclasses.replace(config.data, seq_len=128),
+            train=dataclasses.replace(config.train, global_batch=64),
+        )
+        memory[schedule] = train_step_memory(config)
+    layout = PipelineLayout(2, 1, 8, 4, schedule="1f1b")
+    ratio = memory["1f1b"].temp_bytes / memory["gpipe"].temp_bytes
+    print(
+        f"temporaries per device: gpipe {memory['gpipe'].temp_bytes / 2**20:.1f} MiB, "
+        f"1f1b {memory['1f1b'].temp_bytes / 2**20:.1f} MiB, ratio {ratio:.2f}"
+    )
+    # GPipe under autodiff keeps every iteration's stage residuals: M + P - 1 microbatches' worth.
+    # 1F1B keeps stash_slots stage inputs and, during one backward, one microbatch's residuals:
+    # at most stash_slots + 1 of those units (4 of 9 here), before counting what both share.
+    assert ratio < (layout.stash_slots + 1) / layout.forward_iterations
+    assert memory["1f1b"].argument_bytes == memory["gpipe"].argument_bytes
+
+
 def test_memory_order_puts_each_stages_layers_in_its_own_block_and_converts_back():
     layout = PipelineLayout(stages=2, repeats=2, microbatches=4, num_layers=8)
     order = layout.memory_order()
@@ -223,8 +306,38 @@ def test_checkpoint_saved_under_one_pipeline_resumes_under_another(
         (["mesh.pipe=2", "mesh.data=4", "pipeline.microbatches=3"], "pipeline.microbatches=3"),
         (["mesh.pipe=2", "mesh.data=4", "pipeline.repeats=2"], "pipeline.schedule=circular"),
         (["mesh.pipe=2", "mesh.data=4", "pipeline.microbatches=0"], "pipeline.microbatches=0"),
+        (
+            [
+                "mesh.pipe=4",
+                "mesh.data=2",
+                "model.num_layers=4",
+                "pipeline.schedule=1f1b",
+                "pipeline.microbatches=2",
+            ],
+            "pipeline.microbatches=2 must be at least mesh.pipe=4 for the 1f1b schedule",
+        ),
+        (
+            ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.repeats=2"],
+            "pipeline.schedule=circular",
+        ),
+        (
+            ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.microbatches=3"],
+            "pipeline.microbatches=3",
+        ),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=zigzag"], "gpipe, circular, 1f1b"),
     ],
-    ids=["layers", "virtual-stages", "circular-microbatches", "batch", "repeats-gpipe", "zero"],
+    ids=[
+        "layers",
+        "virtual-stages",
+        "circular-microbatches",
+        "batch",
+        "repeats-gpipe",
+        "zero",
+        "1f1b-microbatches",
+        "1f1b-repeats",
+        "1f1b-batch",
+        "unknown-schedule",
+    ],
 )
 def test_impossible_pipelines_are_one_line_and_write_nothing(tmp_path, capsys, overrides, named):
     from test_config import assert_one_line_user_error, run_main
