@@ -1,5 +1,6 @@
 """Pipeline schedules side by side on 8 simulated CPU devices: tokens/s and XLA's peak memory per
-device for pipe 1, 2 and 4 x schedule x microbatches, beside the bubble formula.
+device for pipe 1, 2 and 4 x schedule (gpipe, circular, 1f1b) x microbatches, beside the bubble
+formula, and 1f1b's memory against gpipe's at the same pipe size and microbatches.
 
 Baseline: the same global batch on data 8 x pipe 1. Simulated devices share the host's cores,
 so the CPU times show partitioning overhead only (the bubble's idle stages still compute on
@@ -39,6 +40,16 @@ LAYOUTS = [
         MeshShape(2, 1, 1, 4),
         ["pipeline.schedule=circular", "pipeline.repeats=3", "pipeline.microbatches=8"],
     ),
+    (
+        "pipe 2 1f1b M=4",
+        MeshShape(4, 1, 1, 2),
+        ["pipeline.schedule=1f1b", "pipeline.microbatches=4"],
+    ),
+    (
+        "pipe 4 1f1b M=8",
+        MeshShape(2, 1, 1, 4),
+        ["pipeline.schedule=1f1b", "pipeline.microbatches=8"],
+    ),
 ]
 
 
@@ -59,17 +70,28 @@ def main() -> None:
         f"{'XLA GiB/dev':>11} {'vs pipe 1':>9}"
     )
     baseline = None
+    memory_of: dict[tuple[int, int, str], int] = {}  # (pipe, microbatches, schedule) -> bytes
     for label, mesh, overrides in LAYOUTS:
         config = config_for_mesh(load_config(args.config, [*base, *overrides]), mesh, "cpu")
-        bubble = PipelineLayout.of(config).bubble_fraction if mesh.pipe > 1 else 0.0
+        layout = PipelineLayout.of(config)
+        bubble = layout.bubble_fraction if mesh.pipe > 1 else 0.0
         row = measure_mesh(config, mesh, args.steps, None)
         memory = row.memory["total_bytes"]
+        memory_of[(mesh.pipe, layout.microbatches, layout.schedule)] = memory
         baseline = baseline or (row.tokens_per_s, memory)
         print(
             f"{label:<26} {bubble:>7.1%} {row.tokens_per_s:>10,.0f} "
             f"{row.tokens_per_s / baseline[0]:>9.2f} {memory / GIB:>11.3f} "
             f"{memory / baseline[1]:>9.2f}"
         )
+    # 1F1B's point: memory against gpipe at the same pipe size and microbatch count
+    for (pipe, microbatches, schedule), memory in memory_of.items():
+        gpipe = memory_of.get((pipe, microbatches, "gpipe"))
+        if schedule == "1f1b" and gpipe:
+            print(
+                f"pipe {pipe} M={microbatches}: 1f1b needs {memory / gpipe:.2f}x gpipe's XLA "
+                f"memory per device ({memory / GIB:.3f} vs {gpipe / GIB:.3f} GiB)"
+            )
 
 
 if __name__ == "__main__":
