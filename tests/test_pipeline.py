@@ -10,7 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from mesh_runs import small_config, train_program
+from mesh_runs import fixed_batches, small_config, train_program
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
@@ -24,6 +24,8 @@ from msjax.train import train
 
 FOUR_LAYERS = {"num_layers": 4}
 PARALLEL_WINDOWED = {"num_layers": 4, "parallel_block": True, "attention_window": 8}
+# the embedding table takes gradients from the lookup and, through 1F1B's head, the loss
+TIED_REMAT = {"num_layers": 4, "tied_embeddings": True, "remat": "full"}
 
 
 def circular(microbatches: int, repeats: int = 2) -> dict:
@@ -52,7 +54,7 @@ CASES = {
         circular(4),
     ),
     "pipe2-data2-tensor2-1f1b-m4": ((2, 1, 2, 2, False), FOUR_LAYERS, one_f_one_b(4)),
-    "pipe4-data2-1f1b-m8": ((2, 1, 4, 1, False), FOUR_LAYERS, one_f_one_b(8)),
+    "pipe4-data2-tied-remat-1f1b-m8": ((2, 1, 4, 1, False), TIED_REMAT, one_f_one_b(8)),
     "pipe2-fsdp2-tensor2-seqpar-1f1b-m4": ((1, 2, 2, 2, True), FOUR_LAYERS, one_f_one_b(4)),
     "pipe2-data2-tensor2-parallel-window-1f1b-m4": (
         (2, 1, 2, 2, False),
@@ -177,6 +179,23 @@ def test_one_f_one_b_runs_each_microbatch_once_each_way_within_its_stash(
     assert layout.stash_slots == min(microbatches, 2 * stages - 1)
 
 
+def test_one_f_one_b_evaluates_like_the_straight_model():
+    # evaluation takes no gradient, so it runs gpipe's forward (which keeps no activations)
+    straight = resolve(config_of((2, 2, 1, 2, False), FOUR_LAYERS), 8, "cpu")
+    straight_program = build_program(straight, build_mesh(straight.mesh))
+    params = straight_program.init_state().params
+    config = resolve(config_of((2, 1, 2, 2, False), FOUR_LAYERS, one_f_one_b(4)), 8, "cpu")
+    program = build_program(config, build_mesh(config.mesh))
+    placed = program.state_from_params(jax.device_put(params, program.state_shardings.params))
+    batch = fixed_batches(config)[0]
+    expected = straight_program.eval_step(
+        params, jax.device_put(batch, straight_program.batch_sharding)
+    )
+    loss = program.eval_step(placed.params, jax.device_put(batch, program.batch_sharding))
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-6)
+    assert float(loss) > 1.0  # an untrained model's loss, not a masked-out zero
+
+
 def train_step_memory(config) -> CompiledMemory:
     """XLA's memory analysis of a config's compiled train step, per device."""
     config = resolve(config, 8, "cpu")
@@ -230,8 +249,10 @@ def test_each_device_holds_only_its_stages_layers():
     assert {shard.data.shape for shard in gate.addressable_shards} == {(2, 64, 64)}
 
 
-def test_stage_transfers_are_collective_permutes_inside_the_loop():
-    config = resolve(config_of((2, 1, 2, 2, False), FOUR_LAYERS, gpipe(4)), 8, "cpu")
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stage_transfers_are_collective_permutes_inside_the_loop(schedule: str):
+    pipeline = {"schedule": schedule, "microbatches": 4}
+    config = resolve(config_of((2, 1, 2, 2, False), FOUR_LAYERS, pipeline), 8, "cpu")
     program = build_program(config, build_mesh(config.mesh))
     hlo = program.train_step.lower(program.abstract_state(), program.abstract_batch())
     text = hlo.compile().as_text()
