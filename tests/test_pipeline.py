@@ -286,8 +286,9 @@ def straight_losses(tmp_path_factory) -> list[float]:
         ["mesh.pipe=1", "mesh.data=8"],
         ["mesh.pipe=4", "mesh.data=2", "pipeline.microbatches=4"],
         ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=gpipe", "pipeline.microbatches=2"],
+        ["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],
     ],
-    ids=["pipe1", "pipe4-gpipe", "pipe2-gpipe"],
+    ids=["pipe1", "pipe4-gpipe", "pipe2-gpipe", "pipe2-1f1b"],
 )
 def test_checkpoint_saved_under_one_pipeline_resumes_under_another(
     tmp_path, straight_losses, second
