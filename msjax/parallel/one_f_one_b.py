@@ -5,7 +5,6 @@ of at most 2P - 1 microbatches for its backward passes instead of every microbat
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +46,7 @@ def one_f_one_b_loss(
     @jax.custom_vjp
     def summed_loss(layer_params: Any, head_params: Any, x: jax.Array, labels: tuple) -> jax.Array:
         targets, weights, positions, segment_ids = labels
-        forward_only = dataclasses.replace(layout, schedule="gpipe")
-        y = run_pipeline(stage_fn, layer_params, x, positions, segment_ids, forward_only)
+        y = run_pipeline(stage_fn, layer_params, x, positions, segment_ids, layout)
         return head_fn(head_params, y, targets, weights)
 
     def forward(
@@ -153,11 +151,12 @@ def run_one_f_one_b(
         )
         # stage s receives stage s - 1's output and stage s + 1's input gradient: one collective
         # permute over `pipe` each way; stage 0 takes the next microbatch instead
-        next_microbatch, next_valid = microbatch_of(iteration + 1 - stage_ids)
-        entering = jnp.where(next_valid[:, None, None, None], inputs[next_microbatch], 0)
+        next_microbatch, next_valid = microbatch_of(iteration + 1)
+        entering = jnp.where(next_valid, inputs[next_microbatch], 0)  # [microbatch, seq, embed]
         sent = jnp.roll(out, 1, axis=0)
         arrived = constrain(
-            jnp.where((stage_ids == 0)[:, None, None, None], entering, sent), STAGE_ACTIVATIONS
+            jnp.where((stage_ids == 0)[:, None, None, None], entering[None], sent),
+            STAGE_ACTIVATIONS,
         )
         cotangent = constrain(jnp.roll(input_grad, -1, axis=0), STAGE_ACTIVATIONS)
         stash = constrain(stash, ("stage", None, "batch", "seq", "act_embed"))
