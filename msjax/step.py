@@ -147,7 +147,9 @@ class TrainProgram:
         head_params = {name: params[name] for name in ("final_norm", unembedding)}
         loss_impl = self.config.model.loss_impl
 
-        def head(head_params: Params, x: jax.Array, targets: jax.Array, weights: jax.Array):
+        def head(
+            head_params: Params, x: jax.Array, targets: jax.Array, weights: jax.Array
+        ) -> jax.Array:
             # the head reads only these parameters; the model's others stay abstract
             head_model = self.model(head_params)
             features = head_model.finish(x)
