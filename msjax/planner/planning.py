@@ -159,17 +159,19 @@ FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the 
 # On a pipe mesh (msjax.parallel.pipeline) a device keeps what each run of its stage saved,
 # bubble runs included ([iterations, layers_per_stage, ...] stacks carried through the
 # pipeline's loop), and, read off XLA's buffer assignment of that loop:
-# - GPipe: the loop carries its own copy of the device's stacked layer weights and a float32
-#   accumulator of their gradient.
+# - A float32 accumulator of the gradient of the device's stacked layer weights, and under GPipe
+#   the loop's own copy of those weights (circular's backward pass reads its saved chunks, below).
+#   With one layer per stage run XLA drops the stage's layer scan and neither shows: its totals
+#   are that much lower (measured on tiny, pipe 2 and 4, both schedules).
 # - Circular: a stage gathers its repeat's chunk of the weights every iteration, and the loop saves
 #   every iteration's chunk for the backward pass: iterations / repeats copies of the device's
 #   stacked weights, as sharded (with fsdp the chunk is gathered inside the loop, one at a time).
 # - Remat none: one stage run's saved activations more: the stage's layer scan builds them before
 #   they are written into the loop's stacks, and the backward pass reads one run's back out (with
-#   one layer per stage run XLA drops that scan, and its stacks with it).
+#   one layer per stage run there is no layer scan, and no such copy).
 # - Remat dots saves what full saves: inside the pipeline's vmap over stages every matmul has the
 #   stage axis as a batch dimension, so `dots_with_no_batch_dims_saveable` keeps none of them.
-GPIPE_WEIGHT_COPIES = 2
+PIPELINE_WEIGHT_COPIES = {"gpipe": 2, "circular": 1}  # float32 copies of the stacked weights
 # After the backward pass the optimizer holds the gradients and the updates: two float32 copies
 # of the parameter shards. On a mesh without fsdp and with short activations this is the peak.
 OPTIMIZER_PHASE_COPIES = 2
@@ -297,18 +299,19 @@ def estimate_memory(
         buffers = 3 if PipelineLayout.of(config).repeats > 1 else 2
         head += buffers * b * s * dims.embed * dims.act_bytes
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor). The
-    # pipeline's loop keeps the stage's weights as sharded (see GPIPE_WEIGHT_COPIES): no gathered
+    # pipeline's loop keeps the stage's weights as sharded (see PIPELINE_WEIGHT_COPIES): no gathered
     # copy is among its buffers at the peak.
     gathered = state.layer_gathered if mesh.fsdp > 1 and mesh.pipe == 1 else 0
     pipeline_saved = pipeline_working = 0.0
-    if mesh.pipe > 1:  # see GPIPE_WEIGHT_COPIES
+    if mesh.pipe > 1:  # the pipeline loop's own buffers (see PIPELINE_WEIGHT_COPIES)
         layout = PipelineLayout.of(config)
-        if layout.repeats > 1:
+        if layout.repeats > 1:  # every iteration's chunk of the weights
             pipeline_saved += layout.iterations * state.stacked / layout.repeats
-        else:
-            pipeline_working += GPIPE_WEIGHT_COPIES * state.stacked
-        if remat == "none" and dims.layers > 1:
-            pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
+        if dims.layers > 1:  # the weights' gradient accumulator; GPipe's copy of the weights
+            copies = PIPELINE_WEIGHT_COPIES["circular" if layout.repeats > 1 else "gpipe"]
+            pipeline_working += copies * state.stacked
+            if remat == "none":  # one stage run's saved activations on their way to the stash
+                pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
     # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
     # unless remat recomputes the layer, and its gather with it).
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
