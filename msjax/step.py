@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from msjax import ops
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
-from msjax.models.transformer import Transformer, apply_layer_stack
+from msjax.models.transformer import Transformer, apply_layer_stack, enclosing_checkpoint_policy
 from msjax.optim import (
     advance_schedule,
     learning_rate_schedule,
@@ -123,7 +123,15 @@ class TrainProgram:
             layers = nnx.merge(layers_graphdef, chunk)
             return apply_layer_stack(layers, x, positions, segment_ids, remat)
 
-        x = run_pipeline(stage, layer_params, model.embed(inputs), positions, segment_ids, layout)
+        x = run_pipeline(
+            stage,
+            layer_params,
+            model.embed(inputs),
+            positions,
+            segment_ids,
+            layout,
+            checkpoint_policy=enclosing_checkpoint_policy(remat),
+        )
         return model.finish(x)
 
     def loss(self, params: Params, batch: Batch) -> jax.Array:
