@@ -2,9 +2,10 @@
 
 State (parameters, optimizer moments) is exact: every array's shard shape from the logical-axis
 rules. Activations and temporaries are closed-form counts of what the model keeps for the backward
-pass under each `model.remat` policy, calibrated against XLA's buffer assignment (the coefficients
-below; `tests/test_plan.py` holds them to 10% of XLA's memory analysis). Communication is the bytes
-one device sends per step with ring collectives.
+pass under each `model.remat` policy, and on a pipe mesh of what the pipeline's loop keeps,
+calibrated against XLA's buffer assignment (the coefficients below; `tests/test_plan.py` holds
+them to 10% of XLA's memory analysis, on pipe meshes too). Communication is the bytes one device
+sends per step with ring collectives.
 """
 
 from __future__ import annotations
@@ -159,13 +160,14 @@ FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the 
 # On a pipe mesh (msjax.parallel.pipeline) a device keeps what each run of its stage saved,
 # bubble runs included ([iterations, layers_per_stage, ...] stacks carried through the
 # pipeline's loop), and, read off XLA's buffer assignment of that loop:
-# - A float32 accumulator of the gradient of the device's stacked layer weights, and under GPipe
-#   the loop's own copy of those weights (circular's backward pass reads its saved chunks, below).
-#   With one layer per stage run XLA drops the stage's layer scan and neither shows: its totals
-#   are that much lower (measured on tiny, pipe 2 and 4, both schedules).
-# - Circular: a stage gathers its repeat's chunk of the weights every iteration, and the loop saves
-#   every iteration's chunk for the backward pass: iterations / repeats copies of the device's
-#   stacked weights, as sharded (with fsdp the chunk is gathered inside the loop, one at a time).
+# - The loop's own copy of the device's stacked layer weights and its float32 accumulator of their
+#   gradient (the accumulator counted as the gradients), and a stage run's gradient of the
+#   weights it ran: under GPipe all of the device's, under circular one repeat's chunk (which
+#   costs less than a copy: one copy in all fits XLA's totals). With one layer per stage run XLA
+#   drops the stage's layer scan, and its totals show none of these copies (tiny, pipe 2 and 4).
+# - Circular: a stage selects its repeat's chunk of the weights every iteration, and selects it
+#   again in the backward pass (run_pipeline's checkpoint_policy) rather than keeping every
+#   iteration's chunk, which would be iterations / repeats copies of the device's weights.
 # - Remat none: one stage run's saved activations more: the stage's layer scan builds them before
 #   they are written into the loop's stacks, and the backward pass reads one run's back out (with
 #   one layer per stage run there is no layer scan, and no such copy).
@@ -305,9 +307,7 @@ def estimate_memory(
     pipeline_saved = pipeline_working = 0.0
     if mesh.pipe > 1:  # the pipeline loop's own buffers (see PIPELINE_WEIGHT_COPIES)
         layout = PipelineLayout.of(config)
-        if layout.repeats > 1:  # every iteration's chunk of the weights
-            pipeline_saved += layout.iterations * state.stacked / layout.repeats
-        if dims.layers > 1:  # the weights' gradient accumulator; GPipe's copy of the weights
+        if dims.layers > 1:  # the stage's layer scan, and the copies it brings
             copies = PIPELINE_WEIGHT_COPIES["circular" if layout.repeats > 1 else "gpipe"]
             pipeline_working += copies * state.stacked
             if remat == "none":  # one stage run's saved activations on their way to the stash
