@@ -159,11 +159,12 @@ def run_pipeline(
         virtual = jnp.clip(virtual, 0, repeats * count - 1)
         return virtual % count, virtual // count, valid
 
-    def run_stage(stage_weights, repeat, state, positions, seg):
+    def run_stage(stage_weights, repeat, state, microbatch_positions, microbatch_segments):
         # [layers_per_stage, ...]; a static index when there is one repeat (no gather, and no
         # scatter of its gradient)
         chunk = jax.tree.map(lambda w: w[repeat] if repeats > 1 else w[0], stage_weights)
-        return stage_fn(chunk, state, positions, seg)  # [microbatch, seq, embed]
+        # [microbatch, seq, embed]
+        return stage_fn(chunk, state, microbatch_positions, microbatch_segments)
 
     if repeats > 1 and checkpoint_policy is not None:
         run_stage = jax.checkpoint(run_stage, policy=checkpoint_policy, prevent_cse=False)
