@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from msjax import ops
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
-from msjax.models.transformer import Transformer, apply_layer_stack
+from msjax.models.transformer import Transformer, apply_layer_stack, enclosing_checkpoint_policy
 from msjax.optim import (
     advance_schedule,
     learning_rate_schedule,
@@ -124,7 +124,15 @@ class TrainProgram:
         if layout.stages == 1:
             return model.features(inputs, positions, segment_ids)
         stage, layer_params = self._stage_function(model)
-        x = run_pipeline(stage, layer_params, model.embed(inputs), positions, segment_ids, layout)
+        x = run_pipeline(
+            stage,
+            layer_params,
+            model.embed(inputs),
+            positions,
+            segment_ids,
+            layout,
+            checkpoint_policy=enclosing_checkpoint_policy(self.config.model.remat),
+        )
         return model.finish(x)
 
     def _stage_function(self, model: Transformer) -> tuple[StageFunction, nnx.State]:

@@ -6,9 +6,13 @@ Parameters carry logical axis names (`embed`, `heads`, `kv_heads`, `head_dim`, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from msjax import ops
 from msjax.config import ModelConfig
@@ -149,6 +153,41 @@ _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+LAYER_INPUT = "layer_input"  # each layer's input, named: all that remat full keeps of a layer
+# Ops that only move, select or relabel what they read: recomputing them costs no FLOPs
+_RELAYOUT_PRIMITIVES = frozenset(
+    {
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "dynamic_slice",
+        "gather",
+        "reshape",
+        "sharding_constraint",
+        "slice",
+        "squeeze",
+        "transpose",
+    }
+)
+
+
+def _saves_all_but_relayouts(primitive: Any, *_: Any, **__: Any) -> bool:
+    return primitive.name not in _RELAYOUT_PRIMITIVES
+
+
+def enclosing_checkpoint_policy(remat: str) -> Callable[..., bool]:
+    """The policy for a `jax.checkpoint` around code that runs the layer stack (a pipeline stage
+    with its weights selected inside it) under which the stack keeps what `remat` keeps.
+
+    An enclosing checkpoint's policy decides for everything inside it, the layers' own remat
+    included: under "full" and "dots" it keeps the layer inputs (inside a pipeline stage's vmap
+    every matmul has a batch dimension, so "dots" keeps no more); under "none" everything but
+    re-layouts of other values, which are recomputed from what they read (weights selected by
+    an index are then recomputed from the index instead of being kept).
+    """
+    if remat == "none":
+        return _saves_all_but_relayouts
+    return jax.checkpoint_policies.save_only_these_names(LAYER_INPUT)
 
 
 class Transformer(nnx.Module):
@@ -251,6 +290,6 @@ def apply_layer_stack(
         transform_metadata={nnx.PARTITION_NAME: "layers"},
     )
     def run_layers(x: jax.Array, block: Block) -> jax.Array:
-        return layer(block, x)
+        return layer(block, checkpoint_name(x, LAYER_INPUT))
 
     return run_layers(x, layers)

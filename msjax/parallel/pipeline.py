@@ -162,6 +162,7 @@ def run_pipeline(
     positions: jax.Array,
     segment_ids: jax.Array | None,
     layout: PipelineLayout,
+    checkpoint_policy: Callable[..., bool] | None = None,
 ) -> jax.Array:
     """The layer stack over x [batch, seq, embed] as a pipeline; same result as running it whole.
 
@@ -172,6 +173,12 @@ def run_pipeline(
     left returns to stage 0 through a per-device buffer, read M - P + 1 iterations after it was
     sent (MegaScale §3.3: send and receive decoupled); every other transfer is consumed in the
     next iteration, where the next stage needs it.
+
+    checkpoint_policy (circular): what a stage run keeps for the backward pass, as the stage
+    function's own remat would (a policy from msjax.models.transformer.enclosing_checkpoint_policy).
+    With it, a run's selected chunk of weights is selected again in the backward pass instead of
+    being kept: without it the loop keeps every iteration's chunk, (R M + P - 1) / R times the
+    device's layer weights.
     """
     stages, repeats, count = layout.stages, layout.repeats, layout.microbatches
     per_stage = layout.layers_per_stage
@@ -197,14 +204,21 @@ def run_pipeline(
         virtual = jnp.clip(virtual, 0, repeats * count - 1)
         return virtual % count, virtual // count, valid
 
-    def stage_step(stage, stage_weights, state, outputs, iteration):
-        """One stage's iteration (vmapped over stages): run its layers, keep finished outputs."""
-        microbatch, repeat, valid = work(stage, iteration)
+    def run_stage(stage_weights, repeat, state, microbatch_positions, microbatch_segments):
         # [layers_per_stage, ...]; a static index when there is one repeat (no gather, and no
         # scatter of its gradient)
         chunk = jax.tree.map(lambda w: w[repeat] if repeats > 1 else w[0], stage_weights)
+        # [microbatch, seq, embed]
+        return stage_fn(chunk, state, microbatch_positions, microbatch_segments)
+
+    if repeats > 1 and checkpoint_policy is not None:
+        run_stage = jax.checkpoint(run_stage, policy=checkpoint_policy, prevent_cse=False)
+
+    def stage_step(stage, stage_weights, state, outputs, iteration):
+        """One stage's iteration (vmapped over stages): run its layers, keep finished outputs."""
+        microbatch, repeat, valid = work(stage, iteration)
         seg = None if segments is None else segments[microbatch]
-        out = stage_fn(chunk, state, positions[microbatch], seg)  # [microbatch, seq, embed]
+        out = run_stage(stage_weights, repeat, state, positions[microbatch], seg)
         finished = valid & (repeat == repeats - 1)
         outputs = outputs.at[microbatch].set(jnp.where(finished, out, outputs[microbatch]))
         return out, outputs

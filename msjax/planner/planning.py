@@ -2,9 +2,10 @@
 
 State (parameters, optimizer moments) is exact: every array's shard shape from the logical-axis
 rules. Activations and temporaries are closed-form counts of what the model keeps for the backward
-pass under each `model.remat` policy, calibrated against XLA's buffer assignment (the coefficients
-below; `tests/test_plan.py` holds them to 10% of XLA's memory analysis). Communication is the bytes
-one device sends per step with ring collectives.
+pass under each `model.remat` policy, and on a pipe mesh of what the pipeline's loop keeps,
+calibrated against XLA's buffer assignment (the coefficients below; `tests/test_plan.py` holds
+them to 10% of XLA's memory analysis, on pipe meshes too). Communication is the bytes one device
+sends per step with ring collectives.
 """
 
 from __future__ import annotations
@@ -156,6 +157,23 @@ SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residua
 WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
 FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
+# On a pipe mesh (msjax.parallel.pipeline) a device keeps what each run of its stage saved,
+# bubble runs included ([iterations, layers_per_stage, ...] stacks carried through the
+# pipeline's loop), and, read off XLA's buffer assignment of that loop:
+# - The loop's own copy of the device's stacked layer weights and its float32 accumulator of their
+#   gradient (the accumulator counted as the gradients), and a stage run's gradient of the
+#   weights it ran: under GPipe all of the device's, under circular one repeat's chunk (which
+#   costs less than a copy: one copy in all fits XLA's totals). With one layer per stage run XLA
+#   drops the stage's layer scan, and its totals show none of these copies (tiny, pipe 2 and 4).
+# - Circular: a stage selects its repeat's chunk of the weights every iteration, and selects it
+#   again in the backward pass (run_pipeline's checkpoint_policy) rather than keeping every
+#   iteration's chunk, which would be iterations / repeats copies of the device's weights.
+# - Remat none: one stage run's saved activations more: the stage's layer scan builds them before
+#   they are written into the loop's stacks, and the backward pass reads one run's back out (with
+#   one layer per stage run there is no layer scan, and no such copy).
+# - Remat dots saves what full saves: inside the pipeline's vmap over stages every matmul has the
+#   stage axis as a batch dimension, so `dots_with_no_batch_dims_saveable` keeps none of them.
+PIPELINE_WEIGHT_COPIES = {"gpipe": 2, "circular": 1}  # float32 copies of the stacked weights
 # After the backward pass the optimizer holds the gradients and the updates: two float32 copies
 # of the parameter shards. On a mesh without fsdp and with short activations this is the peak.
 OPTIMIZER_PHASE_COPIES = 2
@@ -232,6 +250,7 @@ class MemoryEstimate:
 class _StateBytes:
     params: int
     optimizer: int
+    stacked: int  # this device's shard of the stacked layers' parameters
     layer_gathered: int  # one layer's parameters as gathered over fsdp (still split by tensor)
     fsdp_gathered: int  # all parameters as gathered over fsdp
 
@@ -249,6 +268,7 @@ def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
     )
     return _StateBytes(
         params=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in params),
+        stacked=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in params if a.stacked),
         optimizer=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in opt_state)
         + STEP_BYTES,
         layer_gathered=layer_gathered // (config.model.num_layers // mesh.pipe),  # per layer
@@ -268,6 +288,8 @@ def estimate_memory(
     state = _state_bytes(config, mesh)
     dims = local_dims(config, mesh)
     remat = config.model.remat
+    if mesh.pipe > 1 and remat == "dots":
+        remat = "full"  # the pipeline's vmap gives every matmul a batch dimension (see above)
     b, s = dims.replica_batch, dims.seq
     # Outside the layers: the embedding output, the final norm's input and output, the softmax
     # (the fused loss keeps a float32 log-sum-exp per token instead).
@@ -278,10 +300,18 @@ def estimate_memory(
         # where microbatches wait to re-enter stage 0: each the replica's whole residual stream
         buffers = 3 if PipelineLayout.of(config).repeats > 1 else 2
         head += buffers * b * s * dims.embed * dims.act_bytes
-    # With fsdp one layer's weights at a time are gathered whole (still split by tensor); a
-    # pipeline stage gathers all its layers' once, outside the pipeline's loop.
-    stage_layers = config.model.num_layers // mesh.pipe if mesh.pipe > 1 else 1
-    gathered = stage_layers * state.layer_gathered if mesh.fsdp > 1 else 0
+    # With fsdp one layer's weights at a time are gathered whole (still split by tensor). The
+    # pipeline's loop keeps the stage's weights as sharded (see PIPELINE_WEIGHT_COPIES): no gathered
+    # copy is among its buffers at the peak.
+    gathered = state.layer_gathered if mesh.fsdp > 1 and mesh.pipe == 1 else 0
+    pipeline_saved = pipeline_working = 0.0
+    if mesh.pipe > 1:  # the pipeline loop's own buffers (see PIPELINE_WEIGHT_COPIES)
+        layout = PipelineLayout.of(config)
+        if dims.layers > 1:  # the stage's layer scan, and the copies it brings
+            copies = PIPELINE_WEIGHT_COPIES["circular" if layout.repeats > 1 else "gpipe"]
+            pipeline_working += copies * state.stacked
+            if remat == "none":  # one stage run's saved activations on their way to the stash
+                pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
     # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
     # unless remat recomputes the layer, and its gather with it).
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
@@ -293,9 +323,9 @@ def estimate_memory(
         gradients_bytes=state.params,  # float32, sharded like the parameters
         # a pipeline stage keeps what each of its runs saved (bubble runs included)
         activations_bytes=round(
-            dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + head
+            dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + head + pipeline_saved
         ),
-        working_bytes=round(_working_set(dims, remat) + gathered),
+        working_bytes=round(_working_set(dims, remat) + gathered + pipeline_working),
         update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
     )
 
