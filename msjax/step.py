@@ -41,6 +41,7 @@ from msjax.parallel.rules import (
     logical_axes_of,
     logical_axis_rules,
     logical_to_spec,
+    placement_within_replica,
     shardings_for,
     weight_gather,
 )
@@ -119,11 +120,17 @@ class TrainProgram:
         layers_graphdef, layer_params = nnx.split(model.layers)
         remat = self.config.model.remat
 
-        def stage(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
-            layers = nnx.merge(layers_graphdef, chunk)
-            return apply_layer_stack(layers, x, positions, segment_ids, remat)
+        rules = logical_axis_rules(self.config)
 
-        x = run_pipeline(stage, layer_params, model.embed(inputs), positions, segment_ids, layout)
+        def stage(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
+            """One data-parallel replica's share of a stage's work (vmapped over replicas)."""
+            layers = nnx.merge(layers_graphdef, chunk)
+            with placement_within_replica(self.mesh, rules):
+                return apply_layer_stack(layers, x, positions, segment_ids, remat)
+
+        replicas = self.config.mesh.data
+        x = model.embed(inputs)
+        x = run_pipeline(stage, layer_params, x, positions, segment_ids, layout, replicas)
         return model.finish(x)
 
     def loss(self, params: Params, batch: Batch) -> jax.Array:

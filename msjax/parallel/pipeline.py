@@ -117,6 +117,7 @@ def run_pipeline(
     positions: jax.Array,
     segment_ids: jax.Array | None,
     layout: PipelineLayout,
+    replicas: int = 1,
 ) -> jax.Array:
     """The layer stack over x [batch, seq, embed] as a pipeline; same result as running it whole.
 
@@ -127,12 +128,24 @@ def run_pipeline(
     left returns to stage 0 through a per-device buffer, read M - P + 1 iterations after it was
     sent (MegaScale §3.3: send and receive decoupled); every other transfer is consumed in the
     next iteration, where the next stage needs it.
+
+    With `replicas` data-parallel replicas (the `data` axis) every replica works on its own copy
+    of its stage's weights, made once before the loop (vmapped with spmd axis `data`; stage_fn
+    then runs on one replica's rows under `msjax.parallel.rules.placement_within_replica`). The
+    weight gradients then accumulate per replica through the loop and are summed across
+    replicas once per step, after it: one data-parallel all-reduce, not one per iteration.
     """
     stages, repeats, count = layout.stages, layout.repeats, layout.microbatches
     per_stage = layout.layers_per_stage
     # [stages, repeats, layers_per_stage, ...]: device s's block is [s], sharded over `pipe`
+    # [stages, replicas, repeats, layers_per_stage, ...]: the replica copies are made here,
+    # outside the loop, so their gradients are summed (all-reduced) only after it
     weights = jax.tree.map(
-        lambda w: w.reshape(stages, repeats, per_stage, *w.shape[1:]), layer_params
+        lambda w: jnp.broadcast_to(
+            w.reshape(stages, 1, repeats, per_stage, *w.shape[1:]),
+            (stages, replicas, repeats, per_stage, *w.shape[1:]),
+        ),
+        layer_params,
     )
     # [microbatches, microbatch, seq, embed], on every stage's devices
     inputs = constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed"))
@@ -152,19 +165,38 @@ def run_pipeline(
         virtual = jnp.clip(virtual, 0, repeats * count - 1)
         return virtual % count, virtual // count, valid
 
+    def replica_stage(chunk, x, positions, segment_ids):
+        """stage_fn over a microbatch, each data-parallel replica's rows with its own weights."""
+        if replicas == 1:
+            return stage_fn(jax.tree.map(lambda w: w[0], chunk), x, positions, segment_ids)
+
+        def by_replica(a: jax.Array | None) -> jax.Array | None:  # rows are replica-major
+            return None if a is None else a.reshape(replicas, a.shape[0] // replicas, *a.shape[1:])
+
+        run = jax.vmap(stage_fn, spmd_axis_name="data")
+        out = run(chunk, by_replica(x), by_replica(positions), by_replica(segment_ids))
+        return out.reshape(x.shape)
+
     def stage_step(stage, stage_weights, state, outputs, iteration):
         """One stage's iteration (vmapped over stages): run its layers, keep finished outputs."""
         microbatch, repeat, valid = work(stage, iteration)
         # [layers_per_stage, ...]; a static index when there is one repeat (no gather, and no
         # scatter of its gradient)
-        chunk = jax.tree.map(lambda w: w[repeat] if repeats > 1 else w[0], stage_weights)
+        chunk = jax.tree.map(lambda w: w[:, repeat] if repeats > 1 else w[:, 0], stage_weights)
         seg = None if segments is None else segments[microbatch]
-        out = stage_fn(chunk, state, positions[microbatch], seg)  # [microbatch, seq, embed]
+        out = replica_stage(chunk, state, positions[microbatch], seg)  # [microbatch, seq, embed]
         finished = valid & (repeat == repeats - 1)
         outputs = outputs.at[microbatch].set(jnp.where(finished, out, outputs[microbatch]))
         return out, outputs
 
-    def receive(stage, arrived, returned, iteration):
+    # every stage's own view of the inputs (only stage 0 reads its): their gradients then
+    # accumulate per stage through the loop and are summed over `pipe` once, after it
+    inputs_by_stage = constrain(
+        jnp.broadcast_to(inputs, (stages, *inputs.shape)),
+        ("stage", None, "batch", "seq", "act_embed"),
+    )
+
+    def receive(stage, stage_inputs, arrived, returned, iteration):
         """What a stage works on next: stage 0 a new microbatch or one returning for its next
         repeat, every other stage what the previous stage just sent."""
         next_iteration = iteration + 1
@@ -173,20 +205,24 @@ def run_pipeline(
             sent_microbatch, _, _ = work(jnp.int32(stages - 1), iteration)
             returned = returned.at[sent_microbatch].set(arrived)
         microbatch, repeat, _ = work(jnp.int32(0), next_iteration)
-        entering = jnp.where(next_iteration < count, inputs[microbatch], 0)
+        entering = jnp.where(next_iteration < count, stage_inputs[microbatch], 0)
         if repeats > 1:
             entering = jnp.where(repeat == 0, entering, returned[microbatch])
         return jnp.where(stage == 0, entering, arrived), returned
 
     vmapped_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
-    vmapped_receive = jax.vmap(receive, in_axes=(0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
+    vmapped_receive = jax.vmap(receive, in_axes=(0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
 
     def iteration_body(carry, iteration):
         state, returned, outputs = carry
         out, outputs = vmapped_step(stage_ids, weights, state, outputs, iteration)
         # stage s receives stage s - 1's output: a collective permute over `pipe`
-        arrived = constrain(jnp.roll(out, 1, axis=0), stage_activations)
-        state, returned = vmapped_receive(stage_ids, arrived, returned, iteration)
+        if repeats > 1:  # the last stage's output returns to stage 0 for its next repeat
+            arrived = jnp.roll(out, 1, axis=0)
+        else:  # GPipe: nothing wraps around, so the last stage sends nothing
+            arrived = jnp.pad(out[:-1], ((1, 0),) + ((0, 0),) * (out.ndim - 1))
+        arrived = constrain(arrived, stage_activations)
+        state, returned = vmapped_receive(stage_ids, inputs_by_stage, arrived, returned, iteration)
         state = constrain(state, stage_activations)
         return (state, returned, outputs), None
 
