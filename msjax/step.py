@@ -43,6 +43,7 @@ from msjax.parallel.rules import (
     logical_axes_of,
     logical_axis_rules,
     logical_to_spec,
+    placement_within_replica,
     shardings_for,
     weight_gather,
 )
@@ -132,6 +133,7 @@ class TrainProgram:
             segment_ids,
             layout,
             checkpoint_policy=enclosing_checkpoint_policy(self.config.model.remat),
+            replicas=self.config.mesh.data,
         )
         return model.finish(x)
 
@@ -139,10 +141,13 @@ class TrainProgram:
         """(a pipeline stage's function of its layers' parameters, the stacked layer params)."""
         layers_graphdef, layer_params = nnx.split(model.layers)
         remat = self.config.model.remat
+        rules = logical_axis_rules(self.config)
 
         def stage(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
+            """One data-parallel replica's share of a stage's work (vmapped over replicas)."""
             layers = nnx.merge(layers_graphdef, chunk)
-            return apply_layer_stack(layers, x, positions, segment_ids, remat)
+            with placement_within_replica(self.mesh, rules):
+                return apply_layer_stack(layers, x, positions, segment_ids, remat)
 
         return stage, layer_params
 
@@ -166,7 +171,7 @@ class TrainProgram:
             )
             return jnp.sum(losses * weights)
 
-        summed_loss = one_f_one_b_loss(stage, head, self.pipeline)
+        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.config.mesh.data)
         labels = (batch["targets"], token_weights, batch["positions"], batch["segment_ids"])
         return summed_loss(layer_params, head_params, model.embed(batch["inputs"]), labels)
 

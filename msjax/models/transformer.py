@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
-from msjax.parallel.context import compute_weight, constrain
+from msjax.parallel.context import compute_weight, constrain, kernel_mesh
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
 
@@ -42,6 +42,13 @@ class RMSNorm(nnx.Module):
         return ops.add_rms_norm(x, residual, self.scale[...], eps=self.eps, impl=self.impl)
 
 
+def _placed_alike(axes: tuple[str, ...], other: tuple[str, ...]) -> bool:
+    """Whether two logical axes map to the same mesh axes in the placement being traced (always,
+    with none installed)."""
+    mesh = kernel_mesh()
+    return mesh is None or mesh.spec(axes) == mesh.spec(other)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE and an optional sliding window."""
 
@@ -60,26 +67,45 @@ class Attention(nnx.Module):
         self.out = _param(rngs, out_init, (heads, head_dim, embed), ("heads", "head_dim", "embed"))
         self.config = config
 
+    def _project(self, x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [batch, seq, heads, head_dim], keys and values [batch, seq, kv_heads, head_dim].
+
+        When each device holds whole groups of query heads with their kv head (no mesh, or
+        tensor splits the kv heads as it splits the query heads), the three projections are one
+        matmul over [embed, kv_heads, group + 2, head_dim] weights: its input's gradient is then
+        one tensor-parallel all-reduce instead of three (Megatron's fused QKV).
+        """
+        query_weight = compute_weight(self.query[...], ("embed", "heads", "head_dim"), dtype)
+        key_weight = compute_weight(self.key[...], ("embed", "kv_heads", "head_dim"), dtype)
+        value_weight = compute_weight(self.value[...], ("embed", "kv_heads", "head_dim"), dtype)
+        if not _placed_alike(("heads",), ("kv_heads",)):
+            return (
+                jnp.einsum("bse,ehd->bshd", x, query_weight),
+                jnp.einsum("bse,ehd->bshd", x, key_weight),
+                jnp.einsum("bse,ehd->bshd", x, value_weight),
+            )
+        embed, heads, head_dim = query_weight.shape
+        kv_heads = key_weight.shape[1]
+        group = heads // kv_heads  # query head h reads kv head h // group
+        grouped = jnp.concatenate(
+            [
+                query_weight.reshape(embed, kv_heads, group, head_dim),
+                key_weight[:, :, None],
+                value_weight[:, :, None],
+            ],
+            axis=2,
+        )
+        projected = jnp.einsum("bse,ekgd->bskgd", x, grouped)
+        batch, seq = x.shape[:2]
+        query = projected[:, :, :, :group].reshape(batch, seq, heads, head_dim)
+        return query, projected[:, :, :, group], projected[:, :, :, group + 1]
+
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
     ) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, ("batch", "seq", "act_embed"))
-        query = jnp.einsum(
-            "bse,ehd->bshd",
-            x,
-            compute_weight(self.query[...], ("embed", "heads", "head_dim"), dtype),
-        )
-        key = jnp.einsum(
-            "bse,ehd->bshd",
-            x,
-            compute_weight(self.key[...], ("embed", "kv_heads", "head_dim"), dtype),
-        )
-        value = jnp.einsum(
-            "bse,ehd->bshd",
-            x,
-            compute_weight(self.value[...], ("embed", "kv_heads", "head_dim"), dtype),
-        )
+        query, key, value = self._project(x, dtype)
         query = constrain(query, ("batch", "seq", "heads", "head_dim"))
         key = constrain(key, ("batch", "seq", "kv_heads", "head_dim"))
         value = constrain(value, ("batch", "seq", "kv_heads", "head_dim"))
@@ -115,8 +141,16 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, ("batch", "seq", "act_embed"))
-        gate = jnp.einsum("bse,em->bsm", x, compute_weight(self.gate[...], ("embed", "mlp"), dtype))
-        up = jnp.einsum("bse,em->bsm", x, compute_weight(self.up[...], ("embed", "mlp"), dtype))
+        # gate and up as one matmul: its input's gradient is one tensor-parallel all-reduce
+        gate_and_up = jnp.stack(
+            [
+                compute_weight(self.gate[...], ("embed", "mlp"), dtype),
+                compute_weight(self.up[...], ("embed", "mlp"), dtype),
+            ],
+            axis=1,
+        )
+        projected = jnp.einsum("bse,ekm->bskm", x, gate_and_up)
+        gate, up = projected[:, :, 0], projected[:, :, 1]
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
         return jnp.einsum(
             "bsm,me->bse", hidden, compute_weight(self.down[...], ("mlp", "embed"), dtype)

@@ -1,9 +1,10 @@
-"""Collectives in a compiled XLA program: how many run per step and how many bytes they produce.
+"""Collectives in a compiled XLA program: how many run per step, the bytes they produce, and the
+bytes one device sends over each mesh axis.
 
 Read from `compiled.as_text()` (optimised, partitioned HLO of one device). An op inside a `while`
 body (the scanned layers) runs once per trip, so it is counted `known_trip_count` times. Bytes are
-the sizes of each op's results; bytes on the wire depend on the algorithm and group size (see
-`msjax.planner.planning` for ring estimates).
+the sizes of each op's results; `bytes_sent_by_axes` turns them into ring bytes on the wire, per
+mesh axis, from each op's device groups (the planner's estimates are in `msjax.planner.planning`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+
+import numpy as np
+
+from msjax.observe.device_groups import axes_spanned, permute_pairs, replica_groups
+from msjax.observe.hlo_dataflow import DataFlow
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -24,7 +30,7 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s+"
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[(?P<dims>[\d,]*)\]")
@@ -68,17 +74,29 @@ def _result_bytes(shape_text: str, is_async_start: bool) -> int:
     return sum(sizes)
 
 
-def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
-    """Per kind in KINDS (all present, zero when absent): ops, executions and bytes per step."""
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction and how often it runs per step."""
+
+    kind: str
+    result_bytes: int  # of one execution
+    executions: int
+    executions_in_loops: int
+    instruction: str  # its line of HLO: the device groups are read from it
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+    """Every collective instruction of a program, with its executions per step."""
     computation = None
     entry = None
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    found: dict[str, list[tuple[str, int]]] = defaultdict(list)  # computation -> (kind, bytes)
+    found: dict[str, list[tuple[str, int, str]]] = defaultdict(list)  # computation -> ops
     # Before XLA annotates trip counts (an HLO dump taken mid-pipeline), a scan's loop count is
     # the constant its condition compares the counter against: `i < N` with i from 0.
     bounds: dict[str, list[int]] = defaultdict(list)
     counted_by: dict[str, bool] = {}
     unannotated: list[tuple[str, str]] = []  # (computation holding the while, its condition)
+    body_lines: dict[str, list[str]] = defaultdict(list)
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")):
             header = _HEADER.match(line)
@@ -89,6 +107,7 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
             continue
         if computation is None:
             continue
+        body_lines[computation].append(line)
         constant = _S32_CONSTANT.search(line)
         if constant:
             bounds[computation].append(int(constant["n"]))
@@ -109,9 +128,8 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
                 calls[computation].append((name.strip().lstrip("%"), 1))
         op = _INSTRUCTION.match(line)
         if op:
-            found[computation].append(
-                (op["op"], _result_bytes(op["shape"], op["start"] is not None))
-            )
+            size = _result_bytes(op["shape"], op["start"] is not None)
+            found[computation].append((op["op"], size, line))
 
     def loop_trips(marker: int) -> int:
         _, condition = unannotated[-marker - 1]
@@ -138,16 +156,76 @@ def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
 
     if entry is not None:
         visit(entry, 1)
+    ops = []
+    flows: dict[str, DataFlow] = {}
+    for name, collectives in found.items():
+        for kind, size, line in collectives:
+            if name not in flows:
+                flows[name] = DataFlow(body_lines[name])
+            flow = flows[name]
+            size = round(size * flow.narrowing(line))
+            if kind == "all-reduce":
+                scattered = flow.scattered_fraction(line)
+                kind, size = (
+                    ("reduce-scatter", round(size * scattered)) if scattered else (kind, size)
+                )
+            ops.append(CollectiveOp(kind, size, runs.get(name, 0), loop_runs.get(name, 0), line))
+    return ops
+
+
+# Bytes one member of a group of g sends per byte of an op's result, with ring algorithms: an
+# all-reduce is a reduce-scatter and an all-gather of the whole result; a reduce-scatter's result
+# is one of the g pieces of its input.
+_RING_SEND_PER_RESULT_BYTE = {
+    "all-reduce": lambda g: 2.0 * (g - 1) / g,
+    "all-gather": lambda g: (g - 1) / g,
+    "all-to-all": lambda g: (g - 1) / g,
+    "reduce-scatter": lambda g: float(g - 1),
+}
+
+
+def bytes_sent_by_axes(
+    hlo_text: str, axis_names: tuple[str, ...], mesh_shape: tuple[int, ...]
+) -> dict[str, float]:
+    """Bytes one device sends per step (averaged over devices), keyed by the mesh axes each
+    collective runs over ("tensor", "data+fsdp", ...; axes in mesh order).
+
+    Ring algorithms as in `msjax.planner.planning`; a collective permute sends its result from
+    every device whose target is another device. Raises ValueError on a collective whose
+    devices cannot be read, so nothing goes uncounted.
+    """
+    devices = int(np.prod(mesh_shape))
+    sent: dict[str, float] = defaultdict(float)
+    for op in collective_ops(hlo_text):
+        if op.kind == "collective-permute":
+            pairs = permute_pairs(op.instruction)
+            if pairs is None:
+                raise ValueError(f"no source-target pairs in {op.instruction.strip()[:200]}")
+            moving = [(source, target) for source, target in pairs if source != target]
+            spanned = sorted({axis for pair in moving for axis in axes_spanned(pair, mesh_shape)})
+            per_device = len(moving) / devices * op.result_bytes
+        else:
+            groups = replica_groups(op.instruction, devices)
+            if groups is None:
+                raise ValueError(f"no replica groups in {op.instruction.strip()[:200]}")
+            spanned = list(axes_spanned(groups[0], mesh_shape))
+            per_device = _RING_SEND_PER_RESULT_BYTE[op.kind](len(groups[0])) * op.result_bytes
+        if per_device and spanned:
+            sent["+".join(axis_names[axis] for axis in spanned)] += op.executions * per_device
+    return dict(sent)
+
+
+def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
+    """Per kind in KINDS (all present, zero when absent): ops, executions and bytes per step."""
     ops: dict[str, int] = defaultdict(int)
     executions: dict[str, int] = defaultdict(int)
     result_bytes: dict[str, int] = defaultdict(int)
     in_loops: dict[str, int] = defaultdict(int)
-    for name, collectives in found.items():
-        for kind, size in collectives:
-            ops[kind] += 1
-            executions[kind] += runs.get(name, 0)
-            result_bytes[kind] += runs.get(name, 0) * size
-            in_loops[kind] += loop_runs.get(name, 0)
+    for op in collective_ops(hlo_text):
+        ops[op.kind] += 1
+        executions[op.kind] += op.executions
+        result_bytes[op.kind] += op.executions * op.result_bytes
+        in_loops[op.kind] += op.executions_in_loops
     return {
         kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind], in_loops[kind])
         for kind in KINDS

@@ -17,8 +17,10 @@ from msjax.parallel.pipeline import (
     PipelineLayout,
     StageFunction,
     merge_microbatches,
+    replica_stage,
     run_pipeline,
     split_microbatches,
+    stage_blocks,
 )
 
 # (head parameters, the last stage's output x [batch, seq, embed], targets [batch, seq] int,
@@ -33,7 +35,7 @@ STAGE_ACTIVATIONS = ("stage", "batch", "seq", "act_embed")
 
 
 def one_f_one_b_loss(
-    stage_fn: StageFunction, head_fn: HeadFunction, layout: PipelineLayout
+    stage_fn: StageFunction, head_fn: HeadFunction, layout: PipelineLayout, replicas: int = 1
 ) -> SummedLoss:
     """The summed token loss of the layer stack run as a pipeline, then the head.
 
@@ -41,18 +43,23 @@ def one_f_one_b_loss(
     gradients it computed to autodiff, scaled by the incoming cotangent; so the caller stays
     `jax.value_and_grad(loss)` and the embedding before x gets its gradient as usual. Evaluated
     without a gradient, it runs the GPipe forward, which keeps no activations anyway.
+    replicas: the size of `data` (see run_pipeline).
     """
 
     @jax.custom_vjp
     def summed_loss(layer_params: Any, head_params: Any, x: jax.Array, labels: tuple) -> jax.Array:
         targets, weights, positions, segment_ids = labels
-        y = run_pipeline(stage_fn, layer_params, x, positions, segment_ids, layout)
+        y = run_pipeline(
+            stage_fn, layer_params, x, positions, segment_ids, layout, replicas=replicas
+        )
         return head_fn(head_params, y, targets, weights)
 
     def forward(
         layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
     ) -> tuple[jax.Array, tuple]:
-        return run_one_f_one_b(stage_fn, head_fn, layout, layer_params, head_params, x, labels)
+        return run_one_f_one_b(
+            stage_fn, head_fn, layout, layer_params, head_params, x, labels, replicas
+        )
 
     def backward(gradients: tuple, cotangent: jax.Array) -> tuple:
         scaled = jax.tree.map(lambda grad: (grad * cotangent).astype(grad.dtype), gradients)
@@ -70,6 +77,7 @@ def run_one_f_one_b(
     head_params: Any,
     x: jax.Array,
     labels: tuple,
+    replicas: int = 1,
 ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
     """(summed loss, (gradients of layer_params, of head_params, of x)) by the 1F1B schedule.
 
@@ -86,9 +94,9 @@ def run_one_f_one_b(
     """
     targets, weights, positions, segment_ids = labels
     stages, count, slots = layout.stages, layout.microbatches, layout.stash_slots
-    per_stage = layout.layers_per_stage
-    # [stages, layers_per_stage, ...]: device s's block is [s], sharded over `pipe`
-    stage_weights = jax.tree.map(lambda w: w.reshape(stages, per_stage, *w.shape[1:]), layer_params)
+    # [stages, replicas, layers_per_stage, ...]: device s's block is [s], sharded over `pipe`,
+    # a copy per data-parallel replica whose gradients are summed over `data` after the loop
+    stage_weights = jax.tree.map(lambda w: w[:, :, 0], stage_blocks(layer_params, layout, replicas))
     # [microbatches, microbatch, seq, embed], on every stage's devices
     inputs = constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed"))
     positions = split_microbatches(positions, count)  # [microbatches, microbatch, seq]
@@ -101,9 +109,11 @@ def run_one_f_one_b(
         """(index clipped into range, whether it names a real microbatch)."""
         return jnp.clip(offset, 0, count - 1), (offset >= 0) & (offset < count)
 
+    run_replicas = replica_stage(stage_fn, replicas)
+
     def run_stage(chunk: Any, x: jax.Array, microbatch: jax.Array) -> jax.Array:
         seg = None if segments is None else segments[microbatch]
-        return stage_fn(chunk, x, positions[microbatch], seg)
+        return run_replicas(chunk, x, positions[microbatch], seg)
 
     def stage_step(stage, chunk, arrived, cotangent_in, stash, sums, iteration):
         """One stage's iteration (vmapped over stages): a forward, the head, a backward."""
@@ -184,7 +194,9 @@ def run_one_f_one_b(
         iteration_body, carry, jnp.arange(layout.iterations, dtype=jnp.int32)
     )
     grads, head_grads, loss, input_grads = sums
-    layer_grads = jax.tree.map(lambda grad, w: grad.reshape(w.shape), grads, layer_params)
+    layer_grads = jax.tree.map(
+        lambda grad, w: jnp.sum(grad, axis=1).reshape(w.shape), grads, layer_params
+    )
     # only the last stage's head ran on real microbatches (the others' sums stayed zero)
     head_grads = jax.tree.map(lambda grad: jnp.sum(grad, axis=0), head_grads)
     x_grad = merge_microbatches(input_grads[0])

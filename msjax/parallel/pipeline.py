@@ -155,6 +155,45 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def stage_blocks(layer_params: Any, layout: PipelineLayout, replicas: int) -> Any:
+    """[layers, ...] arrays in memory order -> [stages, replicas, repeats, layers_per_stage, ...].
+
+    Device s's block is [s], sharded over `pipe`. The copies per data-parallel replica are made
+    here, before any pipeline loop, so their gradients accumulate per replica inside it and are
+    summed (one all-reduce over `data`) only after it.
+    """
+    stages, repeats, per_stage = layout.stages, layout.repeats, layout.layers_per_stage
+    return jax.tree.map(
+        lambda w: jnp.broadcast_to(
+            w.reshape(stages, 1, repeats, per_stage, *w.shape[1:]),
+            (stages, replicas, repeats, per_stage, *w.shape[1:]),
+        ),
+        layer_params,
+    )
+
+
+def replica_stage(stage_fn: StageFunction, replicas: int) -> StageFunction:
+    """stage_fn over a microbatch, each data-parallel replica's rows with its own weights.
+
+    The returned function takes a chunk of [replicas, layers_per_stage, ...] arrays; with more
+    than one replica, stage_fn is vmapped over them with spmd axis `data` (rows are
+    replica-major), and runs under `msjax.parallel.rules.placement_within_replica`.
+    """
+
+    def run(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
+        if replicas == 1:
+            return stage_fn(jax.tree.map(lambda w: w[0], chunk), x, positions, segment_ids)
+
+        def by_replica(a: jax.Array | None) -> jax.Array | None:
+            return None if a is None else a.reshape(replicas, a.shape[0] // replicas, *a.shape[1:])
+
+        vmapped = jax.vmap(stage_fn, spmd_axis_name="data")
+        out = vmapped(chunk, by_replica(x), by_replica(positions), by_replica(segment_ids))
+        return out.reshape(x.shape)
+
+    return run
+
+
 def run_pipeline(
     stage_fn: StageFunction,
     layer_params: Any,
@@ -163,6 +202,7 @@ def run_pipeline(
     segment_ids: jax.Array | None,
     layout: PipelineLayout,
     checkpoint_policy: Callable[..., bool] | None = None,
+    replicas: int = 1,
 ) -> jax.Array:
     """The layer stack over x [batch, seq, embed] as a pipeline; same result as running it whole.
 
@@ -179,13 +219,14 @@ def run_pipeline(
     With it, a run's selected chunk of weights is selected again in the backward pass instead of
     being kept: without it the loop keeps every iteration's chunk, (R M + P - 1) / R times the
     device's layer weights.
+
+    replicas: the size of `data`. Each data-parallel replica works on its own copy of its stage's
+    weights (stage_blocks, replica_stage), so the weight gradients are summed over `data` once
+    per step, after the loop, not once per iteration.
     """
     stages, repeats, count = layout.stages, layout.repeats, layout.microbatches
-    per_stage = layout.layers_per_stage
-    # [stages, repeats, layers_per_stage, ...]: device s's block is [s], sharded over `pipe`
-    weights = jax.tree.map(
-        lambda w: w.reshape(stages, repeats, per_stage, *w.shape[1:]), layer_params
-    )
+    # [stages, replicas, repeats, layers_per_stage, ...]
+    weights = stage_blocks(layer_params, layout, replicas)
     # [microbatches, microbatch, seq, embed], on every stage's devices
     inputs = constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed"))
     positions = split_microbatches(positions, count)  # [microbatches, microbatch, seq]
@@ -204,12 +245,14 @@ def run_pipeline(
         virtual = jnp.clip(virtual, 0, repeats * count - 1)
         return virtual % count, virtual // count, valid
 
+    run_replicas = replica_stage(stage_fn, replicas)
+
     def run_stage(stage_weights, repeat, state, microbatch_positions, microbatch_segments):
-        # [layers_per_stage, ...]; a static index when there is one repeat (no gather, and no
-        # scatter of its gradient)
-        chunk = jax.tree.map(lambda w: w[repeat] if repeats > 1 else w[0], stage_weights)
+        # [replicas, layers_per_stage, ...]; a static index when there is one repeat (no gather,
+        # and no scatter of its gradient)
+        chunk = jax.tree.map(lambda w: w[:, repeat] if repeats > 1 else w[:, 0], stage_weights)
         # [microbatch, seq, embed]
-        return stage_fn(chunk, state, microbatch_positions, microbatch_segments)
+        return run_replicas(chunk, state, microbatch_positions, microbatch_segments)
 
     if repeats > 1 and checkpoint_policy is not None:
         run_stage = jax.checkpoint(run_stage, policy=checkpoint_policy, prevent_cse=False)
@@ -223,7 +266,14 @@ def run_pipeline(
         outputs = outputs.at[microbatch].set(jnp.where(finished, out, outputs[microbatch]))
         return out, outputs
 
-    def receive(stage, arrived, returned, iteration):
+    # every stage's own view of the inputs (only stage 0 reads its): their gradients then
+    # accumulate per stage through the loop and are summed over `pipe` once, after it
+    inputs_by_stage = constrain(
+        jnp.broadcast_to(inputs, (stages, *inputs.shape)),
+        ("stage", None, "batch", "seq", "act_embed"),
+    )
+
+    def receive(stage, stage_inputs, arrived, returned, iteration):
         """What a stage works on next: stage 0 a new microbatch or one returning for its next
         repeat, every other stage what the previous stage just sent."""
         next_iteration = iteration + 1
@@ -232,20 +282,24 @@ def run_pipeline(
             sent_microbatch, _, _ = work(jnp.int32(stages - 1), iteration)
             returned = returned.at[sent_microbatch].set(arrived)
         microbatch, repeat, _ = work(jnp.int32(0), next_iteration)
-        entering = jnp.where(next_iteration < count, inputs[microbatch], 0)
+        entering = jnp.where(next_iteration < count, stage_inputs[microbatch], 0)
         if repeats > 1:
             entering = jnp.where(repeat == 0, entering, returned[microbatch])
         return jnp.where(stage == 0, entering, arrived), returned
 
     vmapped_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
-    vmapped_receive = jax.vmap(receive, in_axes=(0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
+    vmapped_receive = jax.vmap(receive, in_axes=(0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
 
     def iteration_body(carry, iteration):
         state, returned, outputs = carry
         out, outputs = vmapped_step(stage_ids, weights, state, outputs, iteration)
         # stage s receives stage s - 1's output: a collective permute over `pipe`
-        arrived = constrain(jnp.roll(out, 1, axis=0), stage_activations)
-        state, returned = vmapped_receive(stage_ids, arrived, returned, iteration)
+        if repeats > 1:  # the last stage's output returns to stage 0 for its next repeat
+            arrived = jnp.roll(out, 1, axis=0)
+        else:  # GPipe: nothing wraps around, so the last stage sends nothing
+            arrived = jnp.pad(out[:-1], ((1, 0),) + ((0, 0),) * (out.ndim - 1))
+        arrived = constrain(arrived, stage_activations)
+        state, returned = vmapped_receive(stage_ids, inputs_by_stage, arrived, returned, iteration)
         state = constrain(state, stage_activations)
         return (state, returned, outputs), None
 

@@ -136,6 +136,32 @@ def weight_gather(mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32") 
     return gather
 
 
+def within_replica(rules: Rules) -> Rules:
+    """The rules inside a computation vmapped over data-parallel replicas with spmd axis `data`
+    (msjax.parallel.pipeline): one replica's batch is split over the other batch axes only."""
+    batch = rules["batch"]
+    kept = tuple(
+        axis for axis in ((batch,) if isinstance(batch, str) else batch or ()) if axis != "data"
+    )
+    return dict(rules, batch=kept or None)
+
+
+@contextmanager
+def placement_within_replica(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """While tracing code vmapped over data-parallel replicas: activation hints and per-shard
+    kernels follow `within_replica(rules)`; how weights are gathered stays as installed."""
+    inner = within_replica(rules)
+
+    def place(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, logical_to_spec(axes, inner))
+        )
+
+    kernels = KernelMesh(mesh, lambda axes: logical_to_spec(axes, inner))
+    with use_placement(place), use_kernel_mesh(kernels):
+        yield
+
+
 @contextmanager
 def activation_placement(
     mesh: Mesh, rules: Rules, weights: WeightGather | None = None

@@ -22,16 +22,18 @@ from jax.sharding import AbstractMesh, AxisType
 
 from msjax.config import Config
 from msjax.errors import MsjaxError
-from msjax.observe.collectives import CollectiveStats, count_collectives
+from msjax.observe.collectives import CollectiveStats, bytes_sent_by_axes, count_collectives
 from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.parallel.mesh import MESH_AXES, build_mesh
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.step import TrainProgram, build_program
 
-# XLA's CPU backend widens every bfloat16 op it lacks a kernel for, collectives included, to
-# float32 (this pass). A GPU moves the bfloat16 bytes, so on CPU the collectives of a bfloat16
-# step are read from the partitioned program just before the pass: what a GPU would send.
-CPU_WIDENING_PASS = "float-normalization-bf16"
+# On CPU the collectives are read from the partitioned program once XLA has hoisted
+# loop-invariant work out of loops and counted their trips (this pass), and before it fuses each
+# gradient all-reduce with the slice a device keeps of it (a GPU makes the pair a reduce-scatter);
+# collectives XLA's CPU backend widened from bfloat16 count at their narrow width
+# (msjax.observe.hlo_dataflow). What is counted is then what a GPU would send.
+CPU_COUNTED_AFTER_PASS = "while-loop-trip-count-annotator"
 LOWERING_PLATFORMS = {"gpu": "cuda", "tpu": "tpu", "cpu": "cpu"}  # backend -> JAX's platform name
 
 
@@ -46,6 +48,7 @@ class CompiledStep:
     compile_s: float
     memory: CompiledMemory | None
     collectives: dict[str, CollectiveStats]
+    sent_by_axes: dict[str, float]  # ring bytes one device sends per step, by the axes crossed
 
     @property
     def collective_executions(self) -> int:
@@ -70,19 +73,15 @@ def compile_step(config: Config, mesh: MeshShape) -> CompiledStep:
 def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
     """The compile behind compile_step, cached on the config as resolved for this host."""
     device_mesh = build_mesh(config.mesh, jax.devices()[: mesh.devices])
+    on_cpu = jax.default_backend() == "cpu"
     started = time.perf_counter()
     program = build_program(config, device_mesh)
     lowered = program.train_step.lower(program.abstract_state(), program.abstract_batch())
-    widened = jax.default_backend() == "cpu" and config.model.compute_dtype != "float32"
     with tempfile.TemporaryDirectory(prefix="msjax-hlo-") as dump:
-        if widened:
-            compiled = lowered.compile(
-                {"xla_dump_to": dump, "xla_dump_hlo_pass_re": CPU_WIDENING_PASS}
-            )
-            collectives = count_collectives(_program_before_widening(Path(dump)))
-        else:
-            compiled = lowered.compile()
-            collectives = count_collectives(compiled.as_text())
+        dumped = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": CPU_COUNTED_AFTER_PASS}
+        compiled = lowered.compile(dumped if on_cpu else None)
+        program_text = _program_as_counted(Path(dump)) if on_cpu else compiled.as_text()
+    mesh_shape = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
     compile_s = time.perf_counter() - started
     return CompiledStep(
         config=config,
@@ -91,15 +90,18 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         compiled=compiled,
         compile_s=compile_s,
         memory=compiled_memory(compiled),
-        collectives=collectives,
+        collectives=count_collectives(program_text),
+        sent_by_axes=bytes_sent_by_axes(program_text, MESH_AXES, mesh_shape),
     )
 
 
-def _program_before_widening(dump: Path) -> str:
-    """The partitioned program as XLA dumped it just before the CPU widening pass."""
-    found = sorted(dump.glob(f"*before_{CPU_WIDENING_PASS}.txt"))
+def _program_as_counted(dump: Path) -> str:
+    """The partitioned train step as XLA dumped it just after CPU_COUNTED_AFTER_PASS."""
+    found = sorted(dump.glob(f"*jit_train_step*after_{CPU_COUNTED_AFTER_PASS}.*.txt"))
     if len(found) != 1:
-        raise RuntimeError(f"expected one HLO dump before {CPU_WIDENING_PASS} in {dump}: {found}")
+        raise RuntimeError(
+            f"expected one HLO dump after {CPU_COUNTED_AFTER_PASS} in {dump}: {found}"
+        )
     return found[0].read_text()
 
 
