@@ -33,11 +33,10 @@ def test_bfloat16_compute_gathers_at_most_055_of_float32_bytes(mesh: MeshShape) 
     assert ratio <= 0.55, ratio
     if mesh.tensor > 1:
         return  # tensor parallelism's activation all-reduces rightly shrink with the compute
-    # gradients still reduced in float32: the reduction bytes do not shrink with the gathers
-    reduced = ("all-reduce", "reduce-scatter")
-    wide_reduced = sum(wide[kind].result_bytes for kind in reduced)
-    narrow_reduced = sum(narrow[kind].result_bytes for kind in reduced)
-    assert narrow_reduced >= 0.8 * wide_reduced
+    # gradients still reduced in float32: the reduce-scatters do not shrink with the gathers
+    # (a handful of small all-reduces may turn into reduce-scatters between the two programs)
+    assert wide["reduce-scatter"].result_bytes > 0
+    assert narrow["reduce-scatter"].result_bytes >= 0.8 * wide["reduce-scatter"].result_bytes
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -43,10 +43,22 @@ class RMSNorm(nnx.Module):
 
 
 def _placed_alike(axes: tuple[str, ...], other: tuple[str, ...]) -> bool:
-    """Whether two logical axes map to the same mesh axes in the placement being traced (always,
-    with none installed)."""
-    mesh = kernel_mesh()
-    return mesh is None or mesh.spec(axes) == mesh.spec(other)
+    """Whether two logical axes map to the same mesh axes in the placement being traced."""
+    placement = kernel_mesh()
+    return placement is not None and placement.spec(axes) == placement.spec(other)
+
+
+def _is_split(axes: tuple[str, ...]) -> bool:
+    """Whether the placement being traced splits a logical axis over some mesh axis."""
+    placement = kernel_mesh()
+    if placement is None:
+        return False
+    sizes = placement.mesh.shape
+    for part in placement.spec(axes):
+        names = () if part is None else (part,) if isinstance(part, str) else part
+        if any(sizes[name] > 1 for name in names):
+            return True
+    return False
 
 
 class Attention(nnx.Module):
@@ -70,15 +82,16 @@ class Attention(nnx.Module):
     def _project(self, x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [batch, seq, heads, head_dim], keys and values [batch, seq, kv_heads, head_dim].
 
-        When each device holds whole groups of query heads with their kv head (no mesh, or
-        tensor splits the kv heads as it splits the query heads), the three projections are one
-        matmul over [embed, kv_heads, group + 2, head_dim] weights: its input's gradient is then
-        one tensor-parallel all-reduce instead of three (Megatron's fused QKV).
+        Where tensor parallelism splits the heads and each device holds whole groups of query
+        heads with their kv head (tensor splits the kv heads as it splits the query heads), the
+        three projections are one matmul over [embed, kv_heads, group + 2, head_dim] weights:
+        its input's gradient is then one tensor-parallel all-reduce instead of three (Megatron's
+        fused QKV).
         """
         query_weight = compute_weight(self.query[...], ("embed", "heads", "head_dim"), dtype)
         key_weight = compute_weight(self.key[...], ("embed", "kv_heads", "head_dim"), dtype)
         value_weight = compute_weight(self.value[...], ("embed", "kv_heads", "head_dim"), dtype)
-        if not _placed_alike(("heads",), ("kv_heads",)):
+        if not (_is_split(("heads",)) and _placed_alike(("heads",), ("kv_heads",))):
             return (
                 jnp.einsum("bse,ehd->bshd", x, query_weight),
                 jnp.einsum("bse,ehd->bshd", x, key_weight),
@@ -87,15 +100,14 @@ class Attention(nnx.Module):
         embed, heads, head_dim = query_weight.shape
         kv_heads = key_weight.shape[1]
         group = heads // kv_heads  # query head h reads kv head h // group
-        grouped = jnp.concatenate(
-            [
-                query_weight.reshape(embed, kv_heads, group, head_dim),
-                key_weight[:, :, None],
-                value_weight[:, :, None],
-            ],
-            axis=2,
+
+        def grouped(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
+            query = query.reshape(embed, kv_heads, group, head_dim)
+            return jnp.concatenate([query, key[:, :, None], value[:, :, None]], axis=2)
+
+        projected = _matmul_with_stacked_weights(
+            "bse,ekgd->bskgd", x, grouped, query_weight, key_weight, value_weight
         )
-        projected = jnp.einsum("bse,ekgd->bskgd", x, grouped)
         batch, seq = x.shape[:2]
         query = projected[:, :, :, :group].reshape(batch, seq, heads, head_dim)
         return query, projected[:, :, :, group], projected[:, :, :, group + 1]
@@ -141,16 +153,19 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype
         x = constrain(x, ("batch", "seq", "act_embed"))
-        # gate and up as one matmul: its input's gradient is one tensor-parallel all-reduce
-        gate_and_up = jnp.stack(
-            [
-                compute_weight(self.gate[...], ("embed", "mlp"), dtype),
-                compute_weight(self.up[...], ("embed", "mlp"), dtype),
-            ],
-            axis=1,
-        )
-        projected = jnp.einsum("bse,ekm->bskm", x, gate_and_up)
-        gate, up = projected[:, :, 0], projected[:, :, 1]
+        gate_weight = compute_weight(self.gate[...], ("embed", "mlp"), dtype)
+        up_weight = compute_weight(self.up[...], ("embed", "mlp"), dtype)
+        if _is_split(("mlp",)):
+            # gate and up as one matmul: its input's gradient is one tensor-parallel all-reduce,
+            # not two (one more [batch, seq, mlp] kept per layer: fused only where it pays)
+            stacked = lambda gate, up: jnp.stack([gate, up], axis=1)  # noqa: E731
+            projected = _matmul_with_stacked_weights(
+                "bse,ekm->bskm", x, stacked, gate_weight, up_weight
+            )
+            gate, up = projected[:, :, 0], projected[:, :, 1]
+        else:
+            gate = jnp.einsum("bse,em->bsm", x, gate_weight)
+            up = jnp.einsum("bse,em->bsm", x, up_weight)
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))  # [batch, seq, mlp]
         return jnp.einsum(
             "bsm,me->bse", hidden, compute_weight(self.down[...], ("mlp", "embed"), dtype)
@@ -192,6 +207,7 @@ LAYER_INPUT = "layer_input"  # each layer's input, named: all that remat full ke
 _RELAYOUT_PRIMITIVES = frozenset(
     {
         "broadcast_in_dim",
+        "concatenate",
         "convert_element_type",
         "copy",
         "dynamic_slice",
@@ -207,6 +223,22 @@ _RELAYOUT_PRIMITIVES = frozenset(
 
 def _saves_all_but_relayouts(primitive: Any, *_: Any, **__: Any) -> bool:
     return primitive.name not in _RELAYOUT_PRIMITIVES
+
+
+def _matmul_with_stacked_weights(
+    spec: str, x: jax.Array, stack: Callable[..., jax.Array], *weights: jax.Array
+) -> jax.Array:
+    """einsum(spec, x, stack(*weights)) with the stacked weights built again in the backward pass.
+
+    Autodiff would keep the stacked copy of every layer's weights for the backward pass; the
+    weights themselves are kept anyway (they are the layer scan's inputs), and stacking them
+    again only moves bytes.
+    """
+
+    def matmul(x: jax.Array, *weights: jax.Array) -> jax.Array:
+        return jnp.einsum(spec, x, stack(*weights))
+
+    return jax.checkpoint(matmul, policy=_saves_all_but_relayouts)(x, *weights)
 
 
 def enclosing_checkpoint_policy(remat: str) -> Callable[..., bool]:

@@ -97,6 +97,7 @@ class LocalDims:
     parallel_block: bool
     fused_attention: bool  # a flash-attention kernel: no [seq, seq] scores are kept
     fused_loss: bool  # the fused cross-entropy kernel: no [batch, seq, vocab] logits are kept
+    fused_gate_up: bool  # gate and up as one matmul (the model does so where tensor splits mlp)
 
 
 def attention_is_fused(model: ModelConfig) -> bool:
@@ -139,6 +140,7 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
         parallel_block=model.parallel_block,
         fused_attention=attention_is_fused(model),
         fused_loss=loss_is_fused(model),
+        fused_gate_up=tensor > 1,
     )
 
 
@@ -149,6 +151,7 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
 # attended values, k and v. Under "dots" the matmul outputs without batch dimensions (q, k, v,
 # attention output, gate, up, down) and the layer input; under "full" the layer input only.
 SAVED_MLP = 6
+SAVED_MLP_FUSED_GATE_UP = 7  # the gate/up matmul's output is kept beside its two halves
 SAVED_EMBED = 6
 SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residual add
 # Buffers alive while the last layer runs backward, besides what is saved: multiples of one
@@ -197,7 +200,8 @@ def _saved_per_layer(dims: LocalDims, remat: str) -> float:
         scores = b * dims.heads * s * s * (F32_BYTES + act)
     heads = b * s * 2 * (dims.heads + dims.kv_heads) * dims.head_dim * act
     embed = SAVED_EMBED_PARALLEL_BLOCK if dims.parallel_block else SAVED_EMBED
-    return scores + SAVED_MLP * mlp + embed * layer_input + heads
+    saved_mlp = SAVED_MLP_FUSED_GATE_UP if dims.fused_gate_up else SAVED_MLP
+    return scores + saved_mlp * mlp + embed * layer_input + heads
 
 
 def _working_set(dims: LocalDims, remat: str) -> float:
