@@ -156,6 +156,7 @@ class TrainProgram:
     ) -> jax.Array:
         """The weighted sum of token losses, its gradient computed by the 1F1B loop."""
         stage, layer_params = self._stage_function(model)
+        rules = logical_axis_rules(self.config)
         unembedding = "embedding" if self.config.model.tied_embeddings else "unembedding"
         head_params = {name: params[name] for name in ("final_norm", unembedding)}
         loss_impl = self.config.model.loss_impl
@@ -163,12 +164,14 @@ class TrainProgram:
         def head(
             head_params: Params, x: jax.Array, targets: jax.Array, weights: jax.Array
         ) -> jax.Array:
-            # the head reads only these parameters; the model's others stay abstract
-            head_model = self.model(head_params)
-            features = head_model.finish(x)
-            losses = ops.token_losses(
-                features, head_model.unembedding_matrix(), targets, impl=loss_impl
-            )
+            # one data-parallel replica's rows (vmapped over replicas, as the stages); the head
+            # reads only these parameters, the model's others stay abstract
+            with placement_within_replica(self.mesh, rules):
+                head_model = self.model(head_params)
+                features = head_model.finish(x)
+                losses = ops.token_losses(
+                    features, head_model.unembedding_matrix(), targets, impl=loss_impl
+                )
             return jnp.sum(losses * weights)
 
         summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.config.mesh.data)

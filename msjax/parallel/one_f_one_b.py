@@ -17,6 +17,7 @@ from msjax.parallel.pipeline import (
     PipelineLayout,
     StageFunction,
     merge_microbatches,
+    over_replicas,
     replica_stage,
     run_pipeline,
     split_microbatches,
@@ -110,6 +111,12 @@ def run_one_f_one_b(
         return jnp.clip(offset, 0, count - 1), (offset >= 0) & (offset < count)
 
     run_replicas = replica_stage(stage_fn, replicas)
+    run_head = over_replicas(head_fn, replicas)
+    # [replicas, ...]: as the stage weights, a copy per replica made before the loop, so the
+    # head's gradients are summed over `data` once, after it
+    replica_head_params = jax.tree.map(
+        lambda p: jnp.broadcast_to(p, (replicas, *p.shape)), head_params
+    )
 
     def run_stage(chunk: Any, x: jax.Array, microbatch: jax.Array) -> jax.Array:
         seg = None if segments is None else segments[microbatch]
@@ -124,10 +131,13 @@ def run_one_f_one_b(
         slot = forward_microbatch % slots
         stash = stash.at[slot].set(jnp.where(forward_valid, arrived, stash[slot]))
 
-        def head(params: Any, y: jax.Array) -> jax.Array:
-            return head_fn(params, y, targets[forward_microbatch], weights[forward_microbatch])
+        def head(params: Any, y: jax.Array) -> jax.Array:  # params: a copy per replica
+            labels = (targets[forward_microbatch], weights[forward_microbatch])
+            if replicas == 1:
+                return head_fn(jax.tree.map(lambda p: p[0], params), y, *labels)
+            return jnp.sum(run_head(params, y, *labels))
 
-        head_loss, head_vjp = jax.vjp(head, head_params, out)
+        head_loss, head_vjp = jax.vjp(head, replica_head_params, out)
         head_param_grads, head_cotangent = head_vjp(jnp.ones_like(head_loss))
         scored = last & forward_valid
         loss = loss + jnp.where(scored, head_loss, 0.0)
@@ -181,7 +191,7 @@ def run_one_f_one_b(
     )
     sums = (
         jax.tree.map(jnp.zeros_like, stage_weights),
-        jax.tree.map(lambda p: jnp.zeros((stages, *p.shape), p.dtype), head_params),
+        jax.tree.map(lambda p: jnp.zeros((stages, *p.shape), p.dtype), replica_head_params),
         jnp.zeros((stages,), jnp.float32),
         # [stages, microbatches, microbatch, seq, embed]: stage 0's gradients w.r.t. x
         constrain(
@@ -198,6 +208,6 @@ def run_one_f_one_b(
         lambda grad, w: jnp.sum(grad, axis=1).reshape(w.shape), grads, layer_params
     )
     # only the last stage's head ran on real microbatches (the others' sums stayed zero)
-    head_grads = jax.tree.map(lambda grad: jnp.sum(grad, axis=0), head_grads)
+    head_grads = jax.tree.map(lambda grad: jnp.sum(grad, axis=(0, 1)), head_grads)
     x_grad = merge_microbatches(input_grads[0])
     return jnp.sum(loss), (layer_grads, head_grads, x_grad)

@@ -172,24 +172,33 @@ def stage_blocks(layer_params: Any, layout: PipelineLayout, replicas: int) -> An
     )
 
 
-def replica_stage(stage_fn: StageFunction, replicas: int) -> StageFunction:
-    """stage_fn over a microbatch, each data-parallel replica's rows with its own weights.
+def over_replicas(fn: Callable[..., Any], replicas: int) -> Callable[..., Any]:
+    """fn(params, *rows) run by each data-parallel replica on its own rows with its own params.
 
-    The returned function takes a chunk of [replicas, layers_per_stage, ...] arrays; with more
-    than one replica, stage_fn is vmapped over them with spmd axis `data` (rows are
-    replica-major), and runs under `msjax.parallel.rules.placement_within_replica`.
+    The returned function takes params stacked [replicas, ...] and arrays whose rows are
+    replica-major (None passes through) and returns fn's results stacked [replicas, ...]; fn is
+    vmapped with spmd axis `data`, so it runs under
+    `msjax.parallel.rules.placement_within_replica`.
     """
+
+    def run(params: Any, *rows: jax.Array | None) -> Any:
+        def split(a: jax.Array | None) -> jax.Array | None:
+            return None if a is None else a.reshape(replicas, a.shape[0] // replicas, *a.shape[1:])
+
+        return jax.vmap(fn, spmd_axis_name="data")(params, *(split(a) for a in rows))
+
+    return run
+
+
+def replica_stage(stage_fn: StageFunction, replicas: int) -> StageFunction:
+    """stage_fn over a microbatch, each data-parallel replica's rows with its own weights: the
+    returned function takes a chunk of [replicas, layers_per_stage, ...] arrays."""
+    vmapped = over_replicas(stage_fn, replicas)
 
     def run(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
         if replicas == 1:
             return stage_fn(jax.tree.map(lambda w: w[0], chunk), x, positions, segment_ids)
-
-        def by_replica(a: jax.Array | None) -> jax.Array | None:
-            return None if a is None else a.reshape(replicas, a.shape[0] // replicas, *a.shape[1:])
-
-        vmapped = jax.vmap(stage_fn, spmd_axis_name="data")
-        out = vmapped(chunk, by_replica(x), by_replica(positions), by_replica(segment_ids))
-        return out.reshape(x.shape)
+        return vmapped(chunk, x, positions, segment_ids).reshape(x.shape)
 
     return run
 
