@@ -170,10 +170,13 @@ def test_communication_volume_follows_the_axes():
     )
     pipelined = estimate_communication(two_microbatches, MeshShape(2, 2, 1, pipe=2))
     assert pipelined.tensor_bytes == 0 and min(pipelined.fsdp_bytes, pipelined.data_bytes) > 0
-    # 3 iterations (M + P - 1) of one-sequence microbatches, forward and backward, then the
-    # replica's 2 sequences of outputs from the last stage (and their gradient back)
+    # 3 iterations (M + P - 1) of one-sequence microbatches, forward and backward, stage 0
+    # sending nothing back and stage 1 nothing on; then, once, the replica's 2 sequences of
+    # outputs broadcast from the last stage and their gradient summed (two ring all-reduces of
+    # 2 (P - 1) / P, one all-gather of (P - 1) / P) and two permutes of 1 / P of them
     stream = two_microbatches.data.seq_len * two_microbatches.model.embed_dim * 4  # float32
-    assert pipelined.pipe_bytes == 2 * 3 * stream + 2 * 2 * stream
+    replica = 2 * stream
+    assert pipelined.pipe_bytes == 2 * 3 * stream / 2 + (2 + 0.5 + 1) * replica
 
 
 def test_pipeline_bubble_is_priced_in_the_prediction():

@@ -185,10 +185,14 @@ _RING_SEND_PER_RESULT_BYTE = {
 
 
 def bytes_sent_by_axes(
-    hlo_text: str, axis_names: tuple[str, ...], mesh_shape: tuple[int, ...]
+    hlo_text: str,
+    axis_names: tuple[str, ...],
+    mesh_shape: tuple[int, ...],
+    within_loops: bool = False,
 ) -> dict[str, float]:
     """Bytes one device sends per step (averaged over devices), keyed by the mesh axes each
-    collective runs over ("tensor", "data+fsdp", ...; axes in mesh order).
+    collective runs over ("tensor", "data+fsdp", ...; axes in mesh order); with within_loops,
+    only what collectives inside loops send.
 
     Ring algorithms as in `msjax.planner.planning`; a collective permute sends its result from
     every device whose target is another device. Raises ValueError on a collective whose
@@ -211,7 +215,8 @@ def bytes_sent_by_axes(
             spanned = list(axes_spanned(groups[0], mesh_shape))
             per_device = _RING_SEND_PER_RESULT_BYTE[op.kind](len(groups[0])) * op.result_bytes
         if per_device and spanned:
-            sent["+".join(axis_names[axis] for axis in spanned)] += op.executions * per_device
+            executions = op.executions_in_loops if within_loops else op.executions
+            sent["+".join(axis_names[axis] for axis in spanned)] += executions * per_device
     return dict(sent)
 
 

@@ -49,6 +49,7 @@ class CompiledStep:
     memory: CompiledMemory | None
     collectives: dict[str, CollectiveStats]
     sent_by_axes: dict[str, float]  # ring bytes one device sends per step, by the axes crossed
+    sent_by_axes_in_loops: dict[str, float]  # of those, what collectives inside loops send
 
     @property
     def collective_executions(self) -> int:
@@ -92,6 +93,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         memory=compiled_memory(compiled),
         collectives=count_collectives(program_text),
         sent_by_axes=bytes_sent_by_axes(program_text, MESH_AXES, mesh_shape),
+        sent_by_axes_in_loops=bytes_sent_by_axes(program_text, MESH_AXES, mesh_shape, True),
     )
 
 

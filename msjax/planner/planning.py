@@ -381,18 +381,27 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     """
     config = config_for_mesh(config, mesh)
     dims = local_dims(config, mesh)
+    layout = PipelineLayout.of(config) if mesh.pipe > 1 else None
+    one_f_one_b = layout is not None and layout.interleaves_backward
     passes = forward_passes(config.model.remat)
+    if one_f_one_b:  # the loop's forward, and the stage's forward again inside its vjp
+        passes += 1
     layer_runs = dims.stage_runs * dims.layers  # layers run per step on this device
-    stream = dims.batch * dims.seq * dims.embed * dims.act_bytes  # one run's residual stream
-    replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes
+    split = dims.residual_split
+    stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / split  # one run's stream
+    replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes / split
     tensor_bytes = 0.0
     if mesh.tensor > 1:
         # Per layer: attention output and MLP output all-reduced in every forward pass, and the
-        # gradients into the q/k/v and gate/up inputs in the backward pass; plus the
-        # vocab-split embedding lookup and the gradient of the unembedding's input.
-        per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream, mesh.tensor)
-        tensor_bytes = layer_runs * per_layer + 2 * ring_all_reduce_bytes(
-            replica_stream, mesh.tensor
+        # gradients into the fused q/k/v and gate/up inputs in the backward pass; plus the
+        # vocab-split embedding lookup and the gradient of the unembedding's input, both in
+        # float32 (the table's dtype, the loss's); under 1F1B every stage runs the head each
+        # iteration.
+        per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream * split, mesh.tensor)
+        head_runs = dims.stage_runs * dims.batch / dims.replica_batch if one_f_one_b else 1
+        head_stream = replica_stream * split * F32_BYTES / dims.act_bytes
+        tensor_bytes = layer_runs * per_layer + (1 + head_runs) * ring_all_reduce_bytes(
+            head_stream, mesh.tensor
         )
     state = _state_bytes(config, mesh)
     fsdp_bytes = gather_bytes = 0.0
@@ -400,28 +409,28 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         # Float32 compute: weights gathered for every forward pass and again for the backward
         # pass (XLA does not keep them). A narrower compute dtype: weights cast on the shard and
         # gathered in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward
-        # reusing them. Gradients reduced once, in optim.grad_reduce_dtype. On a pipe mesh a
-        # stage's weights do not change between pipeline iterations: XLA gathers them once per
-        # pass, outside the pipeline's loop, and keep the tables used outside it (embedding,
-        # unembedding) for the backward pass.
+        # reusing them. Gradients reduced once, in optim.grad_reduce_dtype.
+        # On a pipe mesh the tables used outside the loop (embedding, unembedding) are gathered
+        # once per forward pass and kept. A stage's layers: with one layer per stage run XLA
+        # gathers them once per pass, outside the pipeline's loop; with a layer scan inside the
+        # stage it gathers (and reduces the gradient of) each layer where the scan runs it, so
+        # once per pipeline iteration.
         narrow = dims.act_bytes < F32_BYTES
         gathers = passes if narrow else passes + 1
         stacked = state.layer_gathered * config.model.num_layers / mesh.pipe  # this device's
-        kept = state.fsdp_gathered - stacked if mesh.pipe > 1 else 0.0
-        gathered = gathers * state.fsdp_gathered - (gathers - passes) * kept
+        tables = state.fsdp_gathered - stacked
+        stacked_runs = dims.stage_runs if mesh.pipe > 1 and dims.layers > 1 else 1
+        if mesh.pipe > 1:
+            gathered = passes * tables + gathers * stacked_runs * stacked
+        else:
+            gathered = gathers * state.fsdp_gathered
         weight_bytes = gathered * dims.act_bytes / F32_BYTES
-        grad_bytes = state.fsdp_gathered * np.dtype(config.optim.grad_reduce_dtype).itemsize
         fsdp_bytes = gather_bytes = ring_all_gather_bytes(weight_bytes, mesh.fsdp)
-        reduced = grad_bytes / F32_BYTES if narrow else state.fsdp_gathered
+        grad_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize if narrow else F32_BYTES
+        reduced = (tables + stacked_runs * stacked) * grad_itemsize / F32_BYTES
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
-    pipe_bytes = 0.0
-    if mesh.pipe > 1:
-        # every iteration each stage sends its output on (forward) and its input's gradient
-        # back (backward); at the end the last stage's outputs reach the others (and their
-        # gradient returns). Each tensor rank sends the stream it holds.
-        split = dims.residual_split
-        pipe_bytes = (2 * dims.stage_runs * stream + 2 * replica_stream) / split
+    pipe_bytes = 0.0 if layout is None else _pipe_bytes(layout, dims, stream, replica_stream)
     return CommEstimate(
         round(tensor_bytes),
         round(fsdp_bytes),
@@ -429,3 +438,32 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         pipe_bytes=round(pipe_bytes),
         fsdp_gather_bytes=round(gather_bytes),
     )
+
+
+def _pipe_bytes(
+    layout: PipelineLayout, dims: LocalDims, stream: float, replica_stream: float
+) -> float:
+    """Bytes a device sends over `pipe` per step (msjax.parallel.pipeline, .one_f_one_b).
+
+    stream: one stage run's activations on a device, replica_stream: its replica's whole batch.
+    Every iteration each stage sends its output on (forward) and its input's gradient back
+    (backward), one collective permute each way: under GPipe the last stage sends nothing on and
+    stage 0 nothing back, (P - 1) / P of the devices; circular and 1F1B roll on every device.
+    Once per step, outside the loop: GPipe and circular broadcast the last stage's outputs to
+    every stage (an all-reduce; the head runs on all of them) and sum the inputs' gradient over
+    the stages (an all-reduce and an all-gather), with two permutes of 1 / P of the replica's
+    stream (and, circular, one of a microbatch's); 1F1B sums stage 0's input gradients and the
+    head's parameter gradients over the stages. The inputs' gradient is summed in float32 (the
+    embedding's dtype).
+    """
+    stages, iterations = layout.stages, layout.iterations
+    all_reduce = ring_all_reduce_bytes(replica_stream, stages)
+    input_grads = all_reduce * F32_BYTES / dims.act_bytes
+    if layout.interleaves_backward:
+        head_params = (dims.vocab + 1) * dims.embed * F32_BYTES  # unembedding and final norm
+        return 2 * iterations * stream + input_grads + ring_all_reduce_bytes(head_params, stages)
+    once = all_reduce + input_grads + ring_all_gather_bytes(replica_stream, stages)
+    once += 2 * replica_stream / stages
+    if layout.repeats > 1:  # every stage sends on: the last stage's output returns to stage 0
+        return 2 * iterations * stream + once + stream / stages
+    return 2 * iterations * stream * (stages - 1) / stages + once
