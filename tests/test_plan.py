@@ -53,7 +53,8 @@ def test_memory_model_is_within_10_percent_of_xla_for_small(mesh):
 
 
 CIRCULAR = "pipeline.schedule=circular pipeline.repeats=2"
-# name: (config file, data,fsdp,pipe,tensor, overrides): both schedules, one to four
+ONE_F_ONE_B = "pipeline.schedule=1f1b"
+# name: (config file, data,fsdp,pipe,tensor, overrides): every schedule, one to four
 # microbatches, every remat policy, with data, tensor or fsdp beside the pipe axis
 PIPE_CASES = {
     "tiny-pipe2-data4-gpipe-m1": ("tiny", "4,1,2,1", "pipeline.microbatches=1"),
@@ -75,6 +76,21 @@ PIPE_CASES = {
         f"{CIRCULAR} pipeline.microbatches=4 model.remat=full",
     ),
     "tiny-pipe4-data2-gpipe-m2": ("tiny", "2,1,4,1", "pipeline.microbatches=2"),
+    "tiny-pipe2-data2-tensor2-1f1b-m4": (
+        "tiny",
+        "2,1,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4",
+    ),
+    "tiny-pipe4-data2-1f1b-m4-full": (
+        "tiny",
+        "2,1,4,1",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4 model.remat=full",
+    ),
+    "small-pipe2-data2-tensor2-1f1b-m4": (
+        "small",
+        "2,1,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4",
+    ),
     "small-pipe2-tensor2-circular-m4-full": (
         "small",
         "2,1,2,2",
@@ -187,6 +203,18 @@ def test_pipeline_bubble_is_priced_in_the_prediction():
     # circular: (P-1)/(R M) of the compute idle; gpipe R = 1, six times the bubble
     assert few.bubble_s == pytest.approx(few.compute_s * 7 / (6 * 32))
     assert gpipe.bubble_s == pytest.approx(6 * few.bubble_s)
+    # 1F1B: 2P - 2 idle iterations, each a forward and a backward, and the stage's forward run
+    # again inside its vjp (8 of 6 FLOPs per parameter and token under remat none)
+    overrides = ["pipeline.repeats=1", "pipeline.schedule=1f1b", "model.remat=none"]
+    one_f_one_b = load_config("configs/megascale_175b.yaml", overrides)
+    interleaved = predict_mesh_step(one_f_one_b, MeshShape(4, 1, 8, pipe=8), hardware)
+    plain = predict_mesh_step(
+        load_config("configs/megascale_175b.yaml", overrides[:1] + ["model.remat=none"]),
+        MeshShape(4, 1, 8, pipe=8),
+        hardware,
+    )
+    assert interleaved.compute_s == pytest.approx(plain.compute_s * 4 / 3)
+    assert interleaved.bubble_s == pytest.approx(interleaved.compute_s * 14 / 32)
 
 
 def test_prediction_sits_beside_megascale_table2(capsys):

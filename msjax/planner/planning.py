@@ -320,18 +320,43 @@ def estimate_memory(
     # unless remat recomputes the layer, and its gather with it).
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
         head += dims.stage_runs * dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
+    saved = dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + pipeline_saved
+    if mesh.pipe > 1 and PipelineLayout.of(config).interleaves_backward:
+        saved, head, pipeline_working = _one_f_one_b_buffers(config, dims, state, remat)
     return MemoryEstimate(
         params_bytes=state.params,
         optimizer_bytes=state.optimizer,
         batch_bytes=len(BATCH_FIELDS) * b * s * INT32_BYTES,
         gradients_bytes=state.params,  # float32, sharded like the parameters
         # a pipeline stage keeps what each of its runs saved (bubble runs included)
-        activations_bytes=round(
-            dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + head + pipeline_saved
-        ),
+        activations_bytes=round(saved + head),
         working_bytes=round(_working_set(dims, remat) + gathered + pipeline_working),
         update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
     )
+
+
+def _one_f_one_b_buffers(
+    config: Config, dims: LocalDims, state: _StateBytes, remat: str
+) -> tuple[float, float, float]:
+    """(saved activations, buffers outside the layers, the loop's working copies) of a 1F1B
+    step (msjax.parallel.one_f_one_b), per device.
+
+    A stage keeps min(M, 2P - 1) stage inputs, not what its runs saved: each backward pass
+    recomputes its stage from the stashed input, so one stage run's residuals are alive at a
+    time. Outside the layers: the embedding output, its microbatched copy and stage 0's
+    gradients of it. The loop accumulates the head's parameter gradients and runs the head (and
+    its loss buffers) on one microbatch at a time. Read off XLA's buffer assignment on tiny and
+    small, pipe 2 and 4, every remat (tests/test_plan.py).
+    """
+    layout = PipelineLayout.of(config)
+    microbatch_stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / dims.residual_split
+    replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes
+    saved = layout.stash_slots * microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
+    head_params = (dims.vocab + 1) * dims.embed * F32_BYTES  # unembedding and final norm
+    # the loop's copy of the stage's weights and its gradient accumulator come with a layer scan
+    # in the stage, as under GPipe (PIPELINE_WEIGHT_COPIES)
+    copies = PIPELINE_WEIGHT_COPIES["gpipe"] if dims.layers > 1 else 0
+    return saved, 3 * replica_stream, copies * state.stacked + head_params
 
 
 @dataclass(frozen=True)
