@@ -209,7 +209,7 @@ def test_pipeline_bubble_is_priced_in_the_prediction():
     one_f_one_b = load_config("configs/megascale_175b.yaml", overrides)
     interleaved = predict_mesh_step(one_f_one_b, MeshShape(4, 1, 8, pipe=8), hardware)
     plain = predict_mesh_step(
-        load_config("configs/megascale_175b.yaml", overrides[:1] + ["model.remat=none"]),
+        load_config("configs/megascale_175b.yaml", ["pipeline.repeats=1", "model.remat=none"]),
         MeshShape(4, 1, 8, pipe=8),
         hardware,
     )
