@@ -139,6 +139,10 @@ class Attention(nnx.Module):
         )
 
 
+def _stack_gate_and_up(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jnp.stack([gate, up], axis=1)  # [embed, 2, mlp]
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -158,9 +162,8 @@ class MLP(nnx.Module):
         if _is_split(("mlp",)):
             # gate and up as one matmul: its input's gradient is one tensor-parallel all-reduce,
             # not two (one more [batch, seq, mlp] kept per layer: fused only where it pays)
-            stacked = lambda gate, up: jnp.stack([gate, up], axis=1)  # noqa: E731
             projected = _matmul_with_stacked_weights(
-                "bse,ekm->bskm", x, stacked, gate_weight, up_weight
+                "bse,ekm->bskm", x, _stack_gate_and_up, gate_weight, up_weight
             )
             gate, up = projected[:, :, 0], projected[:, :, 1]
         else:
