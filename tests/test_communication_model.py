@@ -64,11 +64,12 @@ def test_planned_bytes_per_axis_are_within_10_percent_of_the_compiled_step(name)
         assert planned[axis] == pytest.approx(compiled[axis], rel=0.10), axis
 
 
-@pytest.mark.parametrize("name", ["pipe4-tensor2-gpipe-m4", "pipe2-data2-tensor2-1f1b-m4"])
-def test_bfloat16_tensor_and_pipe_bytes_are_within_10_percent_of_the_compiled_step(name):
+def test_bfloat16_tensor_and_pipe_bytes_are_within_10_percent_of_the_compiled_step():
     """Activations move in the compute dtype; the embedding lookup, the loss's input gradient
     and the pipeline inputs' gradient stay float32."""
-    planned, step = _planned_and_compiled(name, "model.compute_dtype=bfloat16")
+    planned, step = _planned_and_compiled(
+        "pipe2-data2-tensor2-1f1b-m4", "model.compute_dtype=bfloat16"
+    )
     compiled = _by_planned_axis(step.sent_by_axes, planned)
     for axis in ("tensor", "pipe"):
         assert planned[axis] == pytest.approx(compiled[axis], rel=0.10), axis

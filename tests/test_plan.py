@@ -58,11 +58,6 @@ ONE_F_ONE_B = "pipeline.schedule=1f1b"
 # microbatches, every remat policy, with data, tensor or fsdp beside the pipe axis
 PIPE_CASES = {
     "tiny-pipe2-data4-gpipe-m1": ("tiny", "4,1,2,1", "pipeline.microbatches=1"),
-    "tiny-pipe2-tensor2-gpipe-m4-full": (
-        "tiny",
-        "2,1,2,2",
-        "pipeline.microbatches=4 model.remat=full",
-    ),
     "tiny-pipe2-tensor2-gpipe-m2-dots": (
         "tiny",
         "2,1,2,2",
