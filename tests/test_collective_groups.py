@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from msjax.observe.collectives import bytes_sent_by_axes
+from msjax.observe.collectives import bytes_sent_by_axes, collective_ops
 from msjax.observe.device_groups import axes_spanned, permute_pairs, replica_groups
 from msjax.observe.hlo_dataflow import DataFlow
 
@@ -48,7 +48,8 @@ def test_permute_pairs_and_the_bytes_they_send():
     )
     assert permute_pairs(line) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     # half the devices send 1 KiB each, along data only: 512 bytes per device on average
-    assert bytes_sent_by_axes(hlo, ("data", "fsdp", "tensor"), MESH) == {"data": 512.0}
+    sent = bytes_sent_by_axes(collective_ops(hlo), ("data", "fsdp", "tensor"), MESH)
+    assert sent == {"data": 512.0}
 
 
 def test_gpu_reading_of_cpu_rewrites():

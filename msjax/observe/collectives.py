@@ -185,14 +185,14 @@ _RING_SEND_PER_RESULT_BYTE = {
 
 
 def bytes_sent_by_axes(
-    hlo_text: str,
+    ops: list[CollectiveOp],
     axis_names: tuple[str, ...],
     mesh_shape: tuple[int, ...],
     within_loops: bool = False,
 ) -> dict[str, float]:
-    """Bytes one device sends per step (averaged over devices), keyed by the mesh axes each
-    collective runs over ("tensor", "data+fsdp", ...; axes in mesh order); with within_loops,
-    only what collectives inside loops send.
+    """Bytes one device sends per step (averaged over devices) in a program's collectives
+    (collective_ops), keyed by the mesh axes each runs over ("tensor", "data+fsdp", ...; axes in
+    mesh order); with within_loops, only what collectives inside loops send.
 
     Ring algorithms as in `msjax.planner.planning`; a collective permute sends its result from
     every device whose target is another device. Raises ValueError on a collective whose
@@ -200,7 +200,7 @@ def bytes_sent_by_axes(
     """
     devices = int(np.prod(mesh_shape))
     sent: dict[str, float] = defaultdict(float)
-    for op in collective_ops(hlo_text):
+    for op in ops:
         if op.kind == "collective-permute":
             pairs = permute_pairs(op.instruction)
             if pairs is None:
@@ -220,18 +220,21 @@ def bytes_sent_by_axes(
     return dict(sent)
 
 
-def count_collectives(hlo_text: str) -> dict[str, CollectiveStats]:
-    """Per kind in KINDS (all present, zero when absent): ops, executions and bytes per step."""
-    ops: dict[str, int] = defaultdict(int)
+def count_collectives(ops: list[CollectiveOp]) -> dict[str, CollectiveStats]:
+    """Per kind in KINDS (all present, zero when absent): ops, executions and bytes per step of
+    a program's collectives (collective_ops)."""
+    counts: dict[str, int] = defaultdict(int)
     executions: dict[str, int] = defaultdict(int)
     result_bytes: dict[str, int] = defaultdict(int)
     in_loops: dict[str, int] = defaultdict(int)
-    for op in collective_ops(hlo_text):
-        ops[op.kind] += 1
+    for op in ops:
+        counts[op.kind] += 1
         executions[op.kind] += op.executions
         result_bytes[op.kind] += op.executions * op.result_bytes
         in_loops[op.kind] += op.executions_in_loops
     return {
-        kind: CollectiveStats(kind, ops[kind], executions[kind], result_bytes[kind], in_loops[kind])
+        kind: CollectiveStats(
+            kind, counts[kind], executions[kind], result_bytes[kind], in_loops[kind]
+        )
         for kind in KINDS
     }

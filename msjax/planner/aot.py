@@ -22,7 +22,12 @@ from jax.sharding import AbstractMesh, AxisType
 
 from msjax.config import Config
 from msjax.errors import MsjaxError
-from msjax.observe.collectives import CollectiveStats, bytes_sent_by_axes, count_collectives
+from msjax.observe.collectives import (
+    CollectiveStats,
+    bytes_sent_by_axes,
+    collective_ops,
+    count_collectives,
+)
 from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.parallel.mesh import MESH_AXES, build_mesh
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
@@ -83,6 +88,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         compiled = lowered.compile(dumped if on_cpu else None)
         program_text = _program_as_counted(Path(dump)) if on_cpu else compiled.as_text()
     mesh_shape = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
+    ops = collective_ops(program_text)
     compile_s = time.perf_counter() - started
     return CompiledStep(
         config=config,
@@ -91,9 +97,9 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         compiled=compiled,
         compile_s=compile_s,
         memory=compiled_memory(compiled),
-        collectives=count_collectives(program_text),
-        sent_by_axes=bytes_sent_by_axes(program_text, MESH_AXES, mesh_shape),
-        sent_by_axes_in_loops=bytes_sent_by_axes(program_text, MESH_AXES, mesh_shape, True),
+        collectives=count_collectives(ops),
+        sent_by_axes=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape),
+        sent_by_axes_in_loops=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape, True),
     )
 
 
