@@ -335,6 +335,11 @@ def estimate_memory(
     )
 
 
+def _head_param_bytes(dims: LocalDims) -> float:
+    """A device's float32 share of the loss head's parameters: unembedding and final norm."""
+    return (dims.vocab + 1) * dims.embed * F32_BYTES
+
+
 def _one_f_one_b_buffers(
     config: Config, dims: LocalDims, state: _StateBytes, remat: str
 ) -> tuple[float, float, float]:
@@ -352,7 +357,7 @@ def _one_f_one_b_buffers(
     microbatch_stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / dims.residual_split
     replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes
     saved = layout.stash_slots * microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
-    head_params = (dims.vocab + 1) * dims.embed * F32_BYTES  # unembedding and final norm
+    head_params = _head_param_bytes(dims)
     # the loop's copy of the stage's weights and its gradient accumulator come with a layer scan
     # in the stage, as under GPipe (PIPELINE_WEIGHT_COPIES)
     copies = PIPELINE_WEIGHT_COPIES["gpipe"] if dims.layers > 1 else 0
@@ -485,7 +490,7 @@ def _pipe_bytes(
     all_reduce = ring_all_reduce_bytes(replica_stream, stages)
     input_grads = all_reduce * F32_BYTES / dims.act_bytes
     if layout.interleaves_backward:
-        head_params = (dims.vocab + 1) * dims.embed * F32_BYTES  # unembedding and final norm
+        head_params = _head_param_bytes(dims)
         return 2 * iterations * stream + input_grads + ring_all_reduce_bytes(head_params, stages)
     once = all_reduce + input_grads + ring_all_gather_bytes(replica_stream, stages)
     once += 2 * replica_stream / stages
