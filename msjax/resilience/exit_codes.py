@@ -11,8 +11,18 @@ RESTARTS_EXHAUSTED = 4  # launch: resilience.max_restarts spent; the last good c
 JOB_RESTART_NEEDED = 5  # launch, multi-node: a worker failed; restart the whole job to resume
 SAVES_FAILED = 6  # train: checkpoint saves kept failing (disk full, I/O errors); the supervisor
 # restarts the attempt from the last good checkpoint
+CHECKPOINT_UNREADABLE = 7  # train: a checkpoint that looks whole could not be read (I/O or
+# permission error, out of memory); it is left in place: retry, here or elsewhere
+NO_PROGRESS = 8  # launch: several attempts in a row committed no checkpoint newer than the one
+# they resumed from; the last good checkpoint is kept: retry on another node
 INTERRUPTED = 130  # SIGINT
 TERMINATED = 143  # launch: SIGTERM (e.g. preemption); workers saved a checkpoint; rerun to resume
 
-RETRYABLE = (RESTARTS_EXHAUSTED, JOB_RESTART_NEEDED, TERMINATED)  # worth a fresh job elsewhere
+RETRYABLE = (
+    RESTARTS_EXHAUSTED,
+    JOB_RESTART_NEEDED,
+    CHECKPOINT_UNREADABLE,
+    NO_PROGRESS,
+    TERMINATED,
+)  # worth a fresh job elsewhere
 FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again
