@@ -391,10 +391,13 @@ class Checkpointer:
         warn(line)
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
-        """Only the parameters of one step (no optimizer state read), checked by fingerprint."""
+        """Only the parameters of one step (no optimizer state read), checked like a full
+        restore: the record's seal, then the arrays against the fingerprints of the format that
+        step was saved with."""
         path = self.directory / str(step)
         if not (path / COMMIT_MARKER).exists():
             raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
+        meta = read_sealed_record(path)
         item = {"params": abstract_params}
         try:
             restored = self._manager.restore(
@@ -404,15 +407,14 @@ class Checkpointer:
                         item,
                         restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                         partial_restore=True,
-                    ),
-                    meta=_MetaRestore(),
+                    )
                 ),
             )
         except Exception as error:  # Orbax and TensorStore raise many types for bad files
             reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
             raise MsjaxError(f"checkpoint {path} could not be read: {reason}") from None
-        actual = fingerprints(dict(restored.state))
-        expected = dict(restored.meta).get("fingerprints", {})
+        actual = fingerprints(dict(restored.state), meta.get("fingerprint_format", 1))
+        expected = meta.get("fingerprints", {})
         _check_fingerprints(path, {"fingerprints": {k: expected.get(k) for k in actual}}, actual)
         return restored.state["params"]
 
@@ -445,6 +447,26 @@ def processes_failing(failed_here: bool) -> list[int]:
 
     flags = multihost_utils.process_allgather(np.array([int(failed_here)], np.int32))
     return [int(process) for process in np.flatnonzero(np.asarray(flags).reshape(-1))]
+
+
+def read_sealed_record(path: Path) -> dict[str, Any]:
+    """The record of the step at path, checked: its seal intact and its fingerprint format one
+    this msjax knows; MsjaxError naming the step otherwise."""
+    try:
+        raw = (path / "meta" / META_FILE).read_bytes()
+    except OSError as error:
+        raise MsjaxError(f"checkpoint {path}: its record could not be read: {error}") from None
+    problem = record_problem(raw)
+    if problem is not None:
+        raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
+    meta = json.loads(raw)
+    fingerprint_format = meta.get("fingerprint_format", 1)  # format 1 records had none
+    if fingerprint_format not in FINGERPRINT_FORMATS:
+        raise MsjaxError(
+            f"checkpoint {path} has fingerprint format {fingerprint_format}, newer than this "
+            f"msjax reads ({FINGERPRINT_FORMATS[-1]}); restore it with a newer msjax"
+        )
+    return meta
 
 
 def _check_fingerprints(path: Path, meta: dict[str, Any], actual: dict[str, int]) -> None:
