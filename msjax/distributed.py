@@ -4,15 +4,20 @@ worker (`worker_env`), read back by the trainer (`JobEnv`, `initialize_distribut
 MSJAX_COORDINATOR (host:port), MSJAX_NUM_PROCESSES and MSJAX_PROCESS_ID name the job explicitly;
 MSJAX_DISTRIBUTED=auto lets JAX detect it (Slurm, Open MPI, Kubernetes with the `kubernetes`
 package). MSJAX_ATTEMPT numbers the supervisor's restarts. Without any of them a run is one process.
+MSJAX_JOB_SECRET seals what the job writes to its coordination service (msjax.parallel.agreement).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
-from collections.abc import Mapping
+import secrets
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from msjax.errors import MsjaxError
+from msjax.parallel.agreement import JOB_SECRET
 
 COORDINATOR = "MSJAX_COORDINATOR"
 NUM_PROCESSES = "MSJAX_NUM_PROCESSES"
@@ -57,17 +62,67 @@ class JobEnv:
             raise MsjaxError(f"a distributed-job variable is not a whole number: {error}") from None
         if num is not None and rank is not None and not 0 <= rank < num:
             raise MsjaxError(f"{PROCESS_ID}={rank} must be in [0, {NUM_PROCESSES}={num})")
-        return cls(environ.get(COORDINATOR), num, rank, mode == "auto", attempt, ATTEMPT in environ)
+        coordinator = environ.get(COORDINATOR)
+        if coordinator:
+            parse_host_port(coordinator, COORDINATOR)
+        return cls(coordinator, num, rank, mode == "auto", attempt, ATTEMPT in environ)
+
+
+def parse_port(text: str, what: str) -> int:
+    """A TCP port given as text: a whole number in [1, 65535]; MsjaxError naming `what`."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise MsjaxError(f"{what}={text!r} is not a port: a whole number in [1, 65535]")
+    return int(text)
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """`host:port` (an IPv6 host in brackets, `[::1]:29500`) as (host, port); MsjaxError naming
+    `what` and the accepted form otherwise."""
+    host, colon, port = text.rpartition(":")
+    bare_host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    well_formed = (
+        colon
+        and bare_host
+        and not any(character.isspace() for character in text)
+        and ("[" not in bare_host and "]" not in bare_host)
+        and (":" not in bare_host or host.startswith("["))  # a bare IPv6 address is ambiguous
+    )
+    if not well_formed:
+        raise MsjaxError(
+            f"{what}={text!r} is not HOST:PORT (e.g. node001:29500, 10.0.0.5:29500, [::1]:29500)"
+        )
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise MsjaxError(f"{what}={text!r}: the port must be a whole number in [1, 65535]")
+    return bare_host, int(port)
 
 
 def worker_env(coordinator: str, num_processes: int, process_id: int, attempt: int) -> dict:
-    """The variables the launcher sets for one worker."""
-    return {
+    """The variables the launcher sets for one worker. The job secret they get is derived
+    from the launcher's (MSJAX_JOB_SECRET) and the attempt, so that a sealed value one attempt
+    wrote is not accepted by the next (each starts a fresh coordination service)."""
+    env = {
         COORDINATOR: coordinator,
         NUM_PROCESSES: str(num_processes),
         PROCESS_ID: str(process_id),
         ATTEMPT: str(attempt),
     }
+    launcher_secret = os.environ.get(JOB_SECRET, "")
+    if launcher_secret:
+        message = f"msjax attempt {attempt}".encode()
+        env[JOB_SECRET] = hmac.new(launcher_secret.encode(), message, hashlib.sha256).hexdigest()
+    return env
+
+
+def ensure_job_secret(nnodes: int, environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Give this launcher a job secret: MSJAX_JOB_SECRET when set (several nodes need the same
+    one: the Slurm script exports it), else a fresh random one on a single node. False when
+    the job has none (several nodes, none given): its job-end records are then not sealed."""
+    if environ.get(JOB_SECRET):
+        return True
+    if nnodes > 1:
+        return False
+    environ[JOB_SECRET] = secrets.token_hex(32)
+    return True
 
 
 def initialize_distributed(job: JobEnv) -> bool:

@@ -75,6 +75,17 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.flops", ["--devices", "x"], "invalid int value: 'x'"),
     ("msjax.flops", ["--step-time", "1.0"], "--step-time needs --devices"),
     ("msjax.flops", ["optim.eps=-1"], "optim.eps=-1.0 must be positive"),
+    # the coordinator address (a mistake there is no crash for the supervisor to retry)
+    (
+        "msjax.launch",
+        ["--nnodes", "2", "--coordinator", "node001", "--max-restarts", "0"],
+        "--coordinator='node001' is not HOST:PORT",
+    ),
+    (
+        "msjax.launch",
+        ["--coordinator", "127.0.0.1:99999", "--max-restarts", "0"],
+        "the port must be a whole number in [1, 65535]",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

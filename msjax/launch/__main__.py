@@ -14,11 +14,13 @@ from collections.abc import Mapping, Sequence
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
+from msjax.distributed import ensure_job_secret, parse_host_port, parse_port
 from msjax.errors import MsjaxError
 from msjax.resilience.faults import parse_faults
 from msjax.resolve import mesh_device_count, resolve_run_dir
 
 DEFAULT_PORT = 29500
+COORDINATOR_PORT = "MSJAX_COORDINATOR_PORT"  # --cluster slurm: the first node's port
 
 
 def parse_args(argv: Sequence[str]) -> tuple[object, list[str]]:
@@ -74,7 +76,7 @@ def slurm_layout(environ: Mapping[str, str]) -> tuple[int, int, str]:
         host = first_slurm_host(environ["SLURM_JOB_NODELIST"])
     except KeyError as missing:
         raise MsjaxError(f"--cluster slurm: {missing} is not set (run under srun)") from None
-    port = environ.get("MSJAX_COORDINATOR_PORT", str(DEFAULT_PORT))
+    port = parse_port(environ.get(COORDINATOR_PORT, str(DEFAULT_PORT)), COORDINATOR_PORT)
     return nnodes, node_rank, f"{host}:{port}"
 
 
@@ -122,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if nnodes > 1 and not coordinator:
             raise MsjaxError("--nnodes > 1 needs --coordinator HOST:PORT (or --cluster slurm)")
+        if coordinator:
+            parse_host_port(coordinator, "--coordinator")
         if args.fault:
             parse_faults(args.fault)
         config = job_config(train_args, args.max_restarts)
@@ -143,6 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Workers read this file rather than parsing the arguments again.
         write_text_atomically(plan.run_dir.job_config, config.to_yaml())
         worker_args = ["--config", str(plan.run_dir.job_config)]
+        if not ensure_job_secret(nnodes):
+            print(
+                "msjax.launch: warning: MSJAX_JOB_SECRET is not set, so this multi-node job's "
+                'coordination records are not sealed (launch/README.md, "Coordination service")',
+                file=sys.stderr,
+            )
         layout = JobLayout(args.nprocs, devices, nnodes, node_rank, coordinator)
         supervisor = Supervisor(config, plan.path, worker_args, layout, faults=args.fault)
     except MsjaxError as error:

@@ -5,40 +5,100 @@ Host-only: a vote never enters the devices' queue, so it cannot stall or reorder
 steps and their collectives (benchmarks/agreement_overhead.py: +0.3 ms a step with 2 processes
 on one machine; a device all-reduce of the same vote cost about 7 ms a step there, and several
 in flight without a data dependency on the step deadlocked gloo).
+
+The key-value store is open to anyone who can reach its port (on one node: every local user),
+so a vote is read only from the keys of the job's own ranks, and with the job's secret
+(MSJAX_JOB_SECRET, which msjax.launch gives its workers) every value is sealed with an HMAC.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import time
 from collections.abc import Sequence
 
 VOTE_TIMEOUT_MS = 30 * 60 * 1000  # a peer that never votes is a hang: the supervisor's to judge
+JOB_SECRET = "MSJAX_JOB_SECRET"  # the job's key for sealing what it writes to the store
+_SEAL_SEPARATOR = ";"
+_votes_made: dict[str, int] = {}  # ProcessVotes made by this process, per name
+
+
+class ForgedValue(Exception):
+    """A value in the job's key-value store that this job did not write (no valid seal)."""
+
+
+def job_secret() -> bytes | None:
+    """This job's secret from the environment, or None (values are then not sealed)."""
+    secret = os.environ.get(JOB_SECRET, "")
+    return secret.encode() if secret else None
+
+
+def seal(key: str, text: str, secret: bytes | None) -> str:
+    """text with an HMAC-SHA256 of (key, text) appended; text itself when there is no secret.
+    The key is part of what is signed, so a sealed value cannot be replayed under another key."""
+    if secret is None:
+        return text
+    mac = hmac.new(secret, f"{key}\n{text}".encode(), hashlib.sha256).hexdigest()
+    return f"{text}{_SEAL_SEPARATOR}{mac}"
+
+
+def unseal(key: str, sealed: str, secret: bytes | None) -> str:
+    """The text of a value `seal` wrote under key; ForgedValue if its seal does not match."""
+    if secret is None:
+        return sealed
+    text, _, mac = sealed.rpartition(_SEAL_SEPARATOR)
+    expected = hmac.new(secret, f"{key}\n{text}".encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(mac, expected):
+        raise ForgedValue(f"{key} holds a value this job did not write")
+    return text
 
 
 class ProcessVote:
-    """Rounds of votes named `name`; every process must cast the same rounds in the same order."""
+    """Rounds of votes named `name`; every process must cast the same rounds in the same order
+    (and make its votes of one name in the same order: the n-th of a name has keys of its own)."""
 
     def __init__(self, name: str):
         import jax
         from jax._src.distributed import global_state
 
         self.client = global_state.client
-        self.prefix = f"msjax/vote/{name}"
+        instance = _votes_made.get(name, 0)
+        _votes_made[name] = instance + 1
+        self.prefix = f"msjax/vote/{name}" + (f".{instance}" if instance else "")
         self.rank = jax.process_index()
+        self.processes = jax.process_count()
+        self.secret = job_secret()
         self.rounds = 0
 
     def agree(self, values: Sequence[int]) -> tuple[int, ...]:
         """The maximum over every process of each value, once every process has voted."""
+        return tuple(max(column) for column in zip(*self.gather(values), strict=True))
+
+    def gather(self, values: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every process's values, in rank order, once every process has voted.
+
+        Only the keys of ranks 0..processes-1 are read (anything else under the prefix is not
+        a vote); a value without this job's seal raises ForgedValue.
+        """
         round_key = f"{self.prefix}/{self.rounds}"
-        self.client.key_value_set(f"{round_key}/{self.rank}", ",".join(str(int(v)) for v in values))
-        self.client.wait_at_barrier(round_key, VOTE_TIMEOUT_MS)
-        votes = [
-            [int(v) for v in text.split(",")]
-            for _, text in self.client.key_value_dir_get(f"{round_key}/")
-        ]
-        if self.rounds:  # every process has read the round before: its key is no longer needed
+        own_key = f"{round_key}/{self.rank}"
+        text = ",".join(str(int(v)) for v in values)
+        self.client.key_value_set(own_key, seal(own_key, text, self.secret))
+        deadline = time.monotonic() + VOTE_TIMEOUT_MS / 1000
+        votes = []
+        for rank in range(self.processes):
+            key = f"{round_key}/{rank}"
+            wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+            sealed = self.client.blocking_key_value_get(key, wait_ms)
+            votes.append(tuple(int(v) for v in unseal(key, sealed, self.secret).split(",")))
+        # Every process has voted this round, so every one has read the round before: this
+        # process's key there is no longer needed.
+        if self.rounds:
             self.client.key_value_delete(f"{self.prefix}/{self.rounds - 1}/{self.rank}")
         self.rounds += 1
-        return tuple(max(column) for column in zip(*votes, strict=True))
+        return votes
 
 
 def process_vote(name: str) -> ProcessVote | None:

@@ -1,5 +1,6 @@
 """`train.xla_profile`: the XLA flags that overlap GPU collectives with compute, as spelled by the
 installed jaxlib; set in XLA_FLAGS before JAX's backend starts, the user's own XLA_FLAGS winning.
+Then XLA_FLAGS is checked by XLA itself, so a flag it rejects is a user error, not an abort.
 """
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ import importlib.util
 import mmap
 import os
 import re
+import select
+import signal
+import sys
+import time
 from collections.abc import Iterable, MutableMapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from msjax.errors import MsjaxError
 
 PROFILES = ("none", "overlap")
 
@@ -139,8 +146,35 @@ def apply_xla_profile(
     """Add the profile's flags to XLA_FLAGS; call before JAX's backend starts (it reads them once).
 
     A no-op on CPU and for `none`. Flags the user already set in XLA_FLAGS keep the user's value;
-    only flags the installed jaxlib knows are added (an unknown one would abort XLA).
+    only flags the installed jaxlib knows are added (an unknown one would abort XLA). Then
+    XLA_FLAGS as XLA will read it is checked (`check_xla_flags`): MsjaxError if XLA rejects it.
     """
+    record = _add_profile_flags(profile, environ, on_gpu, known)
+    if record.xla_flags.strip() and not _backend_started():
+        problem = check_xla_flags(record.xla_flags)
+        if problem is not None:
+            added = f" (train.xla_profile={profile} added {' '.join(record.flags)})"
+            raise MsjaxError(
+                f"XLA rejects XLA_FLAGS={record.xla_flags!r}: {problem}"
+                + (added if record.flags else "")
+                + "; fix or remove that flag"
+                + (", or set train.xla_profile=none" if record.flags else "")
+            )
+    return record
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _add_profile_flags(
+    profile: str,
+    environ: MutableMapping[str, str],
+    on_gpu: bool | None,
+    known: Iterable[str] | None,
+) -> XlaFlagsRecord:
     user = environ.get("XLA_FLAGS", "")
     record = XlaFlagsRecord(profile, False, "", user_xla_flags=user, xla_flags=user)
     if profile == "none":
@@ -149,9 +183,7 @@ def apply_xla_profile(
     if not (gpu_expected(environ) if on_gpu is None else on_gpu):
         record.reason = "no GPU: the overlap flags apply to GPUs only"
         return record
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if _backend_started():
         record.reason = "JAX's backend had already started; XLA_FLAGS left as they were"
         return record
     flags, record.unavailable = profile_flags(
@@ -165,3 +197,69 @@ def apply_xla_profile(
     record.applied = True
     record.reason = "GPU run with train.xla_profile=overlap"
     return record
+
+
+CHECK_TIMEOUT_S = 60  # parsing flags takes well under a second; past this, the check gives up
+# What XLA logs before it aborts on XLA_FLAGS (parse_flags_from_env.cc, command_line_flags.cc)
+_REJECTION = re.compile(
+    r"(Unknown flags? in XLA_FLAGS.*|Couldn't interpret value.*|Could not open file.*"
+    r"|Illegal value.*)"
+)
+
+
+def check_xla_flags(xla_flags: str) -> str | None:
+    """Why XLA rejects this XLA_FLAGS string, or None if it accepts it (or cannot be asked).
+
+    XLA parses XLA_FLAGS once, when its first backend starts, and aborts the process on a flag
+    it does not know or a value it cannot read. So a forked copy of this process (JAX already
+    imported, no backend yet) starts XLA's CPU backend with these flags and reports back how it
+    went: about 0.1 s, instead of an abort that looks like a crash and is retried.
+    """
+    import jax  # imported before the fork, so that the child need not import it again
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only XLA's verdict leaves it
+        try:
+            os.dup2(write_end, 1)
+            os.dup2(write_end, 2)
+            os.environ["XLA_FLAGS"] = xla_flags
+            jax.config.update("jax_platforms", "cpu")
+            jax.devices("cpu")
+            code = 0
+        except BaseException as error:  # a failure of the check itself, not of the flags
+            print(f"msjax-xla-check-failed {error}", file=sys.stderr, flush=True)
+            code = 3
+        os._exit(code)
+    os.close(write_end)
+    output, timed_out = _read_until_exit(read_end, pid)
+    os.close(read_end)
+    _, status = os.waitpid(pid, 0)
+    status = os.waitstatus_to_exitcode(status)
+    if status == 0 or timed_out or "msjax-xla-check-failed" in output:
+        return None  # accepted, or the check itself could not run: XLA will judge at start
+    match = _REJECTION.search(output)
+    if match:
+        return match.group(1).strip()
+    return f"XLA exited with status {status} while reading it"
+
+
+def _read_until_exit(read_end: int, pid: int) -> tuple[str, bool]:
+    """What the child wrote until it closed its end, and whether it ran past the timeout (then
+    it is killed)."""
+    chunks, deadline = [], time.monotonic() + CHECK_TIMEOUT_S
+    timed_out = False
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            os.kill(pid, signal.SIGKILL)
+            timed_out = True
+            break
+        ready, _, _ = select.select([read_end], [], [], remaining)
+        if not ready:
+            continue
+        chunk = os.read(read_end, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace"), timed_out

@@ -2,7 +2,9 @@
 
 The failing process publishes its exit code in jax.distributed's key-value store and leaves at
 once (JAX's exit-time shutdown would wait for peers blocked in a collective with it); a thread in
-every process waits on that key and leaves with the same code, so no peer is left to hang.
+every process waits on that key and leaves with the same code, so no peer is left to hang. The
+record is sealed with the job's secret (msjax.parallel.agreement), so that another local user who
+reaches the store cannot end the job with a code of their choosing: a forged record is ignored.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import threading
 import time
 from typing import Any
 
+from msjax.parallel.agreement import ForgedValue, job_secret, seal, unseal
+
 ERROR_KEY = "msjax/job_end"
 ACK_PREFIX = "msjax/job_end_seen"
 ACK_WAIT_S = 5.0  # how long process 0 waits for its peers to leave before it does
 # the watch asks again this often, so that it can end with its process (a thread still blocked
 # in the key-value client when Python finalizes aborts the process)
 WATCH_POLL_MS = 1000
+FORGED_POLL_S = 0.2  # how often the watch looks again while a forged record holds the key
 
 
 def _client() -> Any:
@@ -47,9 +52,28 @@ def leave_job_now(code: int, reason: str = "") -> None:
     import jax
 
     record = json.dumps({"code": code, "rank": jax.process_index(), "reason": reason})
+    sealed = seal(ERROR_KEY, record, job_secret())
     with contextlib.suppress(Exception):  # another process published first: its code wins
-        client.key_value_set(ERROR_KEY, record)
+        try:
+            client.key_value_set(ERROR_KEY, sealed)
+        except Exception:
+            if _published_record(client.key_value_try_get(ERROR_KEY)) is not None:
+                raise
+            client.key_value_delete(ERROR_KEY)  # a forged record holds the key: replace it
+            client.key_value_set(ERROR_KEY, sealed)
     _exit_in_order(client, code)
+
+
+def _published_record(sealed: str) -> dict[str, Any] | None:
+    """The job-end record a peer of this job published, or None if these bytes are not one (no
+    valid seal, or not a record): another local user's client wrote them."""
+    try:
+        record = json.loads(unseal(ERROR_KEY, sealed, job_secret()))
+        return (
+            record if isinstance(record["code"], int) and isinstance(record["rank"], int) else None
+        )
+    except (ForgedValue, ValueError, KeyError, TypeError):
+        return None
 
 
 def _exit_in_order(client: Any, code: int) -> None:
@@ -65,7 +89,8 @@ def _exit_in_order(client: Any, code: int) -> None:
         deadline = time.monotonic() + ACK_WAIT_S
         while time.monotonic() < deadline:
             try:
-                if len(client.key_value_dir_get(ACK_PREFIX + "/")) >= peers - 1:
+                acks = {key for key, _ in client.key_value_dir_get(ACK_PREFIX + "/")}
+                if {f"{ACK_PREFIX}/{peer}" for peer in range(1, peers)} <= acks:
                     break
             except Exception:
                 break
@@ -82,10 +107,10 @@ def peer_exit_code(wait_s: float) -> int | None:
     if client is None:
         return None
     try:
-        record = json.loads(client.blocking_key_value_get(ERROR_KEY, int(wait_s * 1000)))
+        record = _published_record(client.blocking_key_value_get(ERROR_KEY, int(wait_s * 1000)))
     except Exception:
         return None
-    return int(record["code"])
+    return None if record is None else int(record["code"])
 
 
 def watch_for_peer_exit(program: str) -> threading.Thread | None:
@@ -99,19 +124,30 @@ def watch_for_peer_exit(program: str) -> threading.Thread | None:
     leaving = threading.Event()
 
     def watch() -> None:
+        warned = False
         while not leaving.is_set():
             try:
                 text = client.blocking_key_value_get(ERROR_KEY, WATCH_POLL_MS)
-                break
             except Exception as error:
                 if "DEADLINE_EXCEEDED" not in str(error):
                     return  # the coordination service is gone: JAX itself ends this process
+                continue
+            record = _published_record(text)
+            if record is not None:
+                break
+            if not warned:  # a peer that fails replaces it (leave_job_now); wait for that
+                print(
+                    f"{program}: ignored a job-end record in the coordination service that "
+                    "this job did not write (no valid seal)",
+                    file=sys.stderr,
+                )
+                warned = True
+            time.sleep(FORGED_POLL_S)
         else:
             return
-        record = json.loads(text)
         if record["rank"] == rank:
             return  # this process published it and is leaving already
-        reason = f": {record['reason']}" if record["reason"] else ""
+        reason = f": {record['reason']}" if record.get("reason") else ""
         print(
             f"{program}: stopping: process {record['rank']} ended the job with exit code "
             f"{record['code']}{reason}",
