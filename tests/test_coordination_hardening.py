@@ -263,3 +263,20 @@ def test_a_rejected_xla_flag_or_garbled_skip_list_is_exit_2_on_the_first_attempt
         assert launched.returncode == exit_codes.USER_ERROR, output[-3000:]
         assert f"XLA rejects XLA_FLAGS='{flags}': {expected}" in output
         assert "attempt 0:" in output and "attempt 1:" not in output  # no restart
+
+
+def test_a_value_sealed_for_another_key_attempt_or_job_is_refused():
+    from msjax.parallel.agreement import ForgedValue, seal, unseal
+
+    secret = b"attempt 1's secret"
+    sealed = seal("msjax/job_end", '{"code": 2, "rank": 1}', secret)
+    assert unseal("msjax/job_end", sealed, secret) == '{"code": 2, "rank": 1}'
+    forgeries = [
+        ("msjax/job_end", sealed, b"attempt 0's secret"),  # replayed from another attempt
+        ("msjax/vote/decide/0/1", sealed, secret),  # moved under another key
+        ("msjax/job_end", sealed.replace('"code": 2', '"code": 0'), secret),  # altered
+        ("msjax/job_end", '{"code": 2, "rank": 1}', secret),  # never sealed
+    ]
+    for key, value, key_secret in forgeries:
+        with pytest.raises(ForgedValue):
+            unseal(key, value, key_secret)
