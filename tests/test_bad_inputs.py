@@ -75,6 +75,17 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.flops", ["--devices", "x"], "invalid int value: 'x'"),
     ("msjax.flops", ["--step-time", "1.0"], "--step-time needs --devices"),
     ("msjax.flops", ["optim.eps=-1"], "optim.eps=-1.0 must be positive"),
+    # supervisor: restarts without progress, and one run dir for every node
+    (
+        "msjax.launch",
+        ["--", "resilience.max_attempts_without_progress=0"],
+        "resilience.max_attempts_without_progress=0 must be >= 1",
+    ),
+    (
+        "msjax.launch",
+        ["--nnodes=2", "--node-rank=1", "--coordinator=127.0.0.1:29999"],
+        "--nnodes=2 needs run.dir=PATH, the same on every node",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {
