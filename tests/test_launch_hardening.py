@@ -215,7 +215,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Lau
             base,
             "same_start_up_crash",
             ["--max-restarts=6", "--fault=crash@step=0,rank=0,times=20"],
-            ["train.steps=50", "resilience.max_attempts_without_progress=2"],
+            ["train.steps=50"],  # resilience.max_attempts_without_progress: 3, the default
         ),
         # a NaN at step 2 (a bad batch: rolled back, skipped), then on the first step the
         # restarted attempt runs (the state it restored: not a batch to skip)
@@ -279,10 +279,11 @@ def test_the_same_crash_before_the_first_step_in_a_row_is_a_user_error(launches)
     incidents = job.incidents
     assert [(r["cause"], r["phase"], r["action"]) for r in incidents] == [
         ("crash", "compile", "restart"),
+        ("crash", "compile", "restart"),
         ("crash", "compile", "stop"),
     ]
     assert incidents[-1]["stop_reason"].startswith(
-        "the same failure before the first step in 2 attempts in a row (exit code 1 in phase "
+        "the same failure before the first step in 3 attempts in a row (exit code 1 in phase "
         "compile: "
     )
 
