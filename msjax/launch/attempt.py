@@ -100,3 +100,21 @@ class Attempt:
             self.start_step = record.start_step
         if record.phase == "step" and self.first_step_unix_s is None:
             self.first_step_unix_s = record.phase_started_unix_s
+
+
+@dataclass
+class AttemptsWithoutProgress:
+    """How many attempts in a row committed no newer checkpoint, and how many of the last ones
+    ended with the same crash before their first step (fault_detection.start_up_failure)."""
+
+    count: int = 0
+    start_up_failure: str | None = None
+    same_start_up_failures: int = 0
+
+    def attempt_ended(self, progressed: bool, start_up_failure: str | None) -> None:
+        self.count = 0 if progressed else self.count + 1
+        if start_up_failure is not None and start_up_failure == self.start_up_failure:
+            self.same_start_up_failures += 1
+        else:
+            self.same_start_up_failures = 0 if start_up_failure is None else 1
+        self.start_up_failure = start_up_failure

@@ -19,7 +19,7 @@ from typing import IO, Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
-from msjax.launch.attempt import Attempt
+from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
     Fault,
     early_exit_fault,
@@ -119,9 +119,7 @@ class Supervisor:
 
     def _run(self) -> int:
         restarts = 0
-        without_progress = 0  # attempts in a row that committed no newer checkpoint
-        start_up_failure_now: str | None = None  # the crash before the first step last time
-        same_start_up_failures = 0  # ... and how many attempts in a row ended with it
+        stalled = AttemptsWithoutProgress()
         while True:
             attempt = self._spawn(len(self.attempts))
             fault = self._watch(attempt)
@@ -135,22 +133,16 @@ class Supervisor:
                 self.say(f"done: train.steps={self.config.train.steps} reached")
                 return exit_codes.OK
             number = self._record_fault(attempt, fault)
-            without_progress = 0 if self._made_progress(attempt) else without_progress + 1
-            failure = start_up_failure(fault, attempt)
-            repeated = failure is not None and failure == start_up_failure_now
-            same_start_up_failures = same_start_up_failures + 1 if repeated else int(bool(failure))
-            start_up_failure_now = failure
+            stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
             code = self._stop_code(fault, number, attempt)
             if code is None:
-                code = self._repeated_failure_code(
-                    fault, without_progress, failure, same_start_up_failures
-                )
+                code = self._stalled_code(fault, stalled)
             if code is None:
                 code = self._budget_code(fault, restarts)
             if code is not None:
                 return code
             backoff_s = min(
-                self.resilience.restart_backoff_s * 2 ** max(without_progress - 1, 0),
+                self.resilience.restart_backoff_s * 2 ** max(stalled.count - 1, 0),
                 MAX_BACKOFF_S,
             )
             restarts += 1
@@ -209,24 +201,22 @@ class Supervisor:
             )
         return None
 
-    def _repeated_failure_code(
-        self, fault: Fault, without_progress: int, failure: str | None, same_failures: int
-    ) -> int | None:
+    def _stalled_code(self, fault: Fault, stalled: AttemptsWithoutProgress) -> int | None:
         """Attempts in a row without progress: the same crash before the first step each time
         is a mistake (exit 2); otherwise this machine cannot go on (exit 8)."""
         limit = self.resilience.max_attempts_without_progress
-        if same_failures >= limit:
+        if stalled.same_start_up_failures >= limit:
             return self._give_up(
                 fault,
                 f"the same failure before the first step in {limit} attempts in a row "
-                f"({failure}); restarting cannot help "
+                f"({stalled.start_up_failure}); restarting cannot help "
                 f"(resilience.max_attempts_without_progress={limit})",
                 exit_codes.USER_ERROR,
             )
-        if without_progress >= limit:
+        if stalled.count >= limit:
             return self._give_up(
                 fault,
-                f"{without_progress} attempts in a row committed no checkpoint newer than the "
+                f"{stalled.count} attempts in a row committed no checkpoint newer than the "
                 f"one they resumed from (resilience.max_attempts_without_progress={limit})",
                 exit_codes.NO_PROGRESS,
             )
