@@ -187,8 +187,9 @@ class WorkerProcess:
 
 
 def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
-    """SIGTERM every live worker (SIGCONT too, so a stopped one can act on it), SIGKILL those
-    still alive after grace_s; returns the seconds it took."""
+    """SIGTERM every live worker's group (SIGCONT too, so a stopped one can act on it), SIGKILL
+    those still alive after grace_s, then end what is left of each group and close its pipe;
+    returns the seconds it took. Workers that have all exited already are only cleaned up."""
     started = time.monotonic()
     for worker in workers:
         worker.signal(signal.SIGTERM)
