@@ -216,6 +216,9 @@ class ResilienceConfig:
     checkpoint_deadline_s: float = 600.0  # a save, and waiting for saves in flight
     on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
     max_restarts: int = 10  # restarts of the whole job before the supervisor gives up
+    # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8
+    # (exit 2 if each crashed the same way before its first step: a mistake, not the machine)
+    max_attempts_without_progress: int = 3
     restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
     # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:

@@ -260,6 +260,11 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
         )
     if resilience.max_restarts < 0:
         raise ConfigError(f"resilience.max_restarts={resilience.max_restarts} must be >= 0")
+    if resilience.max_attempts_without_progress < 1:
+        raise ConfigError(
+            "resilience.max_attempts_without_progress="
+            f"{resilience.max_attempts_without_progress} must be >= 1"
+        )
     if resilience.compile_cache_dir is not None and not resilience.compile_cache_dir.strip():
         raise ConfigError("resilience.compile_cache_dir is empty; give a path (or null)")
 

@@ -23,7 +23,7 @@ from msjax.data.sources import check_sources
 from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
-from msjax.resilience.worker import NonFiniteLoss, SavesFailing
+from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
 from msjax.resolve import resolve_run_dir
 from msjax.run_dir import plan_run_dir
 
@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
+        # SIGUSR1 dumps stacks from here on: joining the job and preparing data may hang
+        dump_stacks_from_start(config.run.dir)
         # what can be told before JAX starts: a run dir it cannot use, data that is not there
         plan_run_dir(resolve_run_dir(config))
         check_sources(config.data)
@@ -110,16 +112,20 @@ def train(
     listeners: more `LoopEvents` to tell what happens around each step, after msjax's own.
     """
     from msjax.resilience.worker import skip_update
-    from msjax.training.decisions import Decider, StopSignal
+    from msjax.training.decisions import Decider
     from msjax.training.prepare import prepare_run
     from msjax.training.reporting import InFlight
+    from msjax.training.stop_signal import StopSignal
 
     run = prepare_run(config, progress_stream, listeners)
     events, results, state = run.events, run.results, run.start.state
     in_flight = None  # the dispatched step whose metrics are not read yet
     stopped_by = eval_loss = None
-    with events:
-        with StopSignal() as stop, run.batches() as batches:
+    # the stop signal's handler stays installed through end_run: a SIGTERM during the final
+    # save only repeats the request to stop (msjax.training.stop_signal)
+    grace_s = run.config.resilience.checkpoint_deadline_s
+    with events, StopSignal(grace_s) as stop:
+        with run.batches() as batches:
             decide = Decider(
                 run.config, run.saves.checkpointer, stop, bool(run.validation), run.saves
             )

@@ -86,6 +86,17 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--coordinator", "127.0.0.1:99999", "--max-restarts", "0"],
         "the port must be a whole number in [1, 65535]",
     ),
+    # supervisor: restarts without progress, and one run dir for every node
+    (
+        "msjax.launch",
+        ["--", "resilience.max_attempts_without_progress=0"],
+        "resilience.max_attempts_without_progress=0 must be >= 1",
+    ),
+    (
+        "msjax.launch",
+        ["--nnodes=2", "--node-rank=1", "--coordinator=127.0.0.1:29999"],
+        "--nnodes=2 needs run.dir=PATH, the same on every node",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from msjax.checkpoint.commits import COMMIT_MARKER, TMP_MARKER, committed_steps
 from msjax.checkpoint.fingerprint import (
     FINGERPRINT_FORMATS,
     PendingFingerprints,
@@ -39,10 +40,6 @@ FORMAT_VERSION = 2
 DAMAGED_DIR = "damaged"  # checkpoints/damaged/STEP: found damaged on restore, kept for a look
 READ_ATTEMPTS = 3  # a read error is retried (a file system hiccup) before a step is damaged
 READ_RETRY_S = 0.5
-# Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` when the
-# save is finalized; a finalized step directory also holds this metadata file.
-COMMIT_MARKER = "_CHECKPOINT_METADATA"
-TMP_MARKER = ".orbax-checkpoint-tmp"
 META_FILE = "metadata"  # the file JsonCheckpointHandler reads back in the `meta` item directory
 
 
@@ -68,17 +65,6 @@ def parse_resume_source(source: str) -> tuple[Path, int | None]:
     if not path.is_dir():
         raise MsjaxError(f"checkpoint.resume_from={source}: no checkpoint directory at {path}")
     return path, step
-
-
-def committed_steps(directory: Path) -> list[int]:
-    """Steps whose directory Orbax finalized, oldest first (a killed save leaves none)."""
-    if not directory.is_dir():
-        return []
-    return sorted(
-        int(entry.name)
-        for entry in directory.iterdir()
-        if entry.is_dir() and entry.name.isdigit() and (entry / COMMIT_MARKER).exists()
-    )
 
 
 def uncommitted_entries(directory: Path) -> list[str]:

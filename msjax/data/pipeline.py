@@ -9,7 +9,9 @@ processes or workers.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -24,6 +26,7 @@ from msjax.data.batches import GlobalBatches
 from msjax.data.packing import Batch
 
 _NO_END = 2**62  # steps of the row stream: it ends when training does
+ORPHAN_CHECK_S = 0.5  # how often a Grain data process checks that its worker is still there
 
 
 def local_row_blocks(
@@ -107,8 +110,29 @@ def local_rows_dataset(
         # whose blocks still in flight when the iterator closes would leak until exit.
         copied = grain.experimental.DatasetOptions(min_shm_size=2**62)
         dataset = grain.experimental.WithOptionsIterDataset(dataset, copied)
-        dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+        dataset = dataset.mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=num_workers),
+            worker_init_fn=bound_to_worker,
+        )
     return dataset
+
+
+def bound_to_worker(index: int, count: int) -> None:
+    """Run first in each Grain data process. SIGTERM and SIGINT are its worker's to act on (a
+    scheduler signals every process: the worker saves, then closes this pipeline), and the data
+    process ends as soon as its worker is gone, however the worker died, so no orphan is left."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = os.getppid()
+
+    def exit_when_orphaned() -> None:
+        # watched by process id: PR_SET_PDEATHSIG would fire when the *thread* that started
+        # this process ends, which need not be the worker's end
+        while os.getppid() == worker:
+            time.sleep(ORPHAN_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=exit_when_orphaned, name="msjax-orphan-check", daemon=True).start()
 
 
 def _absl_flags_parsed() -> None:

@@ -7,6 +7,7 @@ with a code per outcome (msjax.resilience.exit_codes, launch/README.md).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ from msjax.config import Config, load_config
 from msjax.distributed import ensure_job_secret, parse_host_port, parse_port
 from msjax.errors import MsjaxError
 from msjax.resilience.faults import parse_faults
-from msjax.resolve import mesh_device_count, resolve_run_dir
+from msjax.resolve import RUNS_FOLDER, mesh_device_count, resolve_run_dir
 
 DEFAULT_PORT = 29500
 COORDINATOR_PORT = "MSJAX_COORDINATOR_PORT"  # --cluster slurm: the first node's port
@@ -92,8 +93,16 @@ def default_devices_per_proc(config: Config, num_processes: int) -> int | None:
     return total // num_processes
 
 
-def job_config(train_args: list[str], max_restarts: int | None) -> Config:
-    """The trainer's arguments read once: the config every worker runs, run.dir chosen."""
+def job_config(
+    train_args: list[str],
+    max_restarts: int | None,
+    nnodes: int = 1,
+    environ: Mapping[str, str] = os.environ,
+) -> Config:
+    """The trainer's arguments read once: the config every worker runs, run.dir chosen. On
+    several nodes every launcher must choose the same run.dir: given, or named by the Slurm
+    job (runs/<name>-slurm<SLURM_JOB_ID>, the same on every node and on a requeue), never by
+    each node's clock."""
     from msjax.train import parse_args as parse_train_args
 
     train = parse_train_args(train_args)
@@ -102,7 +111,18 @@ def job_config(train_args: list[str], max_restarts: int | None) -> Config:
     overrides = list(train.overrides)
     if max_restarts is not None:
         overrides.append(f"resilience.max_restarts={max_restarts}")
-    return resolve_run_dir(load_config(train.config, overrides))
+    config = load_config(train.config, overrides)
+    if nnodes > 1 and not config.run.dir:
+        job_id = environ.get("SLURM_JOB_ID", "")
+        if not job_id.isdigit():
+            raise MsjaxError(
+                f"--nnodes={nnodes} needs run.dir=PATH, the same on every node (or SLURM_JOB_ID "
+                "to name it): each node's clock would name another run dir"
+            )
+        run_dir = RUNS_FOLDER / f"{config.run.name}-slurm{job_id}"
+        run = dataclasses.replace(config.run, dir=str(run_dir))
+        config = dataclasses.replace(config, run=run)
+    return resolve_run_dir(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parse_host_port(coordinator, "--coordinator")
         if args.fault:
             parse_faults(args.fault)
-        config = job_config(train_args, args.max_restarts)
+        config = job_config(train_args, args.max_restarts, nnodes)
         devices = args.devices_per_proc
         if devices is None:
             devices = default_devices_per_proc(config, args.nprocs * nnodes)

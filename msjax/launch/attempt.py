@@ -1,11 +1,14 @@
 """One attempt of a supervised job: its workers, and what their heartbeats have said so far
-(progress per rank, when compilation and the first step began, the furthest step reached)."""
+(progress per rank, when compilation and the first step began, the furthest step reached), and
+whether it committed a checkpoint past the one it resumed from."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from msjax.checkpoint.commits import committed_steps
 from msjax.launch.workers import WorkerProcess
 from msjax.resilience.heartbeat import STARTUP_PHASES, HeartbeatRecord
 from msjax.run_dir import RunDir
@@ -25,6 +28,7 @@ class Attempt:
     max_step: int = 0
     ended_unix_s: float | None = None
     outcome: str = ""
+    newest_committed_at_spawn: int | None = None  # the run's newest committed checkpoint then
 
     @classmethod
     def started(cls, number: int, workers: list[WorkerProcess]) -> Attempt:
@@ -39,6 +43,23 @@ class Attempt:
     def made_progress(self) -> bool:
         """Whether any step was completed past the one the attempt resumed at."""
         return self.start_step is not None and self.max_step > self.start_step
+
+    def committed_progress(self, checkpoints: Path) -> bool:
+        """Whether a checkpoint newer than the one the attempt resumed from is committed (the
+        step its heartbeat says it resumed at; before it said, the newest committed at spawn).
+        A step completed but never saved is lost at the restart: it is not progress."""
+        steps = committed_steps(checkpoints)
+        resumed = self.start_step if self.start_step is not None else self.newest_committed_at_spawn
+        return bool(steps) and (resumed is None or steps[-1] > resumed)
+
+    def first_step_run(self, skipped: set[int]) -> int | None:
+        """The first step this attempt computed (the step it resumed at, past skipped ones)."""
+        if self.start_step is None:
+            return None
+        step = self.start_step
+        while step in skipped:
+            step += 1
+        return step
 
     def finished(self, steps: int) -> bool:
         """Whether every worker's last heartbeat says it is done with all `steps` steps."""
@@ -79,3 +100,21 @@ class Attempt:
             self.start_step = record.start_step
         if record.phase == "step" and self.first_step_unix_s is None:
             self.first_step_unix_s = record.phase_started_unix_s
+
+
+@dataclass
+class AttemptsWithoutProgress:
+    """How many attempts in a row committed no newer checkpoint, and how many of the last ones
+    ended with the same crash before their first step (fault_detection.start_up_failure)."""
+
+    count: int = 0
+    start_up_failure: str | None = None
+    same_start_up_failures: int = 0
+
+    def attempt_ended(self, progressed: bool, start_up_failure: str | None) -> None:
+        self.count = 0 if progressed else self.count + 1
+        if start_up_failure is not None and start_up_failure == self.start_up_failure:
+            self.same_start_up_failures += 1
+        else:
+            self.same_start_up_failures = 0 if start_up_failure is None else 1
+        self.start_up_failure = start_up_failure

@@ -4,12 +4,14 @@ exit or a signal), a hang (no progress past its phase's deadline), a non-finite 
 
 from __future__ import annotations
 
+import re
+import signal
 import time
 from dataclasses import dataclass
 
 from msjax.config import ResilienceConfig
 from msjax.launch.attempt import Attempt
-from msjax.launch.workers import WorkerProcess, describe_exit
+from msjax.launch.workers import LOG_HEADER, WorkerProcess, describe_exit
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import read_firings
 from msjax.run_dir import RunDir
@@ -151,3 +153,21 @@ def use_injection_time(fault: Fault, attempt: Attempt, run_dir: RunDir) -> None:
         if firing["pid"] in pids and firing["rank"] == fault.rank and firing["kind"] != "slow":
             fault.fault_unix_s = firing["unix_s"]
             fault.fault_time_from = f"injection record ({firing['fault']})"
+
+
+def start_up_failure(fault: Fault, attempt: Attempt) -> str | None:
+    """What names a crash before the attempt's first step, to tell the same failure when it
+    comes again: the exit, the phase and the worker's last line of output in this attempt, its
+    numbers masked (times, pids, ports). None for any other fault: a hang, a SIGKILL (the OOM
+    killer's too), an exit code of its own meaning, or a crash after the first step."""
+    if fault.cause != "crash" or attempt.first_step_unix_s is not None:
+        return None
+    worker = next(worker for worker in attempt.workers if worker.rank == fault.rank)
+    code = worker.exit_code
+    if code is None or not (code == exit_codes.CRASHED or (code < 0 and -code != signal.SIGKILL)):
+        return None
+    lines = worker.log_tail().splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith(LOG_HEADER)]
+    output = [line.strip() for line in lines[headers[-1] + 1 if headers else 0 :] if line.strip()]
+    last = re.sub(r"\d+", "#", output[-1]) if output else "no output"
+    return f"{describe_exit(code)} in phase {fault.phase}: {last}"

@@ -16,15 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
-from msjax.launch.attempt import Attempt
+from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
     Fault,
     early_exit_fault,
     exit_fault,
     hang_fault,
     nonfinite_fault,
+    start_up_failure,
     use_injection_time,
 )
 from msjax.launch.incidents import (
@@ -38,7 +40,7 @@ from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import write_goodput
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
-from msjax.resilience.skips import record_skipped_step
+from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
 
 MAX_BACKOFF_S = 300.0
@@ -117,25 +119,30 @@ class Supervisor:
 
     def _run(self) -> int:
         restarts = 0
-        no_progress_restarts = 0
+        stalled = AttemptsWithoutProgress()
         while True:
             attempt = self._spawn(len(self.attempts))
             fault = self._watch(attempt)
             if self._stop_requested is not None:
                 return self._stop_on_request(attempt)
             if fault is None:
+                stop_workers(attempt.workers, self.resilience.stop_grace_s)  # all exited: reaps
                 attempt.outcome = "done"
                 self.incidents.close(attempt)
                 self._finish("done")
                 self.say(f"done: train.steps={self.config.train.steps} reached")
                 return exit_codes.OK
             number = self._record_fault(attempt, fault)
-            code = self._stop_code(fault, number, restarts)
+            stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
+            code = self._stop_code(fault, number, attempt)
+            if code is None:
+                code = self._stalled_code(fault, stalled)
+            if code is None:
+                code = self._budget_code(fault, restarts)
             if code is not None:
                 return code
-            no_progress_restarts = 0 if attempt.made_progress else no_progress_restarts + 1
             backoff_s = min(
-                self.resilience.restart_backoff_s * 2 ** max(no_progress_restarts - 1, 0),
+                self.resilience.restart_backoff_s * 2 ** max(stalled.count - 1, 0),
                 MAX_BACKOFF_S,
             )
             restarts += 1
@@ -151,9 +158,17 @@ class Supervisor:
                 self._finish(f"stopped by {self._stop_requested}")
                 return self._signal_exit_code()
 
-    def _stop_code(self, fault: Fault, number: int, restarts: int) -> int | None:
-        """The exit code if this fault ends the job here; None to restart it. A non-finite loss
-        to roll back adds its step to the run's skipped steps."""
+    def _made_progress(self, attempt: Attempt) -> bool:
+        """Progress is a checkpoint committed past the one the attempt resumed from; without
+        checkpoints, steps past it."""
+        if not self.config.checkpoint.enabled:
+            return attempt.made_progress
+        return attempt.committed_progress(self.run_dir.checkpoints)
+
+    def _stop_code(self, fault: Fault, number: int, attempt: Attempt) -> int | None:
+        """The exit code if this fault itself ends the job; None to go on. A non-finite loss to
+        roll back adds its step to the run's skipped steps, unless it came from the attempt's
+        first step: then the state it restored is bad, not a batch, and skipping cannot help."""
         if fault.cause == "user_error":
             return self._give_up(fault, "a worker reported a user error", exit_codes.USER_ERROR)
         if fault.cause == "nonfinite_loss":
@@ -165,6 +180,15 @@ class Supervisor:
                     exit_codes.NONFINITE_LOSS,
                 )
             assert fault.nonfinite_step is not None and self.incidents.open_incident is not None
+            skipped = self._skipped_steps()
+            if fault.nonfinite_step == attempt.first_step_run(skipped):
+                return self._give_up(
+                    fault,
+                    f"non-finite loss at step {fault.nonfinite_step}, the first step after "
+                    f"resuming at step {attempt.start_step}: the state is bad, not a batch "
+                    "(skipping batches cannot help)",
+                    exit_codes.NONFINITE_LOSS,
+                )
             record_skipped_step(
                 self.run_dir.path, fault.nonfinite_step, f"non-finite loss (incident {number})"
             )
@@ -175,6 +199,30 @@ class Supervisor:
                 "a multi-node job restarts as a whole; the scheduler resumes it",
                 exit_codes.JOB_RESTART_NEEDED,
             )
+        return None
+
+    def _stalled_code(self, fault: Fault, stalled: AttemptsWithoutProgress) -> int | None:
+        """Attempts in a row without progress: the same crash before the first step each time
+        is a mistake (exit 2); otherwise this machine cannot go on (exit 8)."""
+        limit = self.resilience.max_attempts_without_progress
+        if stalled.same_start_up_failures >= limit:
+            return self._give_up(
+                fault,
+                f"the same failure before the first step in {limit} attempts in a row "
+                f"({stalled.start_up_failure}); restarting cannot help "
+                f"(resilience.max_attempts_without_progress={limit})",
+                exit_codes.USER_ERROR,
+            )
+        if stalled.count >= limit:
+            return self._give_up(
+                fault,
+                f"{stalled.count} attempts in a row committed no checkpoint newer than the "
+                f"one they resumed from (resilience.max_attempts_without_progress={limit})",
+                exit_codes.NO_PROGRESS,
+            )
+        return None
+
+    def _budget_code(self, fault: Fault, restarts: int) -> int | None:
         if restarts >= self.resilience.max_restarts:
             return self._give_up(
                 fault,
@@ -182,6 +230,12 @@ class Supervisor:
                 exit_codes.RESTARTS_EXHAUSTED,
             )
         return None
+
+    def _skipped_steps(self) -> frozenset[int]:
+        try:
+            return read_skipped_steps(self.run_dir.path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return frozenset()  # the workers refuse a garbled skip list themselves
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -192,6 +246,7 @@ class Supervisor:
         layout = self.layout
         coordinator = layout.coordinator or f"127.0.0.1:{free_port()}"
         command = [sys.executable, "-m", "msjax.train", *self.train_args]
+        committed = committed_steps(self.run_dir.checkpoints)  # before any worker can save
         workers = []
         for local_rank in range(layout.nprocs):
             rank = layout.process_id(local_rank)
@@ -209,6 +264,7 @@ class Supervisor:
             log = self.run_dir.log(rank)
             workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
         attempt = Attempt.started(number, workers)
+        attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
         ranks = f"ranks {workers[0].rank}-{workers[-1].rank}" if len(workers) > 1 else "rank 0"
         self.say(

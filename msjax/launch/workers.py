@@ -1,8 +1,9 @@
 """The worker processes of one attempt, as the supervisor sees them: spawn, watch, signal, stop.
 
 Each worker's stdout and stderr go to RUN_DIR/logs/rank<r>.log (rank 0's also to the
-supervisor's stdout). Workers die with the supervisor (PR_SET_PDEATHSIG), so a killed supervisor
-leaves no orphan holding devices.
+supervisor's stdout). Each worker leads its own process group (its Grain data processes are in
+it): signals go to the whole group, and when an attempt ends nothing of the group is left.
+Workers die with the supervisor (PR_SET_PDEATHSIG), so a killed supervisor leaves no orphan.
 """
 
 from __future__ import annotations
@@ -19,12 +20,29 @@ from pathlib import Path
 from typing import IO
 
 _PR_SET_PDEATHSIG = 1
+LOG_HEADER = "=== msjax.launch: attempt"  # the line that opens each attempt's part of a log
+GROUP_GONE_WAIT_S = 10.0  # after SIGKILL to a worker's group, until its last process is gone
 
 
 def _die_with_parent() -> None:
     # not Linux: no prctl, and workers may outlive a killed supervisor
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def group_states(pgid: int) -> dict[int, str]:
+    """Each process of group pgid, by pid: its kernel state letter (R, S, T, Z, ...)."""
+    states = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
+            states[int(entry.name)] = fields[0]
+    return states
 
 
 def describe_exit(code: int) -> str:
@@ -52,7 +70,7 @@ class WorkerProcess:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
-        self._log.write(f"=== msjax.launch: attempt {attempt}, rank {rank} ===\n".encode())
+        self._log.write(f"{LOG_HEADER} {attempt}, rank {rank} ===\n".encode())
         self._log.flush()
         self.spawned_unix_s = time.time()
         self.process = subprocess.Popen(
@@ -73,7 +91,7 @@ class WorkerProcess:
 
     def _forward_output(self) -> None:
         assert self.process.stdout is not None
-        for line in iter(self.process.stdout.readline, b""):
+        for line in iter(self.process.stdout.readline, b""):  # b"": no process holds the pipe
             self._log.write(line)
             self._log.flush()
             if self._echo is not None:
@@ -106,9 +124,35 @@ class WorkerProcess:
         return self.alive and self.state() in ("T", "t")
 
     def signal(self, signum: int) -> None:
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
+        """signum to the worker's whole process group (its data processes leave SIGTERM and
+        SIGINT to it); SIGUSR1, a request for the worker's stacks, to the worker alone."""
+        if not self.alive:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if signum == signal.SIGUSR1:
                 os.kill(self.pid, signum)
+            else:
+                os.killpg(self.pid, signum)  # start_new_session: the group's id is the pid
+
+    def group_alive(self) -> bool:
+        """Whether any process of the worker's group is still running (zombies do not count:
+        they are dead, and on a node whose init does not reap, orphans stay zombies)."""
+        return any(state != "Z" for state in group_states(self.pid).values())
+
+    def end_group(self) -> bool:
+        """SIGKILL what is left of the worker's process group once the worker has ended (children
+        it left behind), then wait until none is left; whether none is."""
+        self.poll()
+        if self.exit_code is None:
+            return False
+        deadline = time.monotonic() + GROUP_GONE_WAIT_S
+        while self.group_alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def wait(self, timeout_s: float) -> bool:
         """Whether the process ended within timeout_s."""
@@ -120,7 +164,18 @@ class WorkerProcess:
         return True
 
     def close(self) -> None:
+        """After the worker ended: no process of its group left, its output forwarded to the
+        end (the pipe closes once no process holds it), the pipe and the log closed."""
+        if not self.end_group():
+            print(
+                f"msjax.launch: processes of rank {self.rank}'s group {self.pid} did not die",
+                file=sys.stderr,
+            )
         self._forward.join(timeout=5.0)
+        if self._forward.is_alive():
+            return  # a process that SIGKILL cannot end (stuck in the kernel) still holds the pipe
+        if self.process.stdout is not None:
+            self.process.stdout.close()
         self._log.close()
 
     def log_tail(self, lines: int = 60) -> str:
@@ -132,8 +187,9 @@ class WorkerProcess:
 
 
 def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
-    """SIGTERM every live worker (SIGCONT too, so a stopped one can act on it), SIGKILL those
-    still alive after grace_s; returns the seconds it took."""
+    """SIGTERM every live worker's group (SIGCONT too, so a stopped one can act on it), SIGKILL
+    those still alive after grace_s, then end what is left of each group and close its pipe;
+    returns the seconds it took. Workers that have all exited already are only cleaned up."""
     started = time.monotonic()
     for worker in workers:
         worker.signal(signal.SIGTERM)

@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from msjax.config import ResilienceConfig
+from msjax.distributed import ATTEMPT, PROCESS_ID
 from msjax.loop_events import LoopEvents, StepRecord
 from msjax.resilience.faults import FaultInjector
 from msjax.resilience.heartbeat import Heartbeat, Phase
 from msjax.resilience.job_end import leave_job_now
 
-__all__ = ["NonFiniteLoss", "SavesFailing", "WorkerResilience", "leave_job_now", "skip_update"]
+__all__ = [
+    "NonFiniteLoss",
+    "SavesFailing",
+    "WorkerResilience",
+    "dump_stacks_from_start",
+    "leave_job_now",
+    "skip_update",
+]
 from msjax.resilience.skips import read_skipped_steps
 
 
@@ -39,6 +48,25 @@ class NonFiniteLoss(Exception):
 class SavesFailing(Exception):
     """Checkpoint saves kept failing (an infrastructure fault, not a user error): the attempt
     ends with exit code 6, which the supervisor restarts from the last good checkpoint."""
+
+
+def dump_stacks_from_start(run_dir: str | None) -> None:
+    """A worker under msjax.launch answers SIGUSR1 with its stacks from its first moment on, so
+    one hung joining the job or preparing data is diagnosed, not killed (SIGUSR1's default);
+    WorkerResilience takes the handler over later."""
+    global _stacks_from_start
+    if not run_dir or ATTEMPT not in os.environ:
+        return
+    try:
+        rank, attempt = int(os.environ.get(PROCESS_ID, "0")), int(os.environ[ATTEMPT])
+    except ValueError:
+        return  # joining the job names the bad variable (JobEnv.read)
+    heartbeat = Heartbeat(Path(run_dir), rank, every_s=float("inf"), attempt=attempt)
+    heartbeat.dump_stacks_on_sigusr1(Path(run_dir))
+    _stacks_from_start = heartbeat  # its stacks file stays open as long as the process
+
+
+_stacks_from_start: Heartbeat | None = None
 
 
 class WorkerResilience(LoopEvents):

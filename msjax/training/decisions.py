@@ -9,40 +9,15 @@ signal, a wall-clock save, a save overdue) are made the same for all, by one vot
 from __future__ import annotations
 
 import dataclasses
-import signal
-import threading
 from dataclasses import dataclass
-from typing import Any
 
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config
 from msjax.parallel.agreement import ProcessVote, process_vote
 from msjax.training.checkpoints import CheckpointSaves
+from msjax.training.stop_signal import StopSignal
 
 STOP_SIGNALS = (None, "SIGTERM", "SIGINT")  # a vote's stop value indexes this
-
-
-class StopSignal:
-    """SIGTERM / SIGINT (preemption): finish the current step, save, and leave cleanly."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: the user insists
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 @dataclass(frozen=True)

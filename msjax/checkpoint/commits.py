@@ -1,0 +1,22 @@
+"""Which steps of a checkpoints directory Orbax committed, read from the file system alone (no
+JAX, no Orbax): for the supervisor, which never imports JAX, and for the checkpoint manager."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Orbax writes a step into `<step>.orbax-checkpoint-tmp*` and renames it to `<step>` when the
+# save is finalized; a finalized step directory also holds this metadata file.
+COMMIT_MARKER = "_CHECKPOINT_METADATA"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+def committed_steps(directory: Path) -> list[int]:
+    """Steps whose directory Orbax finalized, oldest first (a killed save leaves none)."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        int(entry.name)
+        for entry in directory.iterdir()
+        if entry.is_dir() and entry.name.isdigit() and (entry / COMMIT_MARKER).exists()
+    )

@@ -1,0 +1,53 @@
+"""SIGTERM / SIGINT in the train loop: a request to save after the current step and leave.
+
+SIGTERM is idempotent (a scheduler and a launcher may both send one); only a second SIGINT, or a
+signal more than `grace_s` after the first, makes the process leave at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any
+
+DEFAULT_GRACE_S = 600.0  # resilience.checkpoint_deadline_s's default
+
+
+class StopSignal:
+    """Installed for the whole run, final save included: the first SIGTERM or SIGINT asks the
+    run to finish its step, save and leave; more SIGTERMs repeat that request. KeyboardInterrupt
+    (leave now, even mid-save) comes only from a second SIGINT, the user pressing Ctrl-C again,
+    or from any signal `grace_s` after the first, when the save should long have finished."""
+
+    def __init__(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self.received: str | None = None
+        self.count = 0  # stop signals received so far
+        self._first_at: float | None = None
+        self._signals_seen: set[str] = set()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        self.count += 1
+        if self._first_at is None:
+            self._first_at = now
+            self.received = name
+        elif (name == "SIGINT" and name in self._signals_seen) or (
+            now - self._first_at > self.grace_s
+        ):
+            raise KeyboardInterrupt
+        self._signals_seen.add(name)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
