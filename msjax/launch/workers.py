@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from msjax.writable import AppendLog
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -51,7 +53,7 @@ class WorkerProcess:
         self.rank = rank
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("ab")
+        self._log = AppendLog(log_path)  # no link followed; a full disk drops lines, warning once
         self._log.write(f"=== msjax.launch: attempt {attempt}, rank {rank} ===\n".encode())
         self._log.flush()
         self.spawned_unix_s = time.time()
