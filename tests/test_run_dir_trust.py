@@ -365,3 +365,62 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
     written_by_the_supervisor = {run_dir.incidents_log, run_dir.goodput}
     assert {str(path) for path in written_by_the_worker | written_by_the_supervisor} <= set(warned)
     assert run_dir.incident(1).is_dir()  # the incident's folder, its files dropped as they came
+
+
+def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """The resolved config on a disk already full: one line naming the file, exit 1 (the
+    supervisor's, or the scheduler's, retry), no traceback, no temporary file left."""
+    run = small_disk / "run"
+    run.mkdir()
+    fill(small_disk)
+    args = [*SHORT, f"run.dir={run}", "resilience.compile_cache=false"]
+    done = subprocess.run(
+        [sys.executable, "-m", "msjax.train", *args],
+        env=worker_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(
+        f"msjax.train: [Errno 28] cannot write {RunDir(run).config_json}: No space left"
+    ), done.stderr[-3000:]
+    assert not [path for path in run.rglob(".*") if "tmp" in path.name]
+
+
+def test_only_node_0_writes_job_config_yaml(tmp_path: Path) -> None:
+    """A launcher of node 1 hands its workers a node-local copy of the job's config and leaves
+    the run dir's job_config.yaml to node 0 (here there is no node 0: it never appears)."""
+    run_dir = RunDir(tmp_path / "run")
+    node_1 = ["--nnodes", "2", "--node-rank", "1", "--coordinator", "127.0.0.1:9"]
+    args = [*QUICK_RUN, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.steps=2"]
+    args += [f"run.dir={run_dir.path}", "resilience.checkpoint_deadline_s=1"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "msjax.launch", *node_1, "--", *args],
+        env={**worker_env(tmp_path), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        first = launcher.stdout.readline()
+        assert "attempt 0" in first, first
+        pid = int(first.rsplit("pids ", 1)[1].split()[0])
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        worker_config = Path(command[command.index(b"--config") + 1].decode())
+        assert worker_config.parent != run_dir.path and worker_config.is_file()
+        assert load_config(worker_config).run.dir == str(run_dir.path)
+        assert not run_dir.job_config.exists()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 143
+        assert not worker_config.exists()  # removed with the launcher
+        assert not run_dir.job_config.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=60)
