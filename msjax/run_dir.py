@@ -53,6 +53,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
     }
 )
 PREVIOUS_PREFIX = "previous-"
+_MISSING = object()  # an own file that is not there (not: there, and empty)
 
 
 @dataclass(frozen=True)
@@ -188,14 +189,16 @@ class RunDir:
         """The resolved config msjax saved here (config.yaml), or None if there is none; a
         config.yaml that msjax did not write (someone's own file) is a MsjaxError."""
         tree = self._read_yaml(self.config_yaml)
-        if tree is None:
+        if tree is _MISSING:
             return None
         try:
             twin = json.loads(read_no_follow(self.config_json))
         except (OSError, ValueError):
             twin = None
         # msjax writes config.json, then config.yaml saying the same: only both together are its
-        if not isinstance(tree, dict) or _canonical(tree) != _canonical(twin):
+        # (compared on what defines the run, so a rerun rewriting them is never caught between)
+        defining = _defining(tree)
+        if defining is None or defining != _defining(twin):
             raise MsjaxError(
                 f"run.dir={self.path} holds a config.yaml that msjax did not write (no "
                 f"{self.config_json.name} beside it saying the same), so it is not an msjax run; "
@@ -207,7 +210,7 @@ class RunDir:
         """Whether job_config.yaml is there and an msjax config (the launcher's, for its workers);
         a job_config.yaml that is not one is a MsjaxError."""
         tree = self._read_yaml(self.job_config)
-        if tree is None:
+        if tree is _MISSING:
             return False
         try:
             config_from_dict(tree)
@@ -219,12 +222,12 @@ class RunDir:
         return True
 
     def _read_yaml(self, path: Path) -> Any:
-        """The YAML in one of the directory's own files; None if it is not there, MsjaxError if it
-        is not a UTF-8 YAML file (msjax writes nothing else)."""
+        """The YAML in one of the directory's own files; _MISSING if it is not there, MsjaxError if
+        it is not a UTF-8 YAML file (msjax writes nothing else)."""
         try:
             text = read_no_follow(path).decode()
         except FileNotFoundError:
-            return None
+            return _MISSING
         except UnicodeDecodeError:
             problem = "is not UTF-8"
         except OSError as error:
@@ -294,8 +297,20 @@ def _kind(mode: int) -> str:
     return "a device"
 
 
-def _canonical(tree: Any) -> str:
-    return json.dumps(tree, sort_keys=True, default=repr)
+def _defining(tree: Any) -> str | None:
+    """A saved config tree's keys that define the run, as canonical JSON (None if not a tree)."""
+    if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
+        return None
+    kept = {
+        section: {
+            key: value
+            for key, value in values.items()
+            if f"{section}.{key}" not in MAY_CHANGE_ON_RESUME
+        }
+        for section, values in tree.items()
+        if section not in MAY_CHANGE_ON_RESUME
+    }
+    return json.dumps(kept, sort_keys=True, default=repr)
 
 
 def _is_path(value: object) -> bool:

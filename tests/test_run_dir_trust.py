@@ -60,9 +60,10 @@ def one_line_exit_2(capsys: pytest.CaptureFixture[str], code: int, *needles: str
     "own_file",
     [
         "services:\n  web:\n    image: nginx\n",  # another tool's config.yaml
+        "",  # an empty one
         None,  # an msjax config the user keeps there, which msjax did not save
     ],
-    ids=["another_tools_config", "a_users_msjax_config"],
+    ids=["another_tools_config", "empty", "a_users_msjax_config"],
 )
 def test_overwrite_refuses_a_config_yaml_msjax_did_not_write_and_leaves_it_untouched(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], own_file: str | None
@@ -70,7 +71,7 @@ def test_overwrite_refuses_a_config_yaml_msjax_did_not_write_and_leaves_it_untou
     folder = tmp_path / "mine"
     folder.mkdir()
     mine = load_config(None, [*SHORT, f"run.dir={folder}"]).to_yaml()
-    (folder / "config.yaml").write_text(own_file or mine)
+    (folder / "config.yaml").write_text(mine if own_file is None else own_file)
     (folder / "notes.txt").write_text("my notes\n")
     before = tree(tmp_path)
     code = train_main([*SHORT, f"run.dir={folder}", "run.overwrite=true"])
