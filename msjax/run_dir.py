@@ -260,7 +260,8 @@ class RunDir:
             if stat.S_ISLNK(mode):
                 raise MsjaxError(
                     f"run.dir={self.path}: {shown} is a symbolic link; msjax never follows links "
-                    "in a run directory: remove it or choose another run.dir (nothing was written)"
+                    "in a run directory (run.dir itself may be one): remove it or choose another "
+                    "run.dir (nothing was written)"
                 )
             if entry.parent != self.path:
                 continue

@@ -87,6 +87,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("msjax.train", ["run.dir={tmp}/run_link"], "metrics.jsonl is a symbolic link"),
     ("msjax.launch", ["--", "run.dir={tmp}/run_link"], "metrics.jsonl is a symbolic link"),
+    ("msjax.report", ["{tmp}/run_link"], "metrics.jsonl: it is a symbolic link"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {
