@@ -181,10 +181,6 @@ class RunDir:
         """The own names that are folders (the others, with a suffix, are files)."""
         return frozenset(name for name in self.own_names() if "." not in name)
 
-    def holds_a_run(self) -> bool:
-        """Whether msjax has started a run here (process 0's config, or the launcher's)."""
-        return self.saved_config() is not None or self.launch_config_is_msjax()
-
     def saved_config(self) -> dict[str, Any] | None:
         """The resolved config msjax saved here (config.yaml), or None if there is none; a
         config.yaml that msjax did not write (someone's own file) is a MsjaxError."""
@@ -378,15 +374,16 @@ def plan_run_dir(config: Config) -> RunDirPlan:
     if path.is_dir():
         run_dir.check_own_entries()
     foreign = run_dir.foreign_entries() if path.is_dir() else []
+    # msjax has started a run here: process 0 saved its config, or a launcher its workers'
     saved = run_dir.saved_config() if path.is_dir() else None
-    if foreign and saved is None and not run_dir.launch_config_is_msjax():
+    launched = saved is None and path.is_dir() and run_dir.launch_config_is_msjax()
+    if foreign and saved is None and not launched:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise MsjaxError(
             f"run.dir={path} is not empty and holds no msjax run ({shown}); choose an "
             "empty or new directory (nothing was written there)"
         )
     if saved is None:
-        run_dir.launch_config_is_msjax()  # someone's own job_config.yaml is not overwritten
         return RunDirPlan(run_dir, continues_run=False, set_aside=False)
     try:
         previous = config_from_dict(saved)

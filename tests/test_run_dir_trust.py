@@ -79,6 +79,18 @@ def test_overwrite_refuses_a_config_yaml_msjax_did_not_write_and_leaves_it_untou
     assert tree(tmp_path) == before  # nothing moved aside, nothing written
 
 
+def test_a_job_config_yaml_msjax_did_not_write_is_not_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "job_config.yaml").write_text("jobs:\n  - build\n  - test\n")
+    before = tree(tmp_path)
+    code = launch_main(["--nprocs", "1", "--", *SHORT, f"run.dir={folder}"])
+    one_line_exit_2(capsys, code, f"run.dir={folder} holds a job_config.yaml that is not an msjax")
+    assert tree(tmp_path) == before
+
+
 @pytest.mark.parametrize(
     "content, problem",
     [(None, "is a folder, not the file msjax makes there"), (b"run: caf\xe9\n", "is not UTF-8")],
