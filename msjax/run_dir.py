@@ -9,6 +9,7 @@ Nothing outside this module spells a run directory's file names.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import stat
@@ -227,7 +228,9 @@ class RunDir:
         except UnicodeDecodeError:
             problem = "is not UTF-8"
         except OSError as error:
-            problem = f"cannot be read ({error.strerror})"
+            if error.errno not in (errno.ELOOP, errno.EINVAL):
+                raise  # an I/O error is not the user's mistake: the retryable crash path
+            problem = "is a symbolic link" if error.errno == errno.ELOOP else "is not a file"
         else:
             try:
                 return yaml.safe_load(text)
