@@ -185,13 +185,21 @@ class AppendLog:
         self.path = path
         self.dropped = 0  # writes that did not land
         self._descriptor: int | None = None
+        self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        if self._closed:
+            return
         try:
-            self._descriptor = open_regular(path, _WRITE_FLAGS["a"])
+            self._descriptor = open_regular(self.path, _WRITE_FLAGS["a"])
         except OSError as error:
-            warn_write_dropped(path, error)
+            warn_write_dropped(self.path, error)
 
     def write(self, text: str | bytes) -> None:
         data = text if isinstance(text, bytes) else text.encode()
+        if self._descriptor is None:
+            self._open()  # it could not be made before (a full disk): perhaps it can now
         if self._descriptor is None:
             self.dropped += 1
             return
@@ -212,6 +220,7 @@ class AppendLog:
         """Each write already went to the kernel whole: nothing is buffered here."""
 
     def close(self) -> None:
+        self._closed = True
         if self._descriptor is not None:
             os.close(self._descriptor)
             self._descriptor = None
