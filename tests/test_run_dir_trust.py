@@ -22,6 +22,7 @@ from small_runs import QUICK_RUN
 from msjax.config import load_config
 from msjax.errors import MsjaxError
 from msjax.launch.__main__ import main as launch_main
+from msjax.launch.workers import WorkerProcess
 from msjax.observe.metrics import MetricsWriter
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resolve import resolve_run_dir
@@ -148,13 +149,15 @@ def test_a_run_dir_with_a_symlinked_entry_is_refused_and_the_target_is_untouched
 def test_files_opened_after_the_check_do_not_follow_a_link_planted_later(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A link that appears while the run goes on: the lock is refused, the stacks file and the
-    metrics are not opened through it (one warning each), and the target keeps its bytes."""
+    """A link that appears while the run goes on: the lock is refused, the stacks file, the
+    metrics and a worker's log are not opened through it (one warning each), and the target
+    keeps its bytes."""
     target = tmp_path / "precious.txt"
     target.write_text("keep me\n")
     run_dir = RunDir(tmp_path / "run")
     run_dir.heartbeats.mkdir(parents=True)
-    for path in (run_dir.lock, run_dir.metrics, run_dir.stacks(0)):
+    run_dir.log(0).parent.mkdir()
+    for path in (run_dir.lock, run_dir.metrics, run_dir.stacks(0), run_dir.log(0)):
         path.symlink_to(target)
     with pytest.raises(MsjaxError, match=r"cannot open its lock file job.lock \(a symbolic link\)"):
         RunDirLock(run_dir).acquire()
@@ -165,9 +168,13 @@ def test_files_opened_after_the_check_do_not_follow_a_link_planted_later(
     metrics.write({"step": 0, "loss": 1.0})
     metrics.write({"step": 1, "loss": 1.0})
     metrics.close()
+    worker = WorkerProcess(0, [sys.executable, "-c", "print('hello')"], dict(os.environ),
+                           run_dir.log(0), attempt=0, echo=None)  # fmt: skip
+    assert worker.wait(timeout_s=60)
+    worker.close()
     assert target.read_text() == "keep me\n"
     err = capsys.readouterr().err
-    for path in (run_dir.metrics, run_dir.stacks(0)):
+    for path in (run_dir.metrics, run_dir.stacks(0), run_dir.log(0)):
         assert err.count(f"cannot write {path} ") == 1, err
 
 
