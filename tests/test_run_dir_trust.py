@@ -259,6 +259,38 @@ def test_a_failed_atomic_write_removes_its_temporary_file_and_is_one_line(
     assert list((small_disk / "run").iterdir()) == []
 
 
+LIMITED_WRITER = """
+import resource, signal, sys
+from pathlib import Path
+from msjax.run_dir import write_text_atomically
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    write_text_atomically(Path(sys.argv[1]), "y" * 100_000)
+except OSError as error:
+    print(error.errno, error, sep="|")
+"""
+
+
+def test_a_write_past_the_file_size_limit_removes_its_temporary_file_and_is_one_line(
+    tmp_path: Path,
+) -> None:
+    """The same without root: RLIMIT_FSIZE (ulimit -f) makes the write fail with EFBIG."""
+    target = tmp_path / "run" / "config.json"
+    target.parent.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED_WRITER, str(target)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    number, message = done.stdout.rstrip("\n").split("|")
+    assert int(number) == errno.EFBIG and f"cannot write {target}" in message, done.stdout
+    assert list(target.parent.iterdir()) == []
+
+
 def worker_env(tmp_path: Path) -> dict[str, str]:
     return {
         **os.environ,
