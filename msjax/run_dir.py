@@ -2,15 +2,17 @@
 
 Rerunning a command with the same `run.dir` continues that run. A config that differs in what
 defines the run (model, data, optimizer, batch, seed) is refused unless `run.overwrite=true`,
-which moves the earlier run's files into `previous-<UTC timestamp>/` inside the directory.
+which moves the earlier run's files into `previous-<UTC timestamp>/` inside the directory. A
+directory is a run only if msjax wrote it, and msjax never follows a symbolic link in it.
 Nothing outside this module spells a run directory's file names.
 """
 
 from __future__ import annotations
 
+import errno
 import json
-import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ import yaml
 from msjax.config import Config, config_from_dict
 from msjax.errors import ConfigError, MsjaxError
 from msjax.resolve import utc_stamp
-from msjax.writable import check_writable_dir
+from msjax.writable import check_writable_dir, is_temporary_name, read_no_follow
+from msjax.writable import write_text_atomically as write_text_atomically
 
 # Keys that may change between the runs that share a run directory (a resume may run on another
 # mesh, train longer, evaluate differently, or run the same math through another kernel);
@@ -51,6 +54,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
     }
 )
 PREVIOUS_PREFIX = "previous-"
+_MISSING = object()  # an own file that is not there (not: there, and empty)
 
 
 @dataclass(frozen=True)
@@ -174,32 +178,143 @@ class RunDir:
         named += [self.log(0).parent, self.incident(0).parent]
         return frozenset(path.name for path in named)
 
-    def holds_a_run(self) -> bool:
-        """Whether msjax has started a run here (process 0's config, or the launcher's)."""
-        return self.config_yaml.exists() or self.job_config.exists()
+    def own_folders(self) -> frozenset[str]:
+        """The own names that are folders (the others, with a suffix, are files)."""
+        return frozenset(name for name in self.own_names() if "." not in name)
+
+    def saved_config(self) -> dict[str, Any] | None:
+        """The resolved config msjax saved here (config.yaml), or None if there is none; a
+        config.yaml that msjax did not write (someone's own file) is a MsjaxError."""
+        tree = self._read_yaml(self.config_yaml)
+        if tree is _MISSING:
+            return None
+        try:
+            twin = json.loads(read_no_follow(self.config_json))
+        except (OSError, ValueError):
+            twin = None
+        # msjax writes config.json, then config.yaml saying the same: only both together are its
+        # (compared on what defines the run, so a rerun rewriting them is never caught between)
+        defining = _defining(tree)
+        if defining is None or defining != _defining(twin):
+            raise MsjaxError(
+                f"run.dir={self.path} holds a config.yaml that msjax did not write (no "
+                f"{self.config_json.name} beside it saying the same), so it is not an msjax run; "
+                "choose another run.dir (nothing there was moved or written)"
+            )
+        return tree
+
+    def launch_config_is_msjax(self) -> bool:
+        """Whether job_config.yaml is there and an msjax config (the launcher's, for its workers);
+        a job_config.yaml that is not one is a MsjaxError."""
+        tree = self._read_yaml(self.job_config)
+        if tree is _MISSING:
+            return False
+        try:
+            config_from_dict(tree)
+        except ConfigError:
+            raise MsjaxError(
+                f"run.dir={self.path} holds a {self.job_config.name} that is not an msjax config, "
+                "so it is not an msjax run; choose another run.dir (nothing there was written)"
+            ) from None
+        return True
+
+    def _read_yaml(self, path: Path) -> Any:
+        """The YAML in one of the directory's own files; _MISSING if it is not there, MsjaxError if
+        it is not a UTF-8 YAML file (msjax writes nothing else)."""
+        try:
+            text = read_no_follow(path).decode()
+        except FileNotFoundError:
+            return _MISSING
+        except UnicodeDecodeError:
+            problem = "is not UTF-8"
+        except OSError as error:
+            if error.errno not in (errno.ELOOP, errno.EINVAL):
+                raise  # an I/O error is not the user's mistake: the retryable crash path
+            problem = "is a symbolic link" if error.errno == errno.ELOOP else "is not a file"
+        else:
+            try:
+                return yaml.safe_load(text)
+            except yaml.YAMLError:
+                problem = "is not valid YAML"
+        raise MsjaxError(
+            f"run.dir={self.path}: its {path.name} {problem}, so msjax did not write it; choose "
+            "another run.dir (nothing there was moved or written)"
+        )
+
+    def check_own_entries(self) -> None:
+        """MsjaxError (one line) unless every entry with a name msjax writes is what msjax makes
+        there: no symbolic link (at the top or in the folders of per-rank files), a file where
+        msjax writes a file, a folder where it makes one."""
+        folders = self.own_folders()
+        entries = [self.path / name for name in sorted(self.own_names())]
+        for folder in (self.heartbeats, self.flight, self.log(0).parent, self.incident(0).parent):
+            if folder.is_dir() and not folder.is_symlink():
+                entries += sorted(folder.iterdir())
+        for entry in entries:
+            try:
+                mode = entry.lstat().st_mode
+            except FileNotFoundError:
+                continue
+            shown = entry.relative_to(self.path)
+            if stat.S_ISLNK(mode):
+                raise MsjaxError(
+                    f"run.dir={self.path}: {shown} is a symbolic link; msjax never follows links "
+                    "in a run directory (run.dir itself may be one): remove it or choose another "
+                    "run.dir (nothing was written)"
+                )
+            if entry.parent != self.path:
+                continue
+            wanted = stat.S_ISDIR if entry.name in folders else stat.S_ISREG
+            if not wanted(mode):
+                made = "folder" if entry.name in folders else "file"
+                raise MsjaxError(
+                    f"run.dir={self.path}: its {shown} is {_kind(mode)}, not the {made} msjax "
+                    "makes there; choose another run.dir (nothing was written)"
+                )
 
     def foreign_entries(self) -> list[str]:
-        """What is in the directory that msjax did not put there (earlier runs set aside apart)."""
+        """What is in the directory that msjax did not put there (earlier runs set aside and
+        temporary files of a killed writer apart)."""
         own = self.own_names()
         return sorted(
             entry.name
             for entry in self.path.iterdir()
-            if entry.name not in own and not entry.name.startswith(PREVIOUS_PREFIX)
+            if entry.name not in own
+            and not entry.name.startswith(PREVIOUS_PREFIX)
+            and not is_temporary_name(entry.name)
         )
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a device"
+
+
+def _defining(tree: Any) -> str | None:
+    """A saved config tree's keys that define the run, as canonical JSON (None if not a tree)."""
+    if not isinstance(tree, dict) or not all(isinstance(v, dict) for v in tree.values()):
+        return None
+    kept = {
+        section: {
+            key: value
+            for key, value in values.items()
+            if f"{section}.{key}" not in MAY_CHANGE_ON_RESUME
+        }
+        for section, values in tree.items()
+        if section not in MAY_CHANGE_ON_RESUME
+    }
+    return json.dumps(kept, sort_keys=True, default=repr)
 
 
 def _is_path(value: object) -> bool:
     return isinstance(value, property) and value.fget.__annotations__.get("return") == "Path"
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write text to path through a temporary file, fsync and rename: never half a file."""
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with temporary.open("w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
 
 
 def write_json(path: Path, value: Any, indent: int = 2) -> None:
@@ -207,9 +322,10 @@ def write_json(path: Path, value: Any, indent: int = 2) -> None:
 
 
 def save_config(config: Config, run_dir: RunDir) -> None:
-    """The resolved config, as YAML for people and JSON for tools."""
-    write_text_atomically(run_dir.config_yaml, config.to_yaml())
+    """The resolved config, as YAML for people and JSON for tools; the JSON first, as config.yaml
+    counts as msjax's only with a config.json beside it that says the same."""
     write_text_atomically(run_dir.config_json, json.dumps(config.to_dict(), indent=2))
+    write_text_atomically(run_dir.config_yaml, config.to_yaml())
 
 
 @dataclass(frozen=True)
@@ -258,18 +374,23 @@ def plan_run_dir(config: Config) -> RunDirPlan:
     run_dir = RunDir(Path(config.run.dir))
     path = run_dir.path
     check_output_dirs(config)
+    if path.is_dir():
+        run_dir.check_own_entries()
     foreign = run_dir.foreign_entries() if path.is_dir() else []
-    if foreign and not run_dir.holds_a_run():
+    # msjax has started a run here: process 0 saved its config, or a launcher its workers'
+    saved = run_dir.saved_config() if path.is_dir() else None
+    launched = saved is None and path.is_dir() and run_dir.launch_config_is_msjax()
+    if foreign and saved is None and not launched:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise MsjaxError(
             f"run.dir={path} is not empty and holds no msjax run ({shown}); choose an "
             "empty or new directory (nothing was written there)"
         )
-    if not run_dir.config_yaml.exists():
+    if saved is None:
         return RunDirPlan(run_dir, continues_run=False, set_aside=False)
     try:
-        previous = config_from_dict(yaml.safe_load(run_dir.config_yaml.read_text()) or {})
-    except (ConfigError, yaml.YAMLError) as error:
+        previous = config_from_dict(saved)
+    except ConfigError as error:
         previous, changed = None, [f"its config.yaml is not readable ({error})"]
     else:
         changed = differences(previous, config)

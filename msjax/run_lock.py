@@ -7,6 +7,8 @@ job never blocks the rerun. The job holds it, not each worker: `msjax.launch` (n
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -18,6 +20,7 @@ from pathlib import Path
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.run_dir import RunDir
+from msjax.writable import open_regular, read_no_follow
 
 
 class RunDirLock(LoopEvents):
@@ -41,11 +44,13 @@ class RunDirLock(LoopEvents):
         if self.held:
             return
         path = self.run_dir.lock
-        try:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: the file it points to is not ours to truncate and write
+            descriptor = open_regular(path, os.O_RDWR | os.O_CREAT)
         except OSError as error:
+            reason = "a symbolic link" if error.errno == errno.ELOOP else error.strerror
             raise MsjaxError(
-                f"run.dir={self.run_dir.path}: cannot open its lock file ({error.strerror})"
+                f"run.dir={self.run_dir.path}: cannot open its lock file {path.name} ({reason}); "
+                "msjax never follows links in a run directory: choose another run.dir"
             ) from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -62,8 +67,9 @@ class RunDirLock(LoopEvents):
             "since_unix_s": round(time.time(), 3),
             "command": " ".join(sys.argv),
         }
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, (json.dumps(holder) + "\n").encode(), 0)
+        with contextlib.suppress(OSError):  # who holds it is a courtesy: a full disk goes without
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, (json.dumps(holder) + "\n").encode(), 0)
 
     def release(self) -> None:
         if self._file is not None:
@@ -87,7 +93,7 @@ class RunDirLock(LoopEvents):
 def _holder(path: Path) -> str:
     """Who holds the lock, as its holder wrote it (best effort: it may be mid-write)."""
     try:
-        holder = json.loads(path.read_text())
+        holder = json.loads(read_no_follow(path))
         return f"pid {holder['pid']} on {holder['host']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "holder unknown"

@@ -26,6 +26,7 @@ from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
 from msjax.resolve import resolve_run_dir
 from msjax.run_dir import plan_run_dir
+from msjax.writable import WriteFailed
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -84,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"msjax.train: {error}", file=sys.stderr)
         leave_job_now(exit_codes.SAVES_FAILED, "checkpoint saves kept failing")
         return exit_codes.SAVES_FAILED
+    except WriteFailed as error:  # the run record on a full disk: one line, and retryable
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.CRASHED, str(error))
+        return exit_codes.CRASHED
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
         leave_job_now(exit_codes.INTERRUPTED, "interrupted")

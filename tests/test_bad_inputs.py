@@ -97,6 +97,19 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--nnodes=2", "--node-rank=1", "--coordinator=127.0.0.1:29999"],
         "--nnodes=2 needs run.dir=PATH, the same on every node",
     ),
+    # run directories msjax did not write, or with links in them
+    ("msjax.train", ["run.dir={tmp}/run_config_folder"], "its config.yaml is a folder"),
+    ("msjax.launch", ["--", "run.dir={tmp}/run_config_folder"], "its config.yaml is a folder"),
+    ("msjax.train", ["run.dir={tmp}/run_latin1"], "its config.yaml is not UTF-8"),
+    ("msjax.launch", ["--", "run.dir={tmp}/run_latin1"], "its config.yaml is not UTF-8"),
+    (
+        "msjax.train",
+        ["run.dir={tmp}/run_foreign_config", "run.overwrite=true"],
+        "holds a config.yaml that msjax did not write",
+    ),
+    ("msjax.train", ["run.dir={tmp}/run_link"], "metrics.jsonl is a symbolic link"),
+    ("msjax.launch", ["--", "run.dir={tmp}/run_link"], "metrics.jsonl is a symbolic link"),
+    ("msjax.report", ["{tmp}/run_link"], "metrics.jsonl: it is a symbolic link"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {
@@ -158,6 +171,13 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     (tmp / "a_file").write_text("not a directory\n")
     (tmp / "foreign").mkdir()
     (tmp / "foreign" / "notes.txt").write_text("someone else's\n")
+    (tmp / "run_config_folder" / "config.yaml").mkdir(parents=True)
+    (tmp / "run_latin1").mkdir()
+    (tmp / "run_latin1" / "config.yaml").write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    (tmp / "run_foreign_config").mkdir()
+    (tmp / "run_foreign_config" / "config.yaml").write_text("services: {web: {image: nginx}}\n")
+    (tmp / "run_link").mkdir()
+    (tmp / "run_link" / "metrics.jsonl").symlink_to(tmp / "a_file")
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),

@@ -18,6 +18,7 @@ from msjax.config import (
 )
 from msjax.errors import ConfigError
 from msjax.resolve import check_device_count, resolve_mesh_shape
+from msjax.run_dir import RunDir, save_config
 from msjax.train import main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -356,7 +357,7 @@ def test_a_run_dir_holding_a_run_of_another_config_is_refused_and_left_untouched
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     other = load_config(None, [*SMALL_RUN, "model.num_layers=2", f"run.dir={run_dir}"])
-    (run_dir / "config.yaml").write_text(other.to_yaml())
+    save_config(other, RunDir(run_dir))  # as msjax saves it: config.json and config.yaml
     metrics = run_dir / "metrics.jsonl"
     original = b'{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.25}\n'
     metrics.write_bytes(original)
@@ -366,5 +367,9 @@ def test_a_run_dir_holding_a_run_of_another_config_is_refused_and_left_untouched
     )
     assert metrics.read_bytes() == original
     assert (run_dir / "config.yaml").read_text() == other.to_yaml()
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.json",
+        "config.yaml",
+        "metrics.jsonl",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -11,14 +11,18 @@ import dataclasses
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.distributed import ensure_job_secret, parse_host_port, parse_port
 from msjax.errors import MsjaxError
+from msjax.resilience import exit_codes
 from msjax.resilience.faults import parse_faults
 from msjax.resolve import RUNS_FOLDER, mesh_device_count, resolve_run_dir
+from msjax.writable import WriteFailed
 
 DEFAULT_PORT = 29500
 COORDINATOR_PORT = "MSJAX_COORDINATOR_PORT"  # --cluster slurm: the first node's port
@@ -132,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from msjax.run_lock import RunDirLock
 
     lock: RunDirLock | None = None
+    node_config: Path | None = None
     try:
         args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
         nnodes, node_rank, coordinator = args.nnodes, args.node_rank, args.coordinator
@@ -164,9 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             aside = create_run_dir(plan)
             if aside is not None:
                 print(f"msjax.launch: the earlier run in {plan.path} moved to {aside}")
-        # Workers read this file rather than parsing the arguments again.
-        write_text_atomically(plan.run_dir.job_config, config.to_yaml())
-        worker_args = ["--config", str(plan.run_dir.job_config)]
+        # Workers read this file rather than parsing the arguments again. Node 0 alone writes the
+        # run dir's copy; every other node's workers read the same config from a node-local file.
+        if node_rank == 0:
+            worker_config = plan.run_dir.job_config
+            write_text_atomically(worker_config, config.to_yaml())
+        else:
+            worker_config = node_config = node_local_job_config(config)
+        worker_args = ["--config", str(worker_config)]
         if not ensure_job_secret(nnodes):
             print(
                 "msjax.launch: warning: MSJAX_JOB_SECRET is not set, so this multi-node job's "
@@ -175,15 +185,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         layout = JobLayout(args.nprocs, devices, nnodes, node_rank, coordinator)
         supervisor = Supervisor(config, plan.path, worker_args, layout, faults=args.fault)
-    except MsjaxError as error:
+    except (MsjaxError, WriteFailed) as error:
         if lock is not None:
             lock.release()
+        if node_config is not None:
+            node_config.unlink(missing_ok=True)
+        if isinstance(error, WriteFailed):  # a full disk, an I/O error: not the user's mistake
+            print(f"msjax.launch: {' '.join(str(error).split())}", file=sys.stderr)
+            return exit_codes.CRASHED
         return user_error("msjax.launch", error)
     try:
         return supervisor.run()
     finally:
         if lock is not None:
             lock.release()
+        if node_config is not None:
+            node_config.unlink(missing_ok=True)
+
+
+def node_local_job_config(config: Config) -> Path:
+    """The workers' config on a node other than node 0: a private temporary file of this node."""
+    try:
+        descriptor, name = tempfile.mkstemp(prefix="msjax-job-config-", suffix=".yaml")
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(config.to_yaml())
+    except OSError as error:
+        raise WriteFailed(error.errno, f"cannot write the workers' config: {error}") from None
+    return Path(name)
 
 
 if __name__ == "__main__":

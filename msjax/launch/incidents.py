@@ -5,8 +5,8 @@ per incident, completed with restart and catch-up times as the next attempt prog
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -20,6 +20,13 @@ from msjax.launch.workers import describe_exit
 from msjax.observe.flight_recorder import diagnose
 from msjax.resilience.heartbeat import STARTUP_PHASES
 from msjax.run_dir import RunDir
+from msjax.writable import (
+    AppendLog,
+    open_no_follow,
+    read_no_follow,
+    rewrite_best_effort,
+    warn_write_dropped,
+)
 
 STACK_DUMP_WAIT_S = 1.0
 
@@ -51,7 +58,7 @@ def flight_verdict(run_dir: RunDir, incident: IncidentDir) -> str | None:
     """The flight recorders' comparison (which rank stopped short of the others), with a copy
     of every rank's dump in the incident's directory."""
     for dump in run_dir.flight_records():
-        shutil.copyfile(dump, incident.flight_copy(dump))
+        copy_best_effort(dump, incident.flight_copy(dump))
     verdict = diagnose(run_dir.path)
     return None if verdict is None else verdict.summary
 
@@ -65,21 +72,26 @@ def collect_diagnostics(
     states = {worker.rank: worker.state() for worker in live}
     for worker in live:
         # a worker hung before its first heartbeat has no heartbeats/ directory yet
-        run_dir.stacks(worker.rank).parent.mkdir(parents=True, exist_ok=True)
-        run_dir.stacks(worker.rank).write_text("")
+        stacks = run_dir.stacks(worker.rank)
+        with contextlib.suppress(OSError):  # a full disk: the dump below is simply not there
+            stacks.parent.mkdir(parents=True, exist_ok=True)
+        try:  # emptied in place (the worker holds it open), without following a link
+            open_no_follow(stacks, "w").close()
+        except OSError as error:
+            warn_write_dropped(stacks, error)
         worker.signal(signal.SIGUSR1)
         if states[worker.rank] in ("T", "t"):
             worker.signal(signal.SIGCONT)  # a stopped process handles the dump once continued
     deadline = time.monotonic() + STACK_DUMP_WAIT_S
     while time.monotonic() < deadline:
-        if all(run_dir.stacks(w.rank).stat().st_size > 0 for w in live if w.alive):
+        if all(_size(run_dir.stacks(w.rank)) > 0 for w in live if w.alive):
             time.sleep(0.1)  # let the last thread's lines land
             break
         time.sleep(0.05)
     for worker in live:
         source = run_dir.stacks(worker.rank)
-        if source.exists() and source.stat().st_size:
-            shutil.copyfile(source, incident.stacks(worker.rank))
+        if _size(source):
+            copy_best_effort(source, incident.stacks(worker.rank))
     ranks = {}
     for worker in attempt.workers:
         record = attempt.heartbeats.get(worker.rank)
@@ -89,9 +101,26 @@ def collect_diagnostics(
             "process_state": states.get(worker.rank),
             "heartbeat": None if record is None else record.__dict__,
         }
-        incident.log_tail(worker.rank).write_text(worker.log_tail())
+        rewrite_best_effort(incident.log_tail(worker.rank), worker.log_tail())
     summary = {"cause": fault.cause, "rank": fault.rank, "detail": fault.detail, "ranks": ranks}
-    incident.heartbeats.write_text(json.dumps(summary, indent=1) + "\n")
+    rewrite_best_effort(incident.heartbeats, json.dumps(summary, indent=1) + "\n")
+
+
+def copy_best_effort(source: Path, target: Path) -> None:
+    """A copy of a run dir file for the incident: read without following a link, written (or
+    dropped, on a full disk, with one warning) like every diagnostic."""
+    try:
+        text = read_no_follow(source).decode(errors="replace")
+    except OSError:
+        return  # gone, or not a regular file: nothing of it to keep
+    rewrite_best_effort(target, text)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
 
 
 def incident_record(
@@ -139,9 +168,11 @@ class IncidentLog:
 
     def _count_so_far(self) -> int:
         """Incidents of earlier supervisors of this run (numbers go on from there)."""
-        if not self.path.exists():
+        try:
+            text = read_no_follow(self.path).decode(errors="replace")
+        except FileNotFoundError:
             return 0
-        return sum(1 for line in self.path.read_text().splitlines() if line.strip())
+        return sum(1 for line in text.splitlines() if line.strip())
 
     def next_number(self) -> int:
         self.count += 1
@@ -189,8 +220,9 @@ class IncidentLog:
         assert incident is not None
         self.open_incident = None
         self.written.append(incident)
-        with self.path.open("a") as log:
-            log.write(json.dumps(incident) + "\n")
+        log = AppendLog(self.path)  # a full disk drops the record with one warning
+        log.write(json.dumps(incident) + "\n")
+        log.close()
         if incident["catch_up_s"] is not None:
             self.say(
                 f"incident {incident['incident']}: caught up with step {incident['step']} "

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from msjax.writable import AppendLog
+
 _PR_SET_PDEATHSIG = 1
 LOG_HEADER = "=== msjax.launch: attempt"  # the line that opens each attempt's part of a log
 GROUP_GONE_WAIT_S = 10.0  # after SIGKILL to a worker's group, until its last process is gone
@@ -69,7 +71,7 @@ class WorkerProcess:
         self.rank = rank
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("ab")
+        self._log = AppendLog(log_path)  # no link followed; a full disk drops lines, warning once
         self._log.write(f"{LOG_HEADER} {attempt}, rank {rank} ===\n".encode())
         self._log.flush()
         self.spawned_unix_s = time.time()

@@ -10,6 +10,7 @@ A daemon thread rewrites RUN_DIR/flight/rank<r>.json twice a second with the buf
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 
 from msjax.observe.rank_timing import describe_place
 from msjax.run_dir import RunDir
+from msjax.writable import read_no_follow, rewrite_best_effort
 
 DUMP_EVERY_S = 0.5
 # The order of a step's events: a rank that logged a later one got further in that step.
@@ -50,7 +52,8 @@ class FlightRecorder:
         mesh: dict[str, list[int]] | None = None,
     ):
         self.path = RunDir(run_dir).flight_record(rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a full disk: the dumps warn once, the loop goes on
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._identity = {
             "rank": rank,
             "attempt": attempt,
@@ -76,7 +79,8 @@ class FlightRecorder:
             self.dump()
 
     def dump(self) -> None:
-        """Write the buffer atomically (a reader never sees half a file)."""
+        """Write the buffer atomically (a reader never sees half a file); a disk too full for
+        that overwrites the last dump in place or drops this one, with one warning."""
         with self._lock:
             content = {
                 **self._identity,
@@ -84,9 +88,7 @@ class FlightRecorder:
                 "closed": self._closed,
                 "events": list(self._events),
             }
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(content))
-        os.replace(temporary, self.path)
+        rewrite_best_effort(self.path, json.dumps(content))
 
     def close(self, event: str = "finished", step: int | None = None) -> None:
         self.record(event, step)
@@ -111,7 +113,7 @@ def read_flight_records(run_dir: Path) -> list[dict[str, Any]]:
     records = []
     for path in RunDir(run_dir).flight_records():
         try:
-            records.append(json.loads(path.read_text()))
+            records.append(json.loads(read_no_follow(path)))
         except (OSError, ValueError):
             continue  # a dump cut short: nothing to compare
     if not records:

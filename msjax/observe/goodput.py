@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from msjax.run_dir import RunDir, write_json
+from msjax.run_dir import RunDir
+from msjax.writable import rewrite_best_effort
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -123,7 +124,7 @@ def write_goodput(
         "incidents": len(incidents),
         "breakdown_s": {key: round(value, 3) for key, value in breakdown.items()},
     }
-    write_json(run_dir.goodput, summary, indent=1)
+    rewrite_best_effort(run_dir.goodput, json.dumps(summary, indent=1) + "\n")  # full disk: warns
     shares = ", ".join(
         f"{key[:-2]} {100 * value / wall_s:.0f}%" for key, value in breakdown.items() if value > 0
     )

@@ -9,17 +9,19 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from msjax.writable import AppendLog
+
 
 class MetricsWriter:
-    """Appends one JSON object per line and flushes it, so a crash loses at most one record."""
+    """Appends one JSON object per line, each whole or not at all, so a crash loses at most one
+    record; a full disk drops records with one warning (msjax.writable.AppendLog)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = path.open("a")
+        self._file = AppendLog(path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(_plain(record), allow_nan=True) + "\n")
-        self._file.flush()
 
     def close(self) -> None:
         self._file.close()

@@ -26,6 +26,7 @@ import numpy as np
 from msjax.config import ObserveConfig
 from msjax.observe.stragglers import StragglerDetector
 from msjax.run_dir import RunDir
+from msjax.writable import AppendLog
 
 KEY_PREFIX = "msjax/rank_timing"
 _FIELDS = ("work_s", "data_wait_s", "stall_s", "result_wait_s", "step_time_s")
@@ -144,7 +145,7 @@ class RankTiming:
             self._detector = StragglerDetector(
                 config.straggler_min_excess, config.straggler_min_score, config.straggler_windows
             )
-            self._writer = RunDir(run_dir).ranks.open("a")
+            self._writer = AppendLog(RunDir(run_dir).ranks)  # a full disk drops records
             self._identities: list[dict[str, Any]] | None = None
 
     # ---- the loop's calls ---------------------------------------------------------------------
@@ -295,4 +296,3 @@ class RankTiming:
 
     def _write(self, record: dict[str, Any]) -> None:
         self._writer.write(json.dumps(record) + "\n")
-        self._writer.flush()

@@ -6,6 +6,7 @@ writer is counted, not fatal; a missing or unreadable required file is one Msjax
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 from msjax.errors import MsjaxError
 from msjax.observe.plots import HeatMap, RankRow
 from msjax.run_dir import RunDir
+from msjax.writable import read_no_follow
 
 WARMUP_STEPS = 2  # each attempt's first steps compile and fill caches: kept out of medians
 
@@ -57,9 +59,14 @@ class Run:
 
 
 def _read_text(path: Path) -> str:
+    """A run dir file's text, read without following a symbolic link (msjax never does)."""
     try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
+        return read_no_follow(path).decode()
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise MsjaxError(f"cannot read {path}: it is a symbolic link") from None
+        raise MsjaxError(f"cannot read {path}: {error}") from None
+    except UnicodeDecodeError as error:
         raise MsjaxError(f"cannot read {path}: {error}") from None
 
 

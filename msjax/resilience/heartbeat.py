@@ -6,6 +6,7 @@ it last moved. The supervisor judges progress from them; nothing here runs in ji
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from msjax.run_dir import RunDir
+from msjax.writable import open_no_follow, read_no_follow, rewrite_best_effort, warn_write_dropped
 
 Phase = Literal[
     "init", "data", "restore", "compile", "step", "checkpoint", "eval", "nonfinite", "done"
@@ -42,7 +44,7 @@ class HeartbeatRecord:
     def read(cls, path: Path) -> HeartbeatRecord | None:
         """The heartbeat in path, or None if there is none (or it is being replaced)."""
         try:
-            values = json.loads(path.read_text())
+            values = json.loads(read_no_follow(path))
             return cls(**{key: values[key] for key in cls.__dataclass_fields__ if key in values})
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -53,7 +55,8 @@ class Heartbeat:
 
     def __init__(self, run_dir: Path, rank: int, every_s: float, attempt: int = 0):
         self.path = RunDir(run_dir).heartbeat(rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a full disk: the beats warn once, the loop goes on
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.every_s = every_s
         self.attempt = attempt
@@ -92,16 +95,23 @@ class Heartbeat:
             "unix_s": now,
             "progress": self.progress,
         }
-        partial = self.path.with_name(f".{self.path.name}.{self.pid}.tmp")
-        partial.write_text(json.dumps(record))
-        os.replace(partial, self.path)  # readers see the old or the new heartbeat, never half
+        # readers see the old or the new heartbeat (on a full disk, one rewritten in place, which
+        # a reader may catch torn and skip); a write that cannot land is dropped with one warning
+        rewrite_best_effort(self.path, json.dumps(record))
         self._written_at = now
 
     def dump_stacks_on_sigusr1(self, run_dir: Path) -> Path:
         """Let the supervisor ask for every thread's Python stack (faulthandler, C-level handler:
-        works while the main thread is blocked in a collective)."""
+        works while the main thread is blocked in a collective). The file is opened without
+        following a link; one that cannot be opened leaves SIGUSR1 as it was, with one warning."""
         path = RunDir(run_dir).stacks(self.rank)
-        self._stacks_file = path.open("w")
+        try:
+            # appended: the supervisor empties it before each request, and the dump lands at its
+            # start rather than at this descriptor's old offset
+            self._stacks_file = open_no_follow(path, "a")
+        except OSError as error:
+            warn_write_dropped(path, error)
+            return path
         faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True)
         return path
 
