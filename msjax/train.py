@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from msjax.checkpoint.read_errors import CheckpointUnreadable
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
@@ -24,8 +25,6 @@ from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
-from msjax.resolve import resolve_run_dir
-from msjax.run_dir import plan_run_dir
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -66,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        # what can be told before JAX starts: a run dir it cannot use, data that is not there
-        plan_run_dir(resolve_run_dir(config))
+        # data that is not there fails before JAX starts; so does a run dir it cannot use, in
+        # its one planner (msjax.training.prepare.plan_run)
         check_sources(config.data)
         train(config)
     except MsjaxError as error:
@@ -82,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"msjax.train: {error}", file=sys.stderr)
         leave_job_now(exit_codes.SAVES_FAILED, "checkpoint saves kept failing")
         return exit_codes.SAVES_FAILED
+    except CheckpointUnreadable as error:  # every process raises it alike: no peer to blame
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.CHECKPOINT_UNREADABLE, "a checkpoint could not be read")
+        return exit_codes.CHECKPOINT_UNREADABLE
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
         leave_job_now(exit_codes.INTERRUPTED, "interrupted")
