@@ -404,7 +404,7 @@ class Checkpointer:
         # the likely stale view first: the fewest processes, then the fewest steps
         ordered = sorted(groups.values(), key=lambda ranks: (len(ranks), views[ranks[0]][1:]))
         seen = "; ".join(
-            f"{_processes(ranks)} {_describe_view(views[ranks[0]])}" for ranks in ordered
+            f"{_processes(ranks)}: {_describe_view(views[ranks[0]])}" for ranks in ordered
         )
         raise CheckpointUnreadable(
             f"the processes list different checkpoints in {self.directory}: {seen} (a stale or "
@@ -535,9 +535,7 @@ def _processes(ranks: list[int]) -> str:
 
 def _describe_view(view: tuple[int, ...]) -> str:
     _, steps, newest, damaged = view
-    listed = (
-        f"list {steps} committed steps (newest {newest})" if steps else "list no committed step"
-    )
+    listed = f"{steps} committed steps (newest {newest})" if steps else "no committed step"
     return listed + (f" and {damaged} damaged" if damaged else "")
 
 
