@@ -181,6 +181,7 @@ class Checkpointer:
         self._compiling: threading.Thread | None = None
         self.read_only = read_only
         self.skipped: list[str] = []  # why restore_newest_valid passed over each step
+        self.moved_aside: list[str] = []  # what it moved to damaged/ (names there)
 
     def prepare(self, abstract_state: Any) -> None:
         """Compile the fingerprint program in the background, so the first save() need not.
@@ -343,7 +344,8 @@ class Checkpointer:
         MsjaxError for evidence of damage, CheckpointUnreadable for a read that failed
         (msjax.checkpoint.read_errors draws the line).
         """
-        if not (path / COMMIT_MARKER).exists():
+        finalized = self._read_with_retries(path, (path / COMMIT_MARKER).exists)
+        if not finalized:
             raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
         raw = self._read_with_retries(path, lambda: (path / "meta" / META_FILE).read_bytes())
         problem = record_problem(raw)
@@ -391,7 +393,12 @@ class Checkpointer:
         on one node) stop every process with CheckpointUnreadable naming them: choosing by the
         least or the most of the listings would let one node's view start the job afresh."""
         vote = vote if vote is not None else _restore_vote()
-        listing = Listing(committed_steps(self.directory), self.damaged_entries())
+        try:
+            listing = Listing(committed_steps(self.directory), self.damaged_entries())
+        except OSError as error:  # the others learn of it as this process leaves (exit 7)
+            raise CheckpointUnreadable(
+                f"the checkpoints in {self.directory} could not be listed: {error}"
+            ) from None
         text = json.dumps([listing.steps, listing.damaged, context])
         digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
         newest = listing.steps[-1] if listing.steps else -1
@@ -427,7 +434,7 @@ class Checkpointer:
         one any process could not read ends the restore (CheckpointUnreadable), leaving every
         step in place.
         """
-        self.skipped = []
+        self.skipped, self.moved_aside = [], []
         for name in uncommitted_entries(self.directory):
             warn(f"skipped checkpoint {self.directory / name}: the save never finished")
         vote = _restore_vote()
@@ -463,6 +470,8 @@ class Checkpointer:
         self._manager.reload()
         line = reason + (f"; moved to {aside}" if aside else "")
         self.skipped.append(line)
+        if aside is not None:
+            self.moved_aside.append(aside.name)
         warn(line)
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:

@@ -123,7 +123,8 @@ def refuse_silent_restart(
 ) -> None:
     """Checkpoints exist but none restored (each skipped one has had its line): stop, unless
     checkpoint.if_none_valid=restart."""
-    damaged_before = checkpointer.damaged_entries()
+    damaged = checkpointer.damaged_entries()
+    damaged_before = [name for name in damaged if name not in checkpointer.moved_aside]
     if not checkpointer.skipped and not damaged_before:
         return  # a new run, or only saves that never finished: step 0 loses nothing
     count = len(checkpointer.skipped) + len(damaged_before)
