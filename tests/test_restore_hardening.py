@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -145,45 +146,52 @@ def error_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("msjax.train:")]
 
 
+@dataclass(frozen=True)
+class SourceRun:
+    run_dir: Path  # finished at step 4, with checkpoints 2 and 4; step 4 is damaged
+    hf_dir: Path  # its step 4, exported to Hugging Face while it was whole
+
+
 @pytest.fixture(scope="module")
-def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished run with checkpoints 2 and 4, whose step 4 is then damaged."""
-    run_dir = tmp_path_factory.mktemp("source") / "run"
+def source_run(tmp_path_factory: pytest.TempPathFactory) -> SourceRun:
+    base = tmp_path_factory.mktemp("source")
+    run_dir = base / "run"
     first = train(run_dir, "train.steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
     assert committed_steps(run_dir / "checkpoints") == [2, 4]
-    return run_dir
+    export_checkpoint(str(run_dir), base / "hf")
+    garble(largest_file(run_dir / "checkpoints" / "4" / "state"))
+    return SourceRun(run_dir, base / "hf")
 
 
 @pytest.mark.slow
-def test_resume_from_applies_once_and_never_swaps_a_named_damaged_step(
-    source_run: Path, tmp_path: Path
+def test_a_named_resume_step_that_is_damaged_is_refused_not_replaced_by_an_older_one(
+    source_run: SourceRun, tmp_path: Path
 ):
-    # the Hugging Face export reads step 4 while it is whole (for the init_from test below)
-    export_checkpoint(str(source_run), tmp_path / "hf")
-    source_checkpoints = source_run / "checkpoints"
-    garble(largest_file(source_checkpoints / "4" / "state"))
-
-    # PATH/STEP names step 4, which is damaged: refused, not replaced by step 2
-    named = train(tmp_path / "named", "train.steps=6", f"checkpoint.resume_from={source_run}/4")
+    source, checkpoints = source_run.run_dir, source_run.run_dir / "checkpoints"
+    named = train(tmp_path / "named", "train.steps=6", f"checkpoint.resume_from={source}/4")
     assert named.returncode == 2, named.stdout[-2000:] + named.stderr[-2000:]
     errors = error_lines(named)
     assert len(errors) == 1 and "Traceback" not in named.stderr, named.stderr
-    assert f"checkpoint.resume_from={source_run}/4:" in errors[0]
-    assert f"{source_checkpoints}/4 is corrupted" in errors[0]
+    assert f"checkpoint.resume_from={source}/4:" in errors[0]
+    assert f"{checkpoints}/4 is corrupted" in errors[0]
     assert "an older step is not taken in its place" in errors[0]
     assert "resumed from" not in named.stdout
     assert committed_steps(tmp_path / "named" / "checkpoints") == []
-    assert committed_steps(source_checkpoints) == [2, 4]  # a source is only read, never moved
+    assert committed_steps(checkpoints) == [2, 4]  # a source is only read, never moved
 
-    # PATH alone: its newest valid step (2) starts the run, once
+
+@pytest.mark.slow
+def test_resume_from_applies_to_a_runs_first_start_only(source_run: SourceRun, tmp_path: Path):
+    source, checkpoints = source_run.run_dir, source_run.run_dir / "checkpoints"
     run_dir = tmp_path / "resumed"
-    first = train(run_dir, "train.steps=4", f"checkpoint.resume_from={source_run}")
+    # PATH alone: its newest valid step (2; 4 is damaged) starts the run
+    first = train(run_dir, "train.steps=4", f"checkpoint.resume_from={source}")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert f"resumed from {source_checkpoints}/2 (step 2)" in first.stdout
+    assert f"resumed from {checkpoints}/2 (step 2)" in first.stdout
     assert committed_steps(run_dir / "checkpoints") == [4]
     # a rerun (or a supervisor's restart) goes on from the run's own step 4, not the source's 2
-    rerun = train(run_dir, "train.steps=6", f"checkpoint.resume_from={source_run}")
+    rerun = train(run_dir, "train.steps=6", f"checkpoint.resume_from={source}")
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resumed from {run_dir}/checkpoints/4 (step 4)" in rerun.stdout
     assert "applies to a run's first start only" in rerun.stdout
@@ -191,15 +199,19 @@ def test_resume_from_applies_once_and_never_swaps_a_named_damaged_step(
     resumes = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("event") == "resume"]
     assert [r["step"] for r in resumes] == [2, 4]
 
-    # model.init_from: checkpoints that exist but do not restore stop the run, no re-import
+
+@pytest.mark.slow
+def test_init_from_never_reimports_over_checkpoints_that_do_not_restore(
+    source_run: SourceRun, tmp_path: Path
+):
     imported = tmp_path / "imported"
-    init = [f"model.init_from=hf:{tmp_path / 'hf'}", "train.steps=2"]
-    started = train(imported, *init)
+    init_from = f"model.init_from=hf:{source_run.hf_dir}"
+    started = train(imported, init_from, "train.steps=2")
     assert started.returncode == 0, started.stderr[-3000:]
     assert "initialized from the Hugging Face weights" in started.stdout
     garble(largest_file(imported / "checkpoints" / "2" / "state"))
     records_before = len(read_metrics(imported / "metrics.jsonl"))
-    refused = train(imported, *init[:1], "train.steps=4")
+    refused = train(imported, init_from, "train.steps=4")
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     assert "initialized from the Hugging Face weights" not in refused.stdout
     errors = error_lines(refused)
