@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from msjax.checkpoint.manager import META_FILE, Checkpointer, committed_steps
-from msjax.checkpoint.read_errors import CheckpointUnreadable
+from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure
 from msjax.config import CheckpointConfig
 from msjax.hf.export import export_checkpoint
 from msjax.launch.supervisor import free_port
@@ -71,6 +72,45 @@ def garble(path: Path) -> None:
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(byte ^ 0xFF for byte in data[middle : middle + 64])
     path.write_bytes(data)
+
+
+def raised_by(action: Callable[[], object]) -> BaseException:
+    try:
+        action()
+    except BaseException as error:  # the error itself is what is classified
+        return error
+    raise AssertionError("nothing was raised")
+
+
+@needs_proc_faults
+def test_what_counts_as_a_failed_read_and_what_as_damage(tmp_path: Path):
+    (tmp_path / "a_dir").mkdir()
+    failed_reads = {
+        "EIO": raised_by(EIO_PATH.read_bytes),
+        "EACCES": raised_by(EACCES_PATH.read_bytes),
+        "EISDIR": raised_by((tmp_path / "a_dir").read_bytes),
+        "out of memory": raised_by(lambda: np.empty(2**62, np.uint8)),
+    }
+    (tmp_path / "a_file").write_text("x")
+    missing = {
+        "ENOENT": raised_by((tmp_path / "missing").read_bytes),
+        "ENOTDIR": raised_by((tmp_path / "a_file" / "y").read_bytes),
+    }
+    assert {name: is_read_failure(error) for name, error in failed_reads.items()} == dict.fromkeys(
+        failed_reads, True
+    )
+    assert {name: is_read_failure(error) for name, error in missing.items()} == dict.fromkeys(
+        missing, False
+    )
+    # wrapped, as Orbax wraps TensorStore's error: the cause decides
+    try:
+        try:
+            EACCES_PATH.read_bytes()
+        except OSError as error:
+            raise RuntimeError("Encountered error while reading array index") from error
+    except RuntimeError as wrapped:
+        assert is_read_failure(wrapped)
+    assert not is_read_failure(ValueError("OUT_OF_RANGE: Requested byte range is not valid"))
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@
 A checkpoint is a step directory holding `state` (parameters, optimizer state, step; arrays
 only) and `meta` (JSON: the resolved config, the data position, the seed, fingerprints of every
 array, sealed with a CRC-32). No pickle anywhere: restoring reads arrays and JSON, never code.
-A checkpoint found damaged is moved to `checkpoints/damaged/STEP`; old ones are deleted only
-once a newer one is committed with an intact record, counting only those.
+A checkpoint found damaged is moved to `checkpoints/damaged/STEP`; one that could not be read
+stays (msjax.checkpoint.read_errors draws the line); old ones are deleted only once a newer one
+is committed with an intact record, counting only those.
 """
 
 from __future__ import annotations
