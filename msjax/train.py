@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from msjax.checkpoint.read_errors import CheckpointUnreadable
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
@@ -24,8 +25,6 @@ from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
-from msjax.resolve import resolve_run_dir
-from msjax.run_dir import plan_run_dir
 from msjax.writable import WriteFailed
 
 if TYPE_CHECKING:
@@ -69,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         # SIGUSR1 dumps stacks from here on: joining the job and preparing data may hang
         dump_stacks_from_start(config.run.dir)
-        # what can be told before JAX starts: a run dir it cannot use, data that is not there
-        plan_run_dir(resolve_run_dir(config))
+        # data that is not there fails before JAX starts; so does a run dir it cannot use, in
+        # its one planner (msjax.training.prepare.plan_run)
         check_sources(config.data)
         train(config)
     except MsjaxError as error:
@@ -89,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"msjax.train: {error}", file=sys.stderr)
         leave_job_now(exit_codes.CRASHED, str(error))
         return exit_codes.CRASHED
+    except CheckpointUnreadable as error:  # every process raises it alike: no peer to blame
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.CHECKPOINT_UNREADABLE, "a checkpoint could not be read")
+        return exit_codes.CHECKPOINT_UNREADABLE
     except KeyboardInterrupt:
         print("msjax.train: interrupted", file=sys.stderr)
         leave_job_now(exit_codes.INTERRUPTED, "interrupted")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from msjax.checkpoint.read_errors import CheckpointUnreadable
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
@@ -55,6 +56,8 @@ def list_checkpoints(run_dir: Path, verify: bool) -> list[str]:
                 status = "valid (arrays match their fingerprints)"
             except MsjaxError as error:
                 status = f"invalid: {error}"
+            except CheckpointUnreadable as error:  # not damage: it may read on a retry
+                status = f"unreadable: {error}"
         lines.append(f"{step:>8}  {size:>10}  {saved:<19}  {status}")
     for name in uncommitted_entries(directory):
         size = _human_bytes(_directory_bytes(directory / name))

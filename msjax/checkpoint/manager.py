@@ -3,13 +3,16 @@
 A checkpoint is a step directory holding `state` (parameters, optimizer state, step; arrays
 only) and `meta` (JSON: the resolved config, the data position, the seed, fingerprints of every
 array, sealed with a CRC-32). No pickle anywhere: restoring reads arrays and JSON, never code.
-A checkpoint found damaged is moved to `checkpoints/damaged/STEP`; old ones are deleted only
-once a newer one is committed with an intact record, counting only those.
+A checkpoint found damaged is moved to `checkpoints/damaged/STEP`; one that could not be read
+stays (msjax.checkpoint.read_errors draws the line); old ones are deleted only once a newer one
+is committed with an intact record, counting only those.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import json
 import shutil
 import threading
@@ -29,18 +32,30 @@ from msjax.checkpoint.fingerprint import (
     compile_fingerprints,
     fingerprints,
 )
+from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure, read_error_reason
 from msjax.checkpoint.record import record_problem, seal_record
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
-from msjax.parallel.agreement import ProcessVote, agree_any, agree_min, process_vote
+from msjax.parallel.agreement import ProcessVote, agree_any, process_vote
 from msjax.run_dir import RunDir
 
 # 2: odd fingerprint weights (msjax.checkpoint.fingerprint) and a sealed record; 1 still restores
 FORMAT_VERSION = 2
 DAMAGED_DIR = "damaged"  # checkpoints/damaged/STEP: found damaged on restore, kept for a look
-READ_ATTEMPTS = 3  # a read error is retried (a file system hiccup) before a step is damaged
+READ_ATTEMPTS = 3  # a read is retried (a file system hiccup) before its error counts
 READ_RETRY_S = 0.5
 META_FILE = "metadata"  # the file JsonCheckpointHandler reads back in the `meta` item directory
+# What each process found when it read a step (msjax.checkpoint.read_errors tells them apart)
+READ_OK, READ_DAMAGED, READ_FAILED = 0, 1, 2
+_restore_votes = itertools.count()  # every process opens the same votes in the same order
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The steps a checkpoints directory holds, as one process lists them."""
+
+    steps: list[int]  # committed, oldest first
+    damaged: list[str]  # names under damaged/
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,12 @@ def parse_resume_source(source: str) -> tuple[Path, int | None]:
     if not path.is_dir():
         raise MsjaxError(f"checkpoint.resume_from={source}: no checkpoint directory at {path}")
     return path, step
+
+
+def damaged_entries(directory: Path) -> list[str]:
+    """Names under DIRECTORY/damaged/: steps found damaged by earlier restores."""
+    damaged = directory / DAMAGED_DIR
+    return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
 
 
 def uncommitted_entries(directory: Path) -> list[str]:
@@ -147,6 +168,7 @@ class Checkpointer:
         self._compiling: threading.Thread | None = None
         self.read_only = read_only
         self.skipped: list[str] = []  # why restore_newest_valid passed over each step
+        self.moved_aside: list[str] = []  # what it moved to damaged/ (names there)
 
     def prepare(self, abstract_state: Any) -> None:
         """Compile the fingerprint program in the background, so the first save() need not.
@@ -251,41 +273,66 @@ class Checkpointer:
 
     def damaged_entries(self) -> list[str]:
         """Names under checkpoints/damaged/: steps found damaged by earlier restores."""
-        damaged = self.directory / DAMAGED_DIR
-        return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
+        return damaged_entries(self.directory)
 
     def close(self) -> None:
         self._manager.close()
 
-    def restore(self, step: int, abstract_state: Any) -> Restored:
-        """One step, placed as abstract_state's shardings say; MsjaxError if it is not valid.
+    def restore(self, step: int, abstract_state: Any, vote: ProcessVote | None = None) -> Restored:
+        """One step, placed as abstract_state's shardings say, with the same outcome on every
+        process: MsjaxError if it is damaged (on any process), CheckpointUnreadable if a process
+        could not read it (the step is no worse for it: leave it where it is).
 
         The record is checked first (its seal, then the arrays against its fingerprints); a
-        read error is retried READ_ATTEMPTS times before the step counts as unreadable.
+        failed read is retried READ_ATTEMPTS times before it counts.
         """
+        vote = vote if vote is not None else _restore_vote()
         path = self.directory / str(step)
+        outcome, local_error = READ_OK, None
         try:
             meta, state = self._read(path, abstract_state)
-            local_error = None
+        except CheckpointUnreadable as error:
+            outcome, local_error = READ_FAILED, error
         except MsjaxError as error:
-            local_error = str(error)
-        # Every process reads its own shards; all act on the same verdict, so a checkpoint that
-        # one process cannot read makes all of them fall back together.
-        failed = processes_failing(local_error is not None)
-        if local_error is not None:
-            raise MsjaxError(local_error)
+            outcome, local_error = READ_DAMAGED, error
+        # Every process reads its own shards; all act on the same verdict. One that could not
+        # read wins over one that found damage: nothing is moved aside on a failed read.
+        outcomes = [values[0] for values in every_process(vote, [outcome])]
+        failed = [rank for rank, found in enumerate(outcomes) if found == READ_FAILED]
+        damaged = [rank for rank, found in enumerate(outcomes) if found == READ_DAMAGED]
         if failed:
-            raise MsjaxError(
-                f"checkpoint {path} could not be read by process "
-                + ", ".join(str(process) for process in failed)
+            raise CheckpointUnreadable(
+                f"checkpoint {path} looks whole but could not be read by {_processes(failed)}"
+                + (f" ({local_error})" if outcome == READ_FAILED else "")
+                + "; it is left in place (a read error is not damage): retry, or check that "
+                "node's file system"
             )
-        # computed over the global arrays: every process gets the same fingerprints
-        _check_fingerprints(path, meta, fingerprints(state, meta.get("fingerprint_format", 1)))
+        if local_error is not None:
+            raise local_error
+        if damaged:
+            raise MsjaxError(
+                f"checkpoint {path} is damaged in the shards {_processes(damaged)} reads"
+            )
+        try:  # computed over the global arrays: every process gets the same fingerprints
+            actual = fingerprints(state, meta.get("fingerprint_format", 1))
+        except Exception as error:
+            if not is_read_failure(error):  # out of memory, say; anything else is a bug
+                raise
+            raise CheckpointUnreadable(
+                f"checkpoint {path} was read but its fingerprints could not be computed "
+                f"({read_error_reason(error)}); it is left in place"
+            ) from None
+        _check_fingerprints(path, meta, actual)
         return Restored(step=step, state=state, meta=meta, path=path)
 
     def _read(self, path: Path, abstract_state: Any) -> tuple[dict[str, Any], Any]:
-        """This process's part of a step: its record, checked, and its shards of the state."""
-        if not (path / COMMIT_MARKER).exists():
+        """This process's part of a step: its record, checked, and its shards of the state.
+
+        MsjaxError for evidence of damage, CheckpointUnreadable for a read that failed
+        (msjax.checkpoint.read_errors draws the line).
+        """
+        finalized = self._read_with_retries(path, (path / COMMIT_MARKER).exists)
+        if not finalized:
             raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
         raw = self._read_with_retries(path, lambda: (path / "meta" / META_FILE).read_bytes())
         problem = record_problem(raw)
@@ -319,11 +366,45 @@ class Checkpointer:
                 if attempt + 1 < READ_ATTEMPTS:
                     time.sleep(READ_RETRY_S * 2**attempt)
                     continue
-                reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+                reason = read_error_reason(error)
+                if is_read_failure(error):
+                    raise CheckpointUnreadable(f"{reason} ({READ_ATTEMPTS} tries)") from None
                 raise MsjaxError(
                     f"checkpoint {path} could not be read ({READ_ATTEMPTS} tries): {reason}"
                 ) from None
         raise AssertionError("unreachable")
+
+    def agreed_listing(self, vote: ProcessVote | None = None, context: str = "") -> Listing:
+        """The committed and damaged steps, which every process must list alike (and `context`,
+        a choice made from them). Processes that list them otherwise (a stale or missing mount
+        on one node) stop every process with CheckpointUnreadable naming them: choosing by the
+        least or the most of the listings would let one node's view start the job afresh."""
+        vote = vote if vote is not None else _restore_vote()
+        try:
+            listing = Listing(committed_steps(self.directory), self.damaged_entries())
+        except OSError as error:  # the others learn of it as this process leaves (exit 7)
+            raise CheckpointUnreadable(
+                f"the checkpoints in {self.directory} could not be listed: {error}"
+            ) from None
+        text = json.dumps([listing.steps, listing.damaged, context])
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+        newest = listing.steps[-1] if listing.steps else -1
+        views = every_process(vote, [digest, len(listing.steps), newest, len(listing.damaged)])
+        if len({view[0] for view in views}) == 1:
+            return listing
+        groups: dict[int, list[int]] = {}
+        for rank, view in enumerate(views):
+            groups.setdefault(view[0], []).append(rank)
+        # the likely stale view first: the fewest processes, then the fewest steps
+        ordered = sorted(groups.values(), key=lambda ranks: (len(ranks), views[ranks[0]][1:]))
+        seen = "; ".join(
+            f"{_processes(ranks)}: {_describe_view(views[ranks[0]])}" for ranks in ordered
+        )
+        raise CheckpointUnreadable(
+            f"the processes list different checkpoints in {self.directory}: {seen} (a stale or "
+            "missing mount on one node?); every process stops, and nothing was restored, moved "
+            "or trained"
+        )
 
     def restore_newest_valid(
         self,
@@ -334,33 +415,35 @@ class Checkpointer:
         """The newest checkpoint (<= at_most) that reads back intact.
 
         Warns one line for each one skipped and moves each damaged one aside (this run's own
-        checkpoints only); `self.skipped` lists why each committed step was skipped. In a
-        multi-process job every process restores the same step: the step tried is the least of
-        the processes' candidates, and one that any process cannot read is skipped by all (each
-        process reads its own shards, so only some may see the damage).
+        checkpoints only); `self.skipped` lists why each committed step was skipped. Every
+        process lists the same steps (else CheckpointUnreadable, see agreed_listing) and
+        restores the same one: a step damaged in any process's shards is skipped by all, and
+        one any process could not read ends the restore (CheckpointUnreadable), leaving every
+        step in place.
         """
-        self.skipped = []
+        self.skipped, self.moved_aside = [], []
         for name in uncommitted_entries(self.directory):
             warn(f"skipped checkpoint {self.directory / name}: the save never finished")
-        vote = process_vote("restore")
-        bound = at_most
-        while True:
-            candidates = [s for s in committed_steps(self.directory) if bound is None or s <= bound]
-            step = agree_min(vote, candidates[-1] if candidates else -1)
-            if step < 0:
-                return None
-            bound = step - 1
+        vote = _restore_vote()
+        steps = self.agreed_listing(vote).steps
+        for step in reversed([s for s in steps if at_most is None or s <= at_most]):
             try:
-                restored = self.restore(step, abstract_state)
-            except MsjaxError as error:
-                agree_any(vote, True)
+                return self.restore(step, abstract_state, vote)
+            except MsjaxError as error:  # damage, found alike by every process
                 self._skip(step, f"skipped {error}", warn, vote)
-                continue
-            if agree_any(vote, False):
-                reason = f"skipped checkpoint {restored.path}: another process could not read it"
-                self._skip(step, reason, warn, vote)
-                continue
-            return restored
+        return None
+
+    def restore_named(self, step: int, abstract_state: Any) -> Restored:
+        """Exactly this step (MsjaxError if it is not committed or is damaged; never an older
+        one in its place), with the same listing on every process."""
+        vote = _restore_vote()
+        steps = self.agreed_listing(vote).steps
+        if step not in steps:
+            finished = ", ".join(map(str, steps[-5:])) or "none"
+            raise MsjaxError(
+                f"no finished checkpoint of step {step} in {self.directory} (finished: {finished})"
+            )
+        return self.restore(step, abstract_state, vote)
 
     def _skip(
         self, step: int, reason: str, warn: Callable[[str], None], vote: ProcessVote | None
@@ -374,6 +457,8 @@ class Checkpointer:
         self._manager.reload()
         line = reason + (f"; moved to {aside}" if aside else "")
         self.skipped.append(line)
+        if aside is not None:
+            self.moved_aside.append(aside.name)
         warn(line)
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
@@ -423,16 +508,33 @@ class Checkpointer:
         return dict(restored.meta)
 
 
-def processes_failing(failed_here: bool) -> list[int]:
-    """The processes for which `failed_here` is true, the same list on every process (one
-    collective; every process must call it the same number of times)."""
-    if jax.process_count() == 1:
-        return [0] if failed_here else []
-    import numpy as np
-    from jax.experimental import multihost_utils
+def _restore_vote() -> ProcessVote | None:
+    return process_vote(f"restore/{next(_restore_votes)}")
 
-    flags = multihost_utils.process_allgather(np.array([int(failed_here)], np.int32))
-    return [int(process) for process in np.flatnonzero(np.asarray(flags).reshape(-1))]
+
+def every_process(vote: ProcessVote | None, mine: list[int]) -> list[tuple[int, ...]]:
+    """Every process's values (whole numbers >= -1), the same list on every process, in process
+    order. One vote round when all processes hold the same values, two when they differ."""
+    if vote is None:
+        return [tuple(mine)]
+    count = jax.process_count()
+    agreed = vote.agree([*mine, *(-value for value in mine)])  # each value's max, and -min
+    if all(agreed[i] == -agreed[len(mine) + i] for i in range(len(mine))):
+        return [tuple(mine)] * count
+    slots = [-1] * (count * len(mine))  # each process fills its own slots; the max reads them
+    slots[vote.rank * len(mine) : (vote.rank + 1) * len(mine)] = mine
+    agreed = vote.agree(slots)
+    return [tuple(agreed[rank * len(mine) : (rank + 1) * len(mine)]) for rank in range(count)]
+
+
+def _processes(ranks: list[int]) -> str:
+    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(map(str, ranks))
+
+
+def _describe_view(view: tuple[int, ...]) -> str:
+    _, steps, newest, damaged = view
+    listed = f"{steps} committed steps (newest {newest})" if steps else "no committed step"
+    return listed + (f" and {damaged} damaged" if damaged else "")
 
 
 def read_sealed_record(path: Path) -> dict[str, Any]:

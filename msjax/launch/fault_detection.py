@@ -70,6 +70,8 @@ def exit_fault(attempt: Attempt, failed: list[WorkerProcess], last_poll_unix_s: 
         fault.detail = f"the loss of step {fault.nonfinite_step} is not finite"
     elif code == exit_codes.SAVES_FAILED:
         fault.detail += " (checkpoint saves kept failing)"
+    elif code == exit_codes.CHECKPOINT_UNREADABLE:
+        fault.detail += " (a checkpoint that looks whole could not be read; it is left in place)"
     elif first.rank == 0:
         fault.detail += "; rank 0 hosted the coordinator"
     return fault

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax import __version__
-from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored, parse_resume_source
+from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored
 from msjax.config import Config, config_from_dict
 from msjax.data.identity import corpus_changes
 from msjax.errors import MsjaxError
@@ -29,28 +29,31 @@ class StartingPoint:
     restored: Restored | None
 
 
+ResumeSource = tuple[Path, int | None]  # checkpoint.resume_from parsed: a directory, its STEP
+
+
 def restore_or_init(
     config: Config,
     checkpointer: Checkpointer,
     program: Any,
     abstract_state: Any,
     message: Callable[[str], None],
+    resume: ResumeSource | None = None,
 ) -> StartingPoint:
-    """The newest valid checkpoint (of checkpoint.resume_from, or of this run), else a new state."""
+    """The newest valid checkpoint (of this run, or of `resume` on its first start), else a new
+    state: from model.init_from, or initialized; never a new state where checkpoints exist but
+    none restores (refuse_silent_restart).
+
+    resume: checkpoint.resume_from as msjax.training.prepare.resume_source parsed it, or None
+    where it does not apply.
+    """
     import jax
 
-    if config.checkpoint.resume_from:
-        source_dir, source_step = parse_resume_source(config.checkpoint.resume_from)
-        source = Checkpointer(source_dir, config.checkpoint, read_only=True)
-        restored = source.restore_newest_valid(abstract_state, message, source_step)
-        if restored is None:
-            raise MsjaxError(f"checkpoint.resume_from: no valid checkpoint in {source_dir}")
-    else:
-        restored = checkpointer.restore_newest_valid(abstract_state, message)
-    if restored is None and config.model.init_from is not None:
-        return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
+    restored = restore_start(config, checkpointer, abstract_state, message, resume)
     if restored is None:
-        refuse_silent_restart(config, checkpointer, message)
+        refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
+        if config.model.init_from is not None:
+            return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
         return StartingPoint(program.init_state(), 0, 0, None)
     check_same_model(config, restored)
     message(f"resumed from {restored.path} (step {restored.step})")
@@ -61,6 +64,47 @@ def restore_or_init(
     # checkpoints hold layers in canonical order; this run's pipeline may keep another
     state = program.from_canonical(restored.state)
     return StartingPoint(state, step, first_sample, restored)
+
+
+def restore_start(
+    config: Config,
+    checkpointer: Checkpointer,
+    abstract_state: Any,
+    message: Callable[[str], None],
+    resume: ResumeSource | None,
+) -> Restored | None:
+    """This run's newest valid checkpoint; while it has none of its own, `resume`'s.
+
+    Every process lists the run's own checkpoints alike (else CheckpointUnreadable), so all
+    take the same source. A named STEP of `resume` restores as itself or not at all.
+    """
+    own = checkpointer.agreed_listing(context=f"resume={resume is not None}")
+    if resume is None or own.steps or own.damaged:
+        if config.checkpoint.resume_from:
+            message(
+                f"checkpoint.resume_from={config.checkpoint.resume_from} applies to a run's "
+                f"first start only; this run resumes from its own checkpoints in "
+                f"{checkpointer.directory}"
+            )
+        return checkpointer.restore_newest_valid(abstract_state, message)
+    directory, step = resume
+    source = Checkpointer(directory, config.checkpoint, read_only=True)
+    where = f"checkpoint.resume_from={config.checkpoint.resume_from}"
+    try:
+        if step is None:
+            restored = source.restore_newest_valid(abstract_state, message)
+            if restored is None:
+                raise MsjaxError(f"{where}: no valid checkpoint in {directory}")
+            return restored
+        try:
+            return source.restore_named(step, abstract_state)
+        except MsjaxError as error:
+            raise MsjaxError(
+                f"{where}: {error}; an older step is not taken in its place: name another "
+                f"step, or {directory} alone for its newest valid one"
+            ) from None
+    finally:
+        source.close()
 
 
 def init_from_hf(config: Config, program: Any, message: Callable[[str], None]) -> Any:
@@ -79,7 +123,8 @@ def refuse_silent_restart(
 ) -> None:
     """Checkpoints exist but none restored (each skipped one has had its line): stop, unless
     checkpoint.if_none_valid=restart."""
-    damaged_before = checkpointer.damaged_entries()
+    damaged = checkpointer.damaged_entries()
+    damaged_before = [name for name in damaged if name not in checkpointer.moved_aside]
     if not checkpointer.skipped and not damaged_before:
         return  # a new run, or only saves that never finished: step 0 loses nothing
     count = len(checkpointer.skipped) + len(damaged_before)

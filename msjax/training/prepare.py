@@ -12,12 +12,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.checkpoint.manager import Checkpointer, committed_steps, parse_resume_source
+from msjax.checkpoint.manager import (
+    Checkpointer,
+    committed_steps,
+    damaged_entries,
+    parse_resume_source,
+)
 from msjax.config import Config
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
 from msjax.errors import MsjaxError
+from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
 from msjax.observe.loop_observer import LoopObserver
@@ -30,12 +36,13 @@ from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
 from msjax.resilience.worker import WorkerResilience
-from msjax.resolve import mesh_device_count, resolve
+from msjax.resolve import mesh_device_count, resolve, resolve_run_dir
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
 from msjax.training.checkpoints import (
     CheckpointSaves,
+    ResumeSource,
     StartingPoint,
     check_same_corpus,
     restore_or_init,
@@ -79,8 +86,6 @@ def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
     """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config."""
     import jax
 
-    if config.checkpoint.resume_from:  # a source with nothing to resume fails before any write
-        check_resume_source(config.checkpoint.resume_from)
     xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
@@ -88,8 +93,27 @@ def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
     return resolve(config, jax.device_count(), jax.default_backend()), job, xla_flags
 
 
-def check_resume_source(source: str) -> None:
-    """checkpoint.resume_from names a folder with a finished checkpoint (of STEP, if given)."""
+def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
+    """What to do with the run dir, and whether checkpoint.resume_from applies: decided here
+    only, once, before JAX starts, so a run dir it cannot use fails before anything is written.
+
+    Returns the config with run.dir chosen (its stamp, when unset, taken once here) and the
+    model filled from model.init_from: all of resolution that decides whether a run dir holds
+    this run (the mesh and the kernels may change on resume, and need the devices).
+    """
+    config = model_from_init(resolve_run_dir(config))
+    plan = plan_run_dir(config)
+    return config, plan, resume_source(config, plan)
+
+
+def resume_source(config: Config, plan: RunDirPlan) -> ResumeSource | None:
+    """checkpoint.resume_from, parsed and checked (a finished checkpoint, of STEP if named); None
+    where it does not apply: unset, or the run dir continues a run whose own checkpoints/ holds
+    a committed step or damaged ones (it saved before: reruns and restarts resume from there)."""
+    source = config.checkpoint.resume_from
+    own = plan.run_dir.checkpoints
+    if not source or (plan.continues_run and (committed_steps(own) or damaged_entries(own))):
+        return None
     directory, step = parse_resume_source(source)
     steps = committed_steps(directory)
     if not steps or (step is not None and step not in steps):
@@ -99,6 +123,7 @@ def check_resume_source(source: str) -> None:
             f"checkpoint.resume_from={source}: no finished checkpoint {wanted}in {directory} "
             f"(finished steps: {finished})"
         )
+    return directory, step
 
 
 def prepare_run(
@@ -106,16 +131,16 @@ def prepare_run(
     progress_stream: IO[str] | None = None,
     extra_listeners: Sequence[LoopEvents] = (),
 ) -> PreparedRun:
-    """Join the job, resolve the config, then build everything the loop needs."""
+    """Plan the run dir, join the job, resolve the config, then build everything the loop needs."""
 
     started = time.perf_counter()
-    config, job, xla_flags = join_job(config)
+    config, plan, resume = plan_run(config)
+    config, job, xla_flags = join_job(config)  # keeps plan_run's run.dir and model
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
-    plan = plan_run_dir(config)
     lock = job_lock(plan, job)
     try:
         return _prepare(
-            config, job, xla_flags, plan, lock, started, progress_stream, extra_listeners
+            config, job, xla_flags, plan, resume, lock, started, progress_stream, extra_listeners
         )
     except BaseException:
         lock.release()
@@ -138,6 +163,7 @@ def _prepare(
     job: JobEnv,
     xla_flags: XlaFlagsRecord,
     plan: RunDirPlan,
+    resume: ResumeSource | None,
     lock: RunDirLock,
     started: float,
     progress_stream: IO[str] | None,
@@ -175,7 +201,7 @@ def _prepare(
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
     resilience.beat("restore")
-    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message)
+    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message, resume)
     corpus = data.identity()
     allowed_data_changes = check_same_corpus(config, start, corpus, progress.message)
     describe_data(data, config, start, progress.message)
