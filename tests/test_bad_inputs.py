@@ -75,6 +75,17 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.flops", ["--devices", "x"], "invalid int value: 'x'"),
     ("msjax.flops", ["--step-time", "1.0"], "--step-time needs --devices"),
     ("msjax.flops", ["optim.eps=-1"], "optim.eps=-1.0 must be positive"),
+    # heartbeats: more often than every phase's hang deadline
+    (
+        "msjax.train",
+        ["resilience.heartbeat_every_s=5", "resilience.data_deadline_s=2"],
+        "resilience.heartbeat_every_s=5.0 must be shorter than resilience.data_deadline_s=2.0",
+    ),
+    (
+        "msjax.launch",
+        ["--", "resilience.heartbeat_every_s=5", "resilience.restore_deadline_s=5"],
+        "resilience.heartbeat_every_s=5.0 must be shorter than resilience.restore_deadline_s=5.0",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

@@ -144,9 +144,11 @@ def check_pipeline(out: str, _: Path) -> None:
         assert positive(float(tokens_per_s.replace(",", "")), float(gib), float(memory_ratio))
         assert positive(float(speed_ratio)) and bubble.endswith("%")
     assert rows["pipe 1 (baseline)"][2] == "1.00" and rows["pipe 1 (baseline)"][4] == "1.00"
-    one_f_one_b = float(rows["pipe 2 1f1b M=4"][3])
-    gpipe = float(rows["pipe 2 gpipe M=4"][3])
-    assert_ratio(number(r"1f1b needs {N}x gpipe's XLA memory", out), one_f_one_b, gpipe, 2)
+    # both memories against pipe 1's, two decimals each: their quotient within rounding
+    one_f_one_b, gpipe = float(rows["pipe 2 1f1b M=4"][4]), float(rows["pipe 2 gpipe M=4"][4])
+    memory_ratio = number(r"1f1b needs {N}x gpipe's XLA memory", out)
+    assert positive(memory_ratio)
+    assert memory_ratio == pytest.approx(one_f_one_b / gpipe, rel=0.03)
 
 
 def check_recovery(out: str, _: Path) -> None:
