@@ -189,6 +189,8 @@ CHECKS = {
 def test_every_benchmark_script_has_a_smoke_run() -> None:
     scripts = {path.name for path in BENCHMARKS.glob("*.py")} - HELPER_MODULES
     assert scripts == {smoke.script for smoke in SMOKES} == set(CHECKS)
+    without = [name for name in sorted(scripts) if "--smoke" not in (BENCHMARKS / name).read_text()]
+    assert without == []  # each documents and takes --smoke
 
 
 @pytest.mark.parametrize(
