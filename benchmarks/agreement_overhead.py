@@ -2,6 +2,7 @@
 the same sharded step loop without and with one `ProcessVote.agree` per step (side by side).
 
     python benchmarks/agreement_overhead.py            # starts both processes itself
+    python benchmarks/agreement_overhead.py --smoke    # 10 steps a measurement: seconds
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import time
 from pathlib import Path
 
 STEPS = 200
+SMOKE_STEPS = 10
 
 
-def worker(rank: int, port: int) -> None:
+def worker(rank: int, port: int, steps: int) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 2)
@@ -44,32 +46,35 @@ def worker(rank: int, port: int) -> None:
         x, metric = step(x)
         previous = metric
         started = time.perf_counter()
-        for i in range(STEPS):
+        for i in range(steps):
             x, metric = step(x)
             float(np.asarray(previous.addressable_data(0)))  # read step i-1 as the loop does
             previous = metric
             if label.strip() == "with":
                 vote.agree([0, int(i % 50 == 0), 0])
-        timings[label] = (time.perf_counter() - started) / STEPS * 1e3
+        timings[label] = (time.perf_counter() - started) / steps * 1e3
     if rank == 0:
         base = (timings["without"] + timings["without "]) / 2
         voted = (timings["with"] + timings["with "]) / 2
         print(
             f"agreement: {base:.2f} ms/step without, {voted:.2f} ms/step with one vote per step "
-            f"(+{voted - base:.2f} ms, ratio {voted / base:.3f}) over {STEPS} steps, 2 processes"
+            f"(+{voted - base:.2f} ms, ratio {voted / base:.3f}) over {steps} steps, 2 processes"
         )
 
 
 def main() -> None:
-    if len(sys.argv) == 3:
-        worker(int(sys.argv[1]), int(sys.argv[2]))
+    if len(sys.argv) == 4:
+        worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
         return
+    if sys.argv[1:] not in ([], ["--smoke"]):
+        raise SystemExit(f"usage: {sys.argv[0]} [--smoke]")
+    steps = SMOKE_STEPS if sys.argv[1:] == ["--smoke"] else STEPS
     import portpicker
 
     port = portpicker.pick_unused_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     processes = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(port)], env=env)
+        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(steps)], env=env)
         for rank in range(2)
     ]
     codes = [process.wait(timeout=600) for process in processes]

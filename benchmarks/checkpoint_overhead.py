@@ -12,6 +12,7 @@ machine: there the background write and the step share the same cores, while on 
 the step runs on the device and the write on otherwise idle host cores.
 
     python benchmarks/checkpoint_overhead.py [--steps 16] [--global-batch 1] [--seq-len 256]
+    python benchmarks/checkpoint_overhead.py --smoke   # a tiny model for 7 steps, in seconds
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
+from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
 from msjax.checkpoint.manager import Checkpointer  # noqa: E402
 from msjax.config import load_config  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
+from msjax.resolve import resolve  # noqa: E402
 from msjax.step import build_program  # noqa: E402
 from msjax.train import train  # noqa: E402
 
@@ -70,6 +73,7 @@ def cpu_seconds() -> float:
 def save_restore_mb_per_s(overrides: list[str]) -> tuple[float, float, float, float]:
     """(state MB, save MB/s until finalized, restore MB/s, CPU s of the save) for one save."""
     config = load_config(REPO / "configs" / "small.yaml", overrides)
+    config = resolve(config, jax.device_count(), jax.default_backend())
     program = build_program(config, build_mesh(config.mesh))
     state = program.init_state()
     state_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 1e6
@@ -93,17 +97,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--global-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model for 7 steps")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.seq_len = 7, TINY_SEQ_LEN  # one save (step 5) inside the measured steps
     base = [
         f"train.steps={args.steps}",
         f"train.global_batch={args.global_batch}",
         f"data.seq_len={args.seq_len}",
         "train.eval_every=0",
         "mesh.data=-1",
+        *(TINY_MODEL + TINY_CORPUS if args.smoke else []),
     ]
     print(
-        f"configs/small.yaml on 1 {jax.devices()[0].platform} device, batch {args.global_batch} "
-        f"x seq {args.seq_len}, {args.steps} steps ({WARMUP_STEPS} left out)"
+        f"configs/small.yaml{SMOKE_LABEL if args.smoke else ''} on 1 {jax.devices()[0].platform} "
+        f"device, batch {args.global_batch} x seq {args.seq_len}, {args.steps} steps "
+        f"({WARMUP_STEPS} left out)"
     )
     without, _, _ = loop_throughput([*base, "checkpoint.enabled=false"])
     with_saves, pauses, step_s = loop_throughput([*base, "checkpoint.every_steps=5"])

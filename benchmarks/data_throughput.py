@@ -9,6 +9,7 @@
    (target < 1%).
 
     python benchmarks/data_throughput.py [--global-batch 4] [--batches 40] [--train-steps 100]
+    python benchmarks/data_throughput.py --smoke   # a tiny model, a few batches and steps
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
+from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
 from msjax.config import load_config  # noqa: E402
 from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.data.pipeline import sharded_batches  # noqa: E402
@@ -69,13 +71,20 @@ def step_tokens_per_s(data, program, steps: int) -> float:
     return steps * data.train.global_batch * data.train.seq_len / (time.perf_counter() - started)
 
 
-def default_run_wait_share(steps: int) -> tuple[float, float, int]:
+def default_run_wait_share(steps: int, overrides: list[str]) -> tuple[float, float, int]:
     """(data wait share, mean step time s, steps measured) of `python -m msjax.train`."""
     with tempfile.TemporaryDirectory() as run_root:
         run_dir = Path(run_root) / "run"
         env = {key: value for key, value in os.environ.items() if key != "JAX_NUM_CPU_DEVICES"}
         subprocess.run(
-            [sys.executable, "-m", "msjax.train", f"train.steps={steps}", f"run.dir={run_dir}"],
+            [
+                sys.executable,
+                "-m",
+                "msjax.train",
+                f"train.steps={steps}",
+                f"run.dir={run_dir}",
+                *overrides,
+            ],
             cwd=REPO,
             env=env,
             check=True,
@@ -94,14 +103,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="train steps timed")
     parser.add_argument("--workers", type=int, default=2, help="Grain workers of the 2nd pipeline")
     parser.add_argument("--train-steps", type=int, default=100, help="default run length")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, a few batches")
     args = parser.parse_args()
     overrides = [f"train.global_batch={args.global_batch}", "train.eval_every=0"]
+    default_run = []
+    if args.smoke:
+        args.batches, args.steps, args.train_steps = 4, 2, 2 + WARMUP
+        overrides += [*TINY_MODEL, *TINY_CORPUS, f"data.seq_len={TINY_SEQ_LEN}"]
+        default_run = [*TINY_CORPUS, "checkpoint.enabled=false"]
     config = load_config(REPO / "configs" / "small.yaml", overrides)
     config = resolve(config, jax.device_count(), jax.default_backend())
     data = build_training_data(config, print)
     program = build_program(config, build_mesh(config.mesh))
     print(
-        f"configs/small.yaml on 1 {jax.devices()[0].platform} device, "
+        f"configs/small.yaml{SMOKE_LABEL if args.smoke else ''} on 1 "
+        f"{jax.devices()[0].platform} device, "
         f"batch {config.train.global_batch} x seq {config.data.seq_len}"
     )
     delivered = {
@@ -115,7 +131,7 @@ def main() -> None:
     best = max(delivered.values())
     print(f"{'headroom (pipeline / step)':<40} {best / consumed:14,.1f} x   (must stay > 1)")
 
-    share, step_s, measured = default_run_wait_share(args.train_steps)
+    share, step_s, measured = default_run_wait_share(args.train_steps, default_run)
     print(
         f"default run (tiny, {measured} steps of {step_s * 1e3:.0f} ms): "
         f"{100 * share:.3f}% of step time waiting for data   (target < 1%)"

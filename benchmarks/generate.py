@@ -8,6 +8,7 @@ runs one token at a time against its cache. Prints tokens/s of both and their ra
 must also produce the same tokens.
 
     python benchmarks/generate.py [--prompt-tokens 64] [--new-tokens 32] [--rounds 2]
+    python benchmarks/generate.py --smoke   # a tiny model, 8 + 4 tokens, 1 round: seconds
 
 Each method runs once to compile, then --rounds timed rounds alternating with the other, keeping
 its best, so a burst of load from elsewhere on a shared machine does not decide the ratio.
@@ -30,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.smoke import TINY_MODEL  # noqa: E402
 from msjax.config import load_config  # noqa: E402
 from msjax.generate import Generator, Sampling  # noqa: E402
 from msjax.models.transformer import Transformer  # noqa: E402
@@ -51,9 +53,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, 8 + 4 tokens")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompt_tokens, args.new_tokens, args.rounds = 8, 4, 1
 
-    config = load_config(REPO / "configs" / "small.yaml")
+    config = load_config(REPO / "configs" / "small.yaml", TINY_MODEL if args.smoke else [])
     model_config = resolve_model(config.model, "cpu")
     model = Transformer(model_config, nnx.Rngs(params=0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -7,6 +7,7 @@ so a burst of load from elsewhere on a shared machine does not decide the ratio 
 observed run within 2% of the unobserved one). Which runs first alternates from round to round.
 
     python benchmarks/observe_overhead.py [--steps 60] [--rounds 3]
+    python benchmarks/observe_overhead.py --smoke   # a tiny model, 6 steps, 1 round: seconds
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
 from msjax.config import load_config  # noqa: E402
 from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.train import train  # noqa: E402
@@ -29,7 +31,7 @@ WARMUP_STEPS = 3  # left out: compilation and first dispatches
 OFF = ["observe.rank_timing=false", "observe.flight_recorder_events=0"]
 
 
-def tokens_per_s(steps: int, observed: bool) -> float:
+def tokens_per_s(steps: int, observed: bool, sizes: list[str]) -> float:
     """Median tokens/s of one run's steps after the warm-up."""
     with tempfile.TemporaryDirectory() as run_root:
         overrides = [
@@ -37,6 +39,7 @@ def tokens_per_s(steps: int, observed: bool) -> float:
             "train.eval_every=0",
             "checkpoint.enabled=false",
             f"run.dir={Path(run_root) / 'run'}",
+            *sizes,
             *([] if observed else OFF),
         ]
         with open(os.devnull, "w") as quiet:
@@ -50,12 +53,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tinier model, 6 steps, 1 round")
     args = parser.parse_args()
-    print(f"tiny config, 8 simulated CPU devices, {args.steps} steps ({WARMUP_STEPS} left out)")
+    sizes = []
+    if args.smoke:
+        args.steps, args.rounds = WARMUP_STEPS + 3, 1
+        sizes = [*TINY_MODEL, *TINY_CORPUS, f"data.seq_len={TINY_SEQ_LEN}"]
+    print(
+        f"tiny config{SMOKE_LABEL if args.smoke else ''}, 8 simulated CPU devices, "
+        f"{args.steps} steps ({WARMUP_STEPS} left out)"
+    )
     on_rounds, off_rounds = [], []
     for round_index in range(args.rounds):
         for observed in (False, True) if round_index % 2 == 0 else (True, False):
-            rate = tokens_per_s(args.steps, observed)  # order alternates: no seat is favoured
+            rate = tokens_per_s(
+                args.steps, observed, sizes
+            )  # order alternates: no seat is favoured
             (on_rounds if observed else off_rounds).append(rate)
         print(
             f"  round {round_index + 1}: off {off_rounds[-1]:,.0f}, on {on_rounds[-1]:,.0f} "

@@ -7,6 +7,7 @@ so the CPU times show partitioning overhead only (the bubble's idle stages still
 zeros); the memory figures are XLA's own buffer assignment, exact for this program.
 
     python benchmarks/pipeline.py [--config configs/small.yaml] [--steps 2] [--quick]
+    python benchmarks/pipeline.py --smoke   # --quick's shapes, 3 layouts (pipe 1, 2 gpipe, 2 1f1b)
 """
 
 from __future__ import annotations
@@ -52,18 +53,28 @@ LAYOUTS = [
     ),
 ]
 
+# the baseline and both schedules at one pipe size and microbatch count: every line still prints
+SMOKE_LAYOUTS = ("pipe 1 (baseline)", "pipe 2 gpipe M=4", "pipe 2 1f1b M=4")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/small.yaml")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, every layout")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 layouts, 1 step")
     args = parser.parse_args()
+    layouts = LAYOUTS
+    if args.smoke:
+        args.quick, args.steps = True, 1
+        layouts = [row for row in LAYOUTS if row[0] in SMOKE_LAYOUTS]
     base = [f"train.global_batch={args.global_batch}"]
     if args.quick:
         base += ["model.num_layers=12", "model.embed_dim=64", "model.mlp_dim=128"]
         base += ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=64"]
+    if args.smoke:
+        base += ["model.num_layers=4"]  # 2 layers per stage at pipe 2
     print(f"{args.config}, global batch {args.global_batch}, {args.steps} timed steps per layout")
     print(
         f"{'layout':<26} {'bubble':>7} {'tokens/s':>10} {'vs pipe 1':>9} "
@@ -71,7 +82,7 @@ def main() -> None:
     )
     baseline = None
     memory_of: dict[tuple[int, int, str], int] = {}  # (pipe, microbatches, schedule) -> bytes
-    for label, mesh, overrides in LAYOUTS:
+    for label, mesh, overrides in layouts:
         config = config_for_mesh(load_config(args.config, [*base, *overrides]), mesh, "cpu")
         layout = PipelineLayout.of(config)
         bubble = layout.bubble_fraction if mesh.pipe > 1 else 0.0

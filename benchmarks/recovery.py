@@ -2,6 +2,7 @@
 without the compilation caches; detection latency, restart-to-first-step, catch-up, goodput.
 
     python benchmarks/recovery.py [--steps 24] [--out DIR]
+    python benchmarks/recovery.py --smoke   # 8 steps, a 4 s step deadline: about a minute
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2`. The job with caches
 compiles once (its first attempt fills the caches) and loads on every restart; the other compiles
@@ -26,9 +27,10 @@ sys.path.insert(0, str(REPO))
 from msjax.run_dir import RunDir  # noqa: E402
 
 STEP_DEADLINE_S = 10.0
+SMOKE_STEP_DEADLINE_S = 4.0  # the tiny model's steps take milliseconds; the hang costs this
 
 
-def job_args(run_dir: Path, steps: int, cache: bool) -> list[str]:
+def job_args(run_dir: Path, steps: int, cache: bool, step_deadline_s: float) -> list[str]:
     return [
         "model.num_layers=2",
         "data.seq_len=64",
@@ -42,7 +44,7 @@ def job_args(run_dir: Path, steps: int, cache: bool) -> list[str]:
         "mesh.fsdp=2",
         "mesh.tensor=1",
         "resilience.heartbeat_every_s=0.1",
-        f"resilience.step_deadline_s={STEP_DEADLINE_S}",
+        f"resilience.step_deadline_s={step_deadline_s}",
         "resilience.stop_grace_s=3",
         "resilience.restart_backoff_s=0.5",
         f"resilience.compile_cache={'true' if cache else 'false'}",
@@ -50,7 +52,7 @@ def job_args(run_dir: Path, steps: int, cache: bool) -> list[str]:
     ]
 
 
-def run_job(run_dir: Path, steps: int, cache: bool) -> dict[str, Any]:
+def run_job(run_dir: Path, steps: int, cache: bool, step_deadline_s: float) -> dict[str, Any]:
     """One supervised job with a crash (rank 1) and a hang (rank 0) injected."""
     crash_at, hang_at = steps // 3, 2 * steps // 3
     faults = f"crash@step={crash_at},rank=1;hang@step={hang_at},rank=0"
@@ -62,7 +64,7 @@ def run_job(run_dir: Path, steps: int, cache: bool) -> dict[str, Any]:
         "--devices-per-proc=2",
         f"--fault={faults}",
         "--",
-        *job_args(run_dir, steps, cache),
+        *job_args(run_dir, steps, cache, step_deadline_s),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -92,7 +94,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="8 steps, a shorter step deadline")
     args = parser.parse_args()
+    step_deadline_s = SMOKE_STEP_DEADLINE_S if args.smoke else STEP_DEADLINE_S
+    if args.smoke:
+        args.steps = 8
     base = args.out or Path(tempfile.mkdtemp(prefix="msjax-recovery-"))
     base.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -101,7 +107,7 @@ def main() -> None:
         print(
             f"running the job {'with' if cache else 'without'} compilation caches ...", flush=True
         )
-        results[name] = run_job(base / name, args.steps, cache)
+        results[name] = run_job(base / name, args.steps, cache, step_deadline_s)
 
     def incident(name: str, cause: str, key: str) -> float | None:
         found = [i for i in results[name]["incidents"] if i["cause"] == cause]
@@ -110,7 +116,7 @@ def main() -> None:
     print()
     print(
         f"recovery: tiny model, 2 processes x 2 CPU devices, {args.steps} steps, "
-        f"checkpoint every {args.steps // 4}, step deadline {STEP_DEADLINE_S:g} s"
+        f"checkpoint every {args.steps // 4}, step deadline {step_deadline_s:g} s"
     )
     print("| measure | with caches | without | without / with |")
     print("| --- | --- | --- | --- |")

@@ -7,6 +7,7 @@ line. Prints tokens/s of both, their ratio (target >= 0.97) and CPU MFU against 
 matmul peak.
 
     python benchmarks/step_overhead.py [--steps 12] [--global-batch 1] [--seq-len 256] [--rounds 2]
+    python benchmarks/step_overhead.py --smoke   # a tiny model, 4 steps, 1 round: seconds
 
 The two loops alternate for --rounds rounds and each keeps its best round, so a burst of load
 from elsewhere on a shared machine does not decide the ratio.
@@ -27,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
+from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
 from msjax.config import load_config  # noqa: E402
 from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.observe.flops import flops_per_step, measure_cpu_peak_tflops  # noqa: E402
@@ -83,18 +85,23 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, 4 steps, 1 round")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.seq_len, args.rounds = 4, TINY_SEQ_LEN, 1
     config_overrides = [
         f"train.steps={args.steps}",
         f"train.global_batch={args.global_batch}",
         f"data.seq_len={args.seq_len}",
         "train.eval_every=0",
         "mesh.data=-1",
+        *(TINY_MODEL + TINY_CORPUS if args.smoke else []),
     ]
     config = load_config(REPO / "configs" / "small.yaml", config_overrides)
     config = resolve(config, jax.device_count(), jax.default_backend())
     print(
-        f"configs/small.yaml on 1 {jax.devices()[0].platform} device, "
+        f"configs/small.yaml{SMOKE_LABEL if args.smoke else ''} on 1 "
+        f"{jax.devices()[0].platform} device, "
         f"batch {args.global_batch} x seq {args.seq_len}, {args.steps} steps "
         f"({WARMUP_STEPS} left out)"
     )

@@ -235,25 +235,29 @@ def _check_observe(observe: ObserveConfig) -> None:
         )
 
 
+# Each phase's hang deadline (msjax/launch/fault_detection.py maps phases to them).
+PHASE_DEADLINE_KEYS = (
+    "step_deadline_s",
+    "compile_deadline_s",
+    "init_deadline_s",
+    "data_deadline_s",
+    "restore_deadline_s",
+    "checkpoint_deadline_s",
+)
+
+
 def _check_resilience(resilience: ResilienceConfig) -> None:
-    for key in (
-        "heartbeat_every_s",
-        "step_deadline_s",
-        "compile_deadline_s",
-        "init_deadline_s",
-        "data_deadline_s",
-        "restore_deadline_s",
-        "checkpoint_deadline_s",
-        "stop_grace_s",
-    ):
+    for key in ("heartbeat_every_s", *PHASE_DEADLINE_KEYS, "stop_grace_s"):
         value = getattr(resilience, key)
         if not value > 0:
             raise ConfigError(f"resilience.{key}={value} must be positive")
-    if resilience.heartbeat_every_s >= resilience.step_deadline_s:
-        raise ConfigError(
-            f"resilience.heartbeat_every_s={resilience.heartbeat_every_s} must be shorter than "
-            f"resilience.step_deadline_s={resilience.step_deadline_s}"
-        )
+    for key in PHASE_DEADLINE_KEYS:
+        # a heartbeat as rare as a deadline makes a busy rank look hung between two beats
+        if resilience.heartbeat_every_s >= getattr(resilience, key):
+            raise ConfigError(
+                f"resilience.heartbeat_every_s={resilience.heartbeat_every_s} must be shorter "
+                f"than resilience.{key}={getattr(resilience, key)} (and every phase deadline)"
+            )
     if resilience.restart_backoff_s < 0:
         raise ConfigError(
             f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"

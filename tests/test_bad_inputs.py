@@ -110,6 +110,17 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.train", ["run.dir={tmp}/run_link"], "metrics.jsonl is a symbolic link"),
     ("msjax.launch", ["--", "run.dir={tmp}/run_link"], "metrics.jsonl is a symbolic link"),
     ("msjax.report", ["{tmp}/run_link"], "metrics.jsonl: it is a symbolic link"),
+    # heartbeats: more often than every phase's hang deadline
+    (
+        "msjax.train",
+        ["resilience.heartbeat_every_s=5", "resilience.data_deadline_s=2"],
+        "resilience.heartbeat_every_s=5.0 must be shorter than resilience.data_deadline_s=2.0",
+    ),
+    (
+        "msjax.launch",
+        ["--", "resilience.heartbeat_every_s=5", "resilience.restore_deadline_s=5"],
+        "resilience.heartbeat_every_s=5.0 must be shorter than resilience.restore_deadline_s=5.0",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

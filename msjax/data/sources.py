@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from msjax.config import DataConfig, SourceConfig
+from msjax.data.progress import report_progress
 from msjax.data.stdlib_corpus import is_eval_document, select_stdlib_documents
-from msjax.data.text_files import decode_utf8, text_documents
+from msjax.data.text_files import TextPieces, decode_utf8, text_documents
 from msjax.data.token_store import (
     TokenStore,
     TokenStoreWriter,
@@ -34,13 +35,18 @@ from msjax.data.tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_spec,
 from msjax.errors import MsjaxError
 
 # Bump when what a cached store holds for the same inputs changes (document rule, EOS placement).
-FORMAT_VERSION = 1
+# 2: documents over TOKENIZE_PIECE_CHARS are tokenized in pieces that end at line ends.
+FORMAT_VERSION = 2
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 TOKEN_SUFFIXES = (".bin", ".npy")
 _SCAN_CHUNK_TOKENS = 2**24  # vocabulary check of token files: 32-64 MiB of memmap at a time
 _HASH_CHUNK_BYTES = 2**20
+# A long document (a large .txt is one) is tokenized in pieces, each reported as progress, so
+# one file is never minutes without a heartbeat; pieces end after a newline where there is one.
+TOKENIZE_PIECE_CHARS = 2**20
 
 Report = Callable[[str], None]
+Document = tuple[bool, str | bytes | TextPieces, int]  # held out, its text, sequences replaced
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ def _text_source(
     }
     files_facts = [{"path": relative, "sha256": sha256} for relative, sha256 in hashes]
 
-    def documents() -> Iterator[tuple[bool, str | bytes, int]]:
+    def documents() -> Iterator[Document]:
         for path, relative in files:
             replaced_in_file = 0
             for index, text, replaced in text_documents(path, source.text_field):
@@ -213,7 +219,7 @@ def _stdlib_source(
     # deliberately not UTF-8, and their bytes stay exact.
     raw_bytes = isinstance(tokenizer, ByteTokenizer)
 
-    def documents() -> Iterator[tuple[bool, str | bytes, int]]:
+    def documents() -> Iterator[Document]:
         for relative, _, _ in listing:
             raw = (root / relative).read_bytes()
             held_out = is_eval_document(relative, data.eval_fraction)
@@ -235,7 +241,7 @@ def _cached_streams(
     label: str,
     key: dict[str, Any],
     facts: dict[str, Any],
-    documents: Callable[[], Iterator[tuple[bool, str | bytes, int]]],
+    documents: Callable[[], Iterator[Document]],
     tokenizer: Tokenizer,
     cache_dir: Path,
     report: Report,
@@ -274,7 +280,7 @@ def _cached_streams(
 def _build_stores(
     label: str,
     facts: dict[str, Any],
-    documents: Callable[[], Iterator[tuple[bool, str | bytes, int]]],
+    documents: Callable[[], Iterator[Document]],
     tokenizer: Tokenizer,
     train_path: Path,
     eval_path: Path,
@@ -287,7 +293,8 @@ def _build_stores(
         for held_out, text, replaced_in_text in documents():
             replaced += replaced_in_text
             writer = held if held_out else train
-            writer.append(tokenizer.encode(text))
+            for piece in document_pieces(text, TOKENIZE_PIECE_CHARS):
+                writer.append(tokenizer.encode(piece))
             writer.append(eos)
             counts["eval" if held_out else "train"] += 1
         if not counts["eval"] and not counts["train"]:
@@ -312,6 +319,22 @@ def _build_stores(
     return train_store, evaluation_store, built_facts
 
 
+def document_pieces(text: str | bytes | TextPieces, piece_chars: int) -> Iterator[str | bytes]:
+    """text in consecutive pieces of about piece_chars, each ending after a newline where the
+    piece holds one (a cut inside a line would change a subword tokenizer's tokens there); a .txt
+    file's text comes in such pieces already."""
+    if isinstance(text, tuple):
+        yield from text
+        return
+    newline = "\n" if isinstance(text, str) else b"\n"
+    start = 0
+    while len(text) - start > piece_chars:
+        end = text.rfind(newline, start, start + piece_chars) + 1 or start + piece_chars
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
 def _file_sha256(path: Path, cache_dir: Path) -> str:
     """sha256 of path's content, remembered by (path, size, mtime, inode) to skip re-reading."""
     stat = path.stat()
@@ -325,6 +348,7 @@ def _file_sha256(path: Path, cache_dir: Path) -> str:
     with path.open("rb") as file:
         while chunk := file.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
+            report_progress(len(chunk))
     write_atomically(memo, digest.hexdigest().encode())
     return digest.hexdigest()
 
@@ -344,6 +368,7 @@ def _token_file_source(
     for path, relative in files:
         whole = open_token_file(path, source.token_dtype)
         all_checks_cached &= _check_token_ids(whole, vocab_size, cache_dir)
+        report_progress(1)  # a file checked, even when its check was cached
         # The tail of each file is held out: token files carry no document boundaries we know.
         eval_tokens = int(whole.num_tokens * data.eval_fraction)
         split = whole.stop - eval_tokens
@@ -385,7 +410,9 @@ def _check_token_ids(store: TokenStore, vocab_size: int, cache_dir: Path) -> boo
     tokens = store.tokens()
     for chunk_start in range(0, tokens.size, _SCAN_CHUNK_TOKENS):
         chunk = tokens[chunk_start : chunk_start + _SCAN_CHUNK_TOKENS]
-        if int(chunk.max()) >= vocab_size:
+        maximum = int(chunk.max())
+        report_progress(chunk.nbytes)
+        if maximum >= vocab_size:
             offset = chunk_start + int(np.argmax(chunk >= vocab_size))
             raise MsjaxError(
                 f"{store.path}: token id {int(tokens[offset])} at token offset {offset} is not "

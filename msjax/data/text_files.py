@@ -3,24 +3,34 @@ per record), decoded as UTF-8 with each undecodable sequence replaced and counte
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from msjax.data.progress import report_progress
 from msjax.data.tokenizer import INSTALL_HINT
 from msjax.errors import MsjaxError
 
+READ_CHUNK_BYTES = 2**20  # a .txt is read and decoded this much at a time, each reported
+_REPLACEMENT_UTF8 = b"\xef\xbf\xbd"  # U+FFFD as it appears in the input
 
-def text_documents(path: Path, text_field: str) -> Iterator[tuple[int, str, int]]:
+
+# A .txt document is its text in consecutive pieces, each ending after a line end where it
+# holds one: a large file is read, decoded and tokenized piece by piece, never as one string.
+TextPieces = tuple[str, ...]
+
+
+def text_documents(path: Path, text_field: str) -> Iterator[tuple[int, str | TextPieces, int]]:
     """(document index, text, undecodable sequences replaced) of each non-empty document."""
     name = path.name.lower()
     if path.stat().st_size == 0:
         raise MsjaxError(f"{path}: empty file; a data source file needs at least one document")
     if name.endswith(".txt"):
-        text, replaced = decode_utf8(path.read_bytes())
-        records: Iterator[tuple[int, str, int]] = iter([(0, text, replaced)])
+        text, replaced = _read_text_file(path)
+        records: Iterator[tuple[int, str | TextPieces, int]] = iter([(0, text, replaced)])
     elif name.endswith(".parquet"):
         records = _parquet_records(path, text_field)
     else:
@@ -94,6 +104,34 @@ def _parquet_records(path: Path, text_field: str) -> Iterator[tuple[int, str, in
                 raise MsjaxError(f"{path}: column {text_field!r} holds {type(value).__name__}")
             yield index, value, replaced
             index += 1
+
+
+def _read_text_file(path: Path) -> tuple[TextPieces, int]:
+    """The file's text as decode_utf8 would give it whole, read and decoded a chunk at a time
+    (each reported as progress) into pieces of about READ_CHUNK_BYTES; a sequence split between
+    two chunks decodes as it would whole."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces: list[str] = []
+    pending, replaced, tail = "", 0, b""
+    with path.open("rb") as file:
+        while chunk := file.read(READ_CHUNK_BYTES):
+            decoded = decoder.decode(chunk)
+            # tail: the last 2 bytes before, so a U+FFFD of the input across chunks counts once
+            replaced += decoded.count("\ufffd") - (tail + chunk).count(_REPLACEMENT_UTF8)
+            tail = chunk[-2:]
+            pending += decoded
+            cut = pending.rfind("\n") + 1 or (
+                len(pending) if len(pending) >= READ_CHUNK_BYTES else 0
+            )
+            if cut:
+                pieces.append(pending[:cut])
+                pending = pending[cut:]
+            report_progress(len(chunk))
+    decoded = decoder.decode(b"", final=True)
+    pending += decoded
+    if pending:
+        pieces.append(pending)
+    return tuple(pieces), replaced + decoded.count("\ufffd")
 
 
 def decode_utf8(raw: bytes) -> tuple[str, int]:

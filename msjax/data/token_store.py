@@ -2,7 +2,7 @@
 
 Stores are written atomically (`TokenStoreWriter`; a JSON sidecar marks them complete) and found
 again (`open_token_store`); `open_token_file` reads a user's .bin or .npy in place. Writers report
-their progress to `write_progress` listeners; `remove_abandoned_writes` clears a killed writer's.
+the tokens they write (msjax/data/progress.py); `remove_abandoned_writes` clears a killed writer's.
 """
 
 from __future__ import annotations
@@ -12,28 +12,17 @@ import json
 import os
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from msjax.data.progress import report_progress
+from msjax.data.progress import write_progress as write_progress  # where callers found it
 from msjax.errors import MsjaxError
 
 TOKEN_DTYPES = ("uint16", "uint32")
-_progress_listeners: list[Callable[[int], None]] = []  # called with tokens written so far
-
-
-@contextlib.contextmanager
-def write_progress(listener: Callable[[int], None]) -> Iterator[None]:
-    """Within the block, every TokenStoreWriter of this process reports its tokens written
-    (a heartbeat uses it: tokenizing a large corpus is slow, not stuck)."""
-    _progress_listeners.append(listener)
-    try:
-        yield
-    finally:
-        _progress_listeners.remove(listener)
 
 
 def _writer_prefix(path: Path) -> str:
@@ -145,8 +134,7 @@ class TokenStoreWriter:
         ids = np.asarray(ids)
         self._file.write(ids.astype(self.dtype, copy=False).tobytes())
         self.num_tokens += ids.size
-        for listener in _progress_listeners:
-            listener(self.num_tokens)
+        report_progress(ids.size)
 
     def commit(self, metadata: dict[str, Any]) -> TokenStore:
         """Publish the store, then its sidecar (dtype, num_tokens, metadata), each atomically."""

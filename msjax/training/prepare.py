@@ -252,7 +252,8 @@ def read_data_watched(
     config: Config, run_dir: RunDir, job: JobEnv, message: Callable[[str], None]
 ) -> TrainingData:
     """The corpus, read or tokenized; under msjax.launch with a heartbeat in phase `data` that
-    reports the tokens written, so a large corpus counts as progress, not as a hang."""
+    reports every long step's work (bytes hashed and read, token files scanned, tokens written),
+    so a large corpus counts as progress, not as a hang."""
     import jax
 
     if not job.launched:
