@@ -95,7 +95,7 @@ def _integer(hf: dict[str, Any], key: str, where: str, default: int | None = Non
 
 def _boolean(hf: dict[str, Any], key: str, where: str, default: bool) -> bool:
     """A true/false field of config.json (the string "false" is not false, nor true)."""
-    value = hf.get(key, default)
+    value = default if hf.get(key) is None else hf[key]
     if not isinstance(value, bool):
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be true or false"
@@ -105,7 +105,7 @@ def _boolean(hf: dict[str, Any], key: str, where: str, default: bool) -> bool:
 
 def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
     """A finite positive number field of config.json."""
-    value = hf.get(key, default)
+    value = default if hf.get(key) is None else hf[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a finite "
@@ -136,7 +136,8 @@ def model_fields_from_llama(hf: Any, where: str) -> dict[str, Any]:
         raise ConfigError(
             f"{where}: rope_type={rope_type!r} is not accepted; msjax has plain RoPE (default)"
         )
-    theta = _number(hf if "rope_theta" in hf else rope, "rope_theta", where, default=10000.0)
+    theta_from = hf if hf.get("rope_theta") is not None else rope  # transformers 4.x, else 5.x
+    theta = _number(theta_from, "rope_theta", where, default=10000.0)
     embed = _integer(hf, "hidden_size", where)
     heads = _integer(hf, "num_attention_heads", where)
     if hf.get("head_dim") is None and embed < heads:
@@ -182,16 +183,17 @@ def weight_file_names(directory: Path) -> list[str]:
         weight_map = None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index} is not a JSON object with a weight_map of tensor: file name")
-    names = set(weight_map.values())
-    for name in sorted(names, key=str):
+    for name in weight_map.values():
         plain = isinstance(name, str) and name not in ("", ".", "..")
         if not plain or "/" in name or "\\" in name or "\0" in name:
             raise ConfigError(
                 f"{index}: weight_map names {json.dumps(name)}; each entry must be a plain file "
                 f"name inside {directory} (no separators, no '..', not absolute)"
             )
+    names = sorted(set(weight_map.values()))
+    for name in names:
         _check_regular_file(directory, name, f"{index}: weight_map names")
-    return sorted(names)
+    return names
 
 
 def _check_regular_file(directory: Path, name: str, context: str) -> None:
