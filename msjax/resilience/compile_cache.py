@@ -183,7 +183,7 @@ def signing_key() -> bytes | None:
 def _make_key(folder: Path, path: Path) -> None:
     """A new random key at path, atomically (never replacing one another process made)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    partial = folder / f".{KEY_FILE}.{os.getpid()}.tmp"
+    partial = folder / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     with os.fdopen(os.open(partial, flags, 0o600), "wb") as file:
         file.write(secrets.token_bytes(32))
