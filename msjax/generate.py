@@ -7,6 +7,7 @@ printed as it is produced and the decoding speed at the end.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, ModelConfig
+from msjax.config_checks import MAX_SEED
 from msjax.errors import MsjaxError
 
 
@@ -115,7 +117,12 @@ def _parse(argv: Sequence[str] | None) -> Any:
     parser.add_argument("run_dir", help="RUN_DIR, RUN_DIR/checkpoints or .../checkpoints/STEP")
     parser.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="with the prompt, at most the data.seq_len the model was trained on",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
     parser.add_argument("--top-p", type=float, default=1.0, help="1: no nucleus cut")
@@ -129,9 +136,39 @@ def _parse(argv: Sequence[str] | None) -> Any:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise MsjaxError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise MsjaxError("--temperature and --top-k must be >= 0, and --top-p in (0, 1]")
+    if not 0 <= args.temperature < math.inf:  # inf would sample padding ids, NaN token 0
+        raise MsjaxError(f"--temperature={args.temperature} must be finite and >= 0 (0: greedy)")
+    if args.top_k < 0:
+        raise MsjaxError(f"--top-k={args.top_k} must be 0 (no cut) or in [1, vocabulary size]")
+    if not 0 < args.top_p <= 1:
+        raise MsjaxError(f"--top-p={args.top_p} must be in (0, 1]")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise MsjaxError(f"--seed={args.seed} must be in [0, {MAX_SEED}]")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach argv as lone surrogates
+        raise MsjaxError("--prompt is not UTF-8 text; give the prompt in UTF-8") from None
     return args
+
+
+def check_fits(args: Any, prompt_tokens: int, vocab: int, trained_positions: int) -> None:
+    """MsjaxError unless --top-k is within the vocabulary and the prompt plus the new tokens fit
+    the positions the model was trained on (its data.seq_len, the export's
+    max_position_embeddings): the KV cache is allocated for all of them at once."""
+    if args.top_k > vocab:
+        raise MsjaxError(
+            f"--top-k={args.top_k} is more than the {vocab} tokens of the vocabulary; give 0 (no "
+            f"cut) or a value in [1, {vocab}]"
+        )
+    total = prompt_tokens + args.max_new_tokens
+    if total > trained_positions:
+        room = trained_positions - prompt_tokens
+        hint = f"give --max-new-tokens <= {room}" if room > 0 else "give a shorter prompt"
+        raise MsjaxError(
+            f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens={args.max_new_tokens} is "
+            f"{total} tokens, past the {trained_positions} positions the model was trained on "
+            f"(data.seq_len); {hint}"
+        )
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -149,6 +186,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     prompt = [int(i) for i in tokenizer.encode(args.prompt)]
     if not prompt:
         raise MsjaxError("--prompt is empty; give some text to continue")
+    vocab = min(tokenizer.vocab_size, config.model.vocab_size)
+    check_fits(args, len(prompt), vocab, config.data.seq_len)
     import jax
 
     mesh = None
@@ -161,7 +200,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     config = dataclasses.replace(config, model=model)
     params = load_run_params(checkpointer, step, config, mesh).params
     checkpointer.close()
-    generator = Generator(model, params, min(tokenizer.vocab_size, model.vocab_size))
+    generator = Generator(model, params, vocab)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
     sys.stdout.write(args.prompt)

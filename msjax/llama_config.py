@@ -1,13 +1,17 @@
-"""The model section as a Hugging Face Llama `config.json` and back, and what cannot cross.
+"""The model section as a Hugging Face Llama `config.json` and back, what cannot cross, and
+which weight files such a directory names (plain file names inside it, nothing else).
 
-Plain data, no arrays: `msjax.resolve` fills or checks `model` against the directory named by
-`model.init_from`, and the export writes the same mapping the other way.
+No arrays: `msjax.resolve` fills or checks `model` against the directory named by
+`model.init_from` (and opens its weight files' headers), and the export writes the other way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,8 @@ from msjax.errors import ConfigError
 
 HF_PREFIX = "hf:"
 CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def unsupported_by_llama(model: ModelConfig) -> str | None:
@@ -73,47 +79,152 @@ def hf_directory(init_from: str) -> Path:
     return path
 
 
-def model_fields_from_llama(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """ModelConfig keys from a config.json; ConfigError naming what msjax cannot represent."""
+def _integer(hf: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """A positive integer field of config.json (a float, a bool or a string is refused)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"{where}: {CONFIG_FILE} has no {key} (a Llama config has)")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a positive integer"
+        )
+    return value
+
+
+def _boolean(hf: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    """A true/false field of config.json (the string "false" is not false, nor true)."""
+    value = default if hf.get(key) is None else hf[key]
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be true or false"
+        )
+    return value
+
+
+def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
+    """A finite positive number field of config.json."""
+    value = default if hf.get(key) is None else hf[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a finite "
+            "positive number"
+        )
+    return float(value)
+
+
+def model_fields_from_llama(hf: Any, where: str) -> dict[str, Any]:
+    """ModelConfig keys from a config.json, each type-checked; ConfigError naming what msjax
+    cannot represent or what is not a valid value."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE} is not a JSON object")
     model_type = hf.get("model_type")
     if model_type != "llama":
         raise ConfigError(f"{where}: model_type={model_type!r} is not accepted; only llama")
-    refusals = {
-        "hidden_act": ("silu", hf.get("hidden_act", "silu")),
-        "attention_bias": (False, bool(hf.get("attention_bias", False))),
-        "mlp_bias": (False, bool(hf.get("mlp_bias", False))),
-    }
-    for key, (accepted, value) in refusals.items():
-        if value != accepted:
-            raise ConfigError(f"{where}: {key}={value} is not accepted; msjax needs {accepted}")
+    hidden_act = hf.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ConfigError(f"{where}: hidden_act={hidden_act!r} is not accepted; msjax needs silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if _boolean(hf, key, where, default=False):
+            raise ConfigError(f"{where}: {key}=true is not accepted; msjax needs false")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE}'s rope parameters are not a JSON object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ConfigError(
             f"{where}: rope_type={rope_type!r} is not accepted; msjax has plain RoPE (default)"
         )
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    heads = hf["num_attention_heads"]
-    fields = {
-        "vocab_size": hf["vocab_size"],
-        "num_layers": hf["num_hidden_layers"],
-        "embed_dim": hf["hidden_size"],
+    theta_from = hf if hf.get("rope_theta") is not None else rope  # transformers 4.x, else 5.x
+    theta = _number(theta_from, "rope_theta", where, default=10000.0)
+    embed = _integer(hf, "hidden_size", where)
+    heads = _integer(hf, "num_attention_heads", where)
+    if hf.get("head_dim") is None and embed < heads:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has hidden_size={embed} < num_attention_heads={heads} and "
+            "no head_dim; each head needs at least one dimension"
+        )
+    return {
+        "vocab_size": _integer(hf, "vocab_size", where),
+        "num_layers": _integer(hf, "num_hidden_layers", where),
+        "embed_dim": embed,
         "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp_dim": hf["intermediate_size"],
-        "rope_theta": float(theta),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tied_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "num_kv_heads": _integer(hf, "num_key_value_heads", where, default=heads),
+        "head_dim": _integer(hf, "head_dim", where, default=embed // heads),
+        "mlp_dim": _integer(hf, "intermediate_size", where),
+        "rope_theta": theta,
+        "norm_eps": _number(hf, "rms_norm_eps", where, default=1e-6),
+        "tied_embeddings": _boolean(hf, "tie_word_embeddings", where, default=False),
         "parallel_block": False,
         "attention_window": None,
     }
-    return fields
 
 
 def read_llama_config(directory: Path) -> dict[str, Any]:
     """The config.json of a Hugging Face directory."""
     return json.loads((directory / CONFIG_FILE).read_text())
+
+
+def weight_file_names(directory: Path) -> list[str]:
+    """The safetensors files holding the weights: model.safetensors, or every file the index's
+    weight_map names. MsjaxError unless each is a plain file name (no separator, no `..`, not
+    absolute) of a regular file in the directory: an index never reaches outside it."""
+    index = directory / INDEX_FILE
+    if not index.exists():
+        if not (directory / SINGLE_FILE).exists():
+            raise ConfigError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        _check_regular_file(directory, SINGLE_FILE, f"{directory}:")
+        return [SINGLE_FILE]
+    _check_regular_file(directory, INDEX_FILE, f"{directory}:")
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (ValueError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index} is not a JSON object with a weight_map of tensor: file name")
+    for name in weight_map.values():
+        plain = isinstance(name, str) and name not in ("", ".", "..")
+        if not plain or "/" in name or "\\" in name or "\0" in name:
+            raise ConfigError(
+                f"{index}: weight_map names {json.dumps(name)}; each entry must be a plain file "
+                f"name inside {directory} (no separators, no '..', not absolute)"
+            )
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        _check_regular_file(directory, name, f"{index}: weight_map names")
+    return names
+
+
+def _check_regular_file(directory: Path, name: str, context: str) -> None:
+    """MsjaxError unless directory/name is a regular file (a link to one counts: the Hugging Face
+    hub's snapshots link to their blobs); a FIFO or a device would block or never end."""
+    path = directory / name
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{context} {name}, which is not in {directory}") from None
+    except OSError as error:
+        raise ConfigError(f"{context} {name}, which cannot be read: {error.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{context} {path}, which is not a regular file; give a weight file")
+
+
+def open_weight_files(directory: Path) -> dict[str, Any]:
+    """file name -> a safetensors handle (header read, no tensor data) for each weight file;
+    MsjaxError naming the file that safetensors cannot read."""
+    from safetensors import SafetensorError, safe_open
+
+    handles = {}
+    for name in weight_file_names(directory):
+        try:
+            handles[name] = safe_open(str(directory / name), framework="np")
+        except (SafetensorError, OSError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ConfigError(
+                f"{directory / name} is not a readable safetensors file: {reason}"
+            ) from None
+    return handles
 
 
 def model_from_init(config: Config) -> Config:
@@ -124,11 +235,13 @@ def model_from_init(config: Config) -> Config:
     directory = hf_directory(model.init_from)
     where = f"model.init_from={model.init_from}"
     try:
-        fields = model_fields_from_llama(read_llama_config(directory), where)
-    except KeyError as missing:
-        raise ConfigError(f"{where}: {CONFIG_FILE} has no {missing} (a Llama config has)") from None
+        hf = read_llama_config(directory)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: {CONFIG_FILE} is not UTF-8") from None
     except ValueError:
         raise ConfigError(f"{where}: {CONFIG_FILE} is not valid JSON") from None
+    fields = model_fields_from_llama(hf, where)
+    open_weight_files(directory)  # before any run dir: a bad weight file is refused here
     if model.from_hf:
         filled = dataclasses.replace(config, model=dataclasses.replace(model, **fields))
         validate(filled)  # the checks the loaded config passed, now on the filled model

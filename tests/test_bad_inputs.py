@@ -121,6 +121,37 @@ CASES: list[tuple[str, list[str], str]] = [
         ["--", "resilience.heartbeat_every_s=5", "resilience.restore_deadline_s=5"],
         "resilience.heartbeat_every_s=5.0 must be shorter than resilience.restore_deadline_s=5.0",
     ),
+    # files someone hands msjax: Hugging Face directories, generation inputs, export targets
+    (
+        "msjax.train",
+        ["model.init_from=hf:{tmp}/hf_half_layer", "model.from_hf=true"],
+        "num_hidden_layers=2.5; it must be a positive integer",
+    ),
+    (
+        "msjax.train",
+        ["model.init_from=hf:{tmp}/hf_fifo", "model.from_hf=true"],
+        "which is not a regular file",
+    ),
+    (
+        "msjax.launch",
+        ["--", "model.init_from=hf:{tmp}/hf_escape", "model.from_hf=true"],
+        'weight_map names "../outside.safetensors"; each entry must be a plain file name',
+    ),
+    (
+        "msjax.launch",
+        ["--", "model.init_from=hf:{tmp}/hf_string_bool", "model.from_hf=true"],
+        'tie_word_embeddings="false"; it must be true or false',
+    ),
+    ("msjax.generate", ["{tmp}/foreign", "--prompt", "x", "--temperature", "inf"], "finite"),
+    ("msjax.generate", ["{tmp}/foreign", "--prompt", "x", "--temperature", "nan"], "finite"),
+    (
+        "msjax.generate",
+        ["{tmp}/foreign", "--prompt", "x", "--seed", "4294967296"],
+        "--seed=4294967296 must be in [0, 4294967295]",
+    ),
+    ("msjax.generate", ["{tmp}/foreign", "--prompt", "x", "--top-k", "-3"], "--top-k=-3 must be"),
+    ("msjax.generate", ["{tmp}/foreign", "--prompt", "caf\udce9"], "--prompt is not UTF-8"),
+    ("msjax.hf", ["export", "{tmp}/foreign", "{tmp}/link_out"], "is a symbolic link"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {
@@ -189,6 +220,30 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     (tmp / "run_foreign_config" / "config.yaml").write_text("services: {web: {image: nginx}}\n")
     (tmp / "run_link").mkdir()
     (tmp / "run_link" / "metrics.jsonl").symlink_to(tmp / "a_file")
+    llama = {
+        "model_type": "llama",
+        "vocab_size": 264,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    }
+    hf_dirs = {
+        "hf_half_layer": ({"num_hidden_layers": 2.5}, None),
+        "hf_string_bool": ({"tie_word_embeddings": "false"}, None),
+        "hf_escape": ({}, "../outside.safetensors"),
+        "hf_fifo": ({}, "weights.safetensors"),
+    }
+    for name, (change, weight_file) in hf_dirs.items():
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps({**llama, **change}))
+        if weight_file is not None:
+            index = {"weight_map": {"model.embed_tokens.weight": weight_file}}
+            (tmp / name / "model.safetensors.index.json").write_text(json.dumps(index))
+    os.mkfifo(tmp / "hf_fifo" / "weights.safetensors")
+    (tmp / "link_out").symlink_to(tmp / "no_export_here")
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -284,6 +339,6 @@ def test_the_table_covers_every_command() -> None:
     commands = {command for command, _, _ in CASES}
     commands |= {module.replace("planner.", "") for module in IN_ONE_INTERPRETER}
     assert commands == {f"msjax.{name}" for name in (
-        "train", "launch", "checkpoint", "report", "flops", "plan", "sweep"
+        "train", "launch", "checkpoint", "report", "flops", "plan", "sweep", "generate", "hf"
     )}  # fmt: skip
     assert len(CASES) + sum(map(len, IN_ONE_INTERPRETER.values())) >= 25

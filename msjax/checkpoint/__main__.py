@@ -80,15 +80,20 @@ def inspect_checkpoint(path: Path) -> list[str]:
     meta = checkpointer.metadata(step)
     arrays = checkpointer.array_metadata(step)
     checkpointer.close()
-    lines = [
-        f"checkpoint {path}",
-        f"step {meta['step']}; next data step {meta['data']['next_step']} "
-        f"({meta['data']['samples_seen']} samples seen); seed {meta['seed']}; "
-        f"msjax {meta.get('msjax_version', '?')}",
-        "config:",
-        *("  " + line for line in yaml.safe_dump(meta["config"], sort_keys=False).splitlines()),
-        "arrays:",
-    ]
+    try:
+        lines = [
+            f"checkpoint {path}",
+            f"step {meta['step']}; next data step {meta['data']['next_step']} "
+            f"({meta['data']['samples_seen']} samples seen); seed {meta['seed']}; "
+            f"msjax {meta.get('msjax_version', '?')}",
+            "config:",
+            *("  " + line for line in yaml.safe_dump(meta["config"], sort_keys=False).splitlines()),
+            "arrays:",
+        ]
+    except (KeyError, TypeError) as missing:  # an old or hand-made record, sealed but partial
+        raise MsjaxError(
+            f"checkpoint {path}: its record has no {missing} (msjax writes it)"
+        ) from None
     import jax
 
     from msjax.checkpoint.fingerprint import leaf_name

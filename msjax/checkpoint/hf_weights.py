@@ -16,9 +16,8 @@ import numpy as np
 
 from msjax.config import ModelConfig
 from msjax.errors import MsjaxError
+from msjax.llama_config import INDEX_FILE, SINGLE_FILE, open_weight_files
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 2 * 1024**3  # a file past this size is split, with an index naming each tensor
 
 
@@ -124,38 +123,47 @@ def write_safetensors(
 
 
 class SafetensorsReader:
-    """Slices of the tensors of a Hugging Face directory, read without loading whole files."""
+    """Slices of the tensors of a Hugging Face directory, read without loading whole files; only
+    the weight files msjax.llama_config accepts (plain names inside the directory) are opened."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
-        index = directory / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (directory / SINGLE_FILE).is_file():
-            weight_map = None
-        else:
-            raise MsjaxError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._files: dict[str, Any] = {}
+        self._files = open_weight_files(directory)
         self._file_of: dict[str, str] = {}
-        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
-        for file_name in files:
-            handle = safe_open(str(directory / file_name), framework="np")
-            self._files[file_name] = handle
+        for file_name, handle in self._files.items():
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
                 self._file_of[name] = file_name
         self.directory = directory
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return tuple(self._reading(name, lambda tensor: tensor.get_shape()))
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        return np.asarray(self._slice(name)[index])
+        """The slice as float32 (bfloat16 or float16 files too); MsjaxError if it holds a NaN or
+        an infinity (a model that starts non-finite would only ever train to NaN)."""
+        stored = np.asarray(self._reading(name, lambda tensor: tensor[index]))
+        values = stored.astype(np.float32, copy=False)
+        if not np.isfinite(values).all():
+            where = self.directory / self._file_of[name]
+            raise MsjaxError(
+                f"{where}: tensor {name} holds non-finite values (NaN or infinity); "
+                "give finite weights"
+            )
+        return values
 
-    def _slice(self, name: str) -> Any:
+    def _reading(self, name: str, read: Callable[[Any], Any]) -> Any:
+        """read(the tensor's slice handle), with safetensors' errors naming the file."""
+        from safetensors import SafetensorError
+
         if name not in self._file_of:
             raise MsjaxError(f"{self.directory} has no tensor {name} (a Llama model has it)")
-        return self._files[self._file_of[name]].get_slice(name)
+        file_name = self._file_of[name]
+        try:
+            return read(self._files[file_name].get_slice(name))
+        except (SafetensorError, OSError, ValueError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise MsjaxError(
+                f"{self.directory / file_name}: tensor {name} cannot be read: {reason}"
+            ) from None
 
 
 def _bounds(index: slice, size: int) -> tuple[int, int]:
@@ -215,7 +223,7 @@ def slice_reader(
         ]
         return np.stack(layers)
 
-    return lambda index: read(index).astype(np.float32)  # bfloat16 or float16 files too
+    return read
 
 
 def load_params(directory: Path, model: ModelConfig, shardings: dict[str, Any]) -> dict[str, Any]:

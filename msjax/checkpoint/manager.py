@@ -503,9 +503,13 @@ class Checkpointer:
         self.restore(step, abstract)
 
     def metadata(self, step: int) -> dict[str, Any]:
-        """The meta JSON of one step, without reading any array."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=_MetaRestore()))
-        return dict(restored.meta)
+        """The meta JSON of one step, without reading any array; MsjaxError if it is garbled."""
+        path = self.directory / str(step)
+        raw = (path / "meta" / META_FILE).read_bytes()
+        problem = record_problem(raw)
+        if problem is not None:
+            raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
+        return json.loads(raw)
 
 
 def _restore_vote() -> ProcessVote | None:

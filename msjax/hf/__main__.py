@@ -1,12 +1,18 @@
-"""`python -m msjax.hf export RUN_DIR[/checkpoints/STEP] OUT_DIR [--dtype bfloat16]`."""
+"""`python -m msjax.hf export RUN_DIR[/checkpoints/STEP] OUT_DIR [--dtype bfloat16]`.
+
+Exit codes: 0 written; 2 a user mistake (one line); 74 OUT_DIR could not be written (disk full,
+I/O error; nothing is left there: free space and rerun).
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
+from msjax.resilience import exit_codes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,9 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     try:
         args = parser.parse_args(argv)
-        from msjax.hf.export import export_checkpoint
+        from msjax.hf.export import ExportWriteFailed, export_checkpoint
 
-        written = export_checkpoint(args.source, args.out_dir, args.dtype)
+        try:
+            written = export_checkpoint(args.source, args.out_dir, args.dtype)
+        except ExportWriteFailed as error:
+            print(f"msjax.hf: error: {error}", file=sys.stderr)
+            return exit_codes.WRITE_FAILED
     except MsjaxError as error:
         return user_error("msjax.hf", error)
     print(f"msjax.hf: wrote {args.out_dir} ({', '.join(written)})")

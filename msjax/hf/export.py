@@ -12,12 +12,18 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 
 from msjax.checkpoint.hf_weights import MAX_SHARD_BYTES, hf_tensors, write_safetensors
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
 from msjax.config import Config
 from msjax.errors import MsjaxError
 from msjax.llama_config import CONFIG_FILE, llama_config, unsupported_by_llama
+
+
+class ExportWriteFailed(Exception):
+    """OUT_DIR could not be written (a full disk, an I/O error): an infrastructure fault, not a
+    user mistake; the staging directory is removed, so no half-written export is left."""
 
 
 def tokenizer_files(config: Config) -> tuple[int | None, dict[str, bytes]]:
@@ -50,8 +56,13 @@ def export_checkpoint(
     """Write the checkpoint named by source into out_dir; the names of the files written."""
     import jax
 
+    if out_dir.is_symlink():  # its target is never written, nor the link replaced
+        raise MsjaxError(f"{out_dir} is a symbolic link; give a new or empty directory")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MsjaxError(f"{out_dir} exists and is not empty; give a new or empty directory")
+    for parent in out_dir.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise MsjaxError(f"{out_dir}: {parent} is a file, not a directory")
     checkpointer, step = checkpoint_source(source)
     config = saved_config(checkpointer, step)
     reason = unsupported_by_llama(config.model)
@@ -66,8 +77,11 @@ def export_checkpoint(
 
         host_params = jax.tree.map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16), host_params)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as error:
+        raise ExportWriteFailed(f"cannot write beside {out_dir}: {error.strerror}") from None
     try:
         written = write_safetensors(hf_tensors(host_params, config.model), staging, max_shard_bytes)
         files = {
@@ -84,6 +98,12 @@ def export_checkpoint(
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
+    except (OSError, SafetensorError) as error:  # a full disk, an I/O error: OUT_DIR not made
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise ExportWriteFailed(
+            f"writing {out_dir} failed ({reason}); nothing was left there, free space and rerun"
+        ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -132,6 +132,7 @@ def job_config(
 def main(argv: Sequence[str] | None = None) -> int:
     from msjax.data.sources import check_sources
     from msjax.launch.supervisor import JobLayout, Supervisor
+    from msjax.llama_config import model_from_init
     from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
     from msjax.run_lock import RunDirLock
 
@@ -161,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
         plan = plan_run_dir(config)  # another run's config there: refused before any worker
         check_sources(config.data)
+        model_from_init(config)  # a bad Hugging Face directory: refused before any run dir
         plan.path.mkdir(parents=True, exist_ok=True)
         # The job holds the lock (node 0's launcher), not its workers: restarts are not refused.
         if node_rank == 0:

@@ -1,13 +1,15 @@
 """Compilation caches, so a restarted worker loads its programs instead of compiling them again:
-JAX's persistent cache (set up before a process's first compilation) and, for the train step,
-one serialized executable per process, signed so that only what this user's msjax wrote loads."""
+JAX's persistent cache (this user's, never in a run dir) and, for the train step, one serialized
+executable per process, signed so that only what this user's msjax wrote loads."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
 import secrets
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,13 @@ from msjax.run_dir import RunDir
 
 ENTRY_MAGIC = b"msjax-signed-executable-v1\n"
 KEY_FILE = "compile_cache.key"  # in the user's msjax cache folder, never in a run dir
+JAX_CACHE_FOLDER = "jax_compile_cache"  # in the same folder: JAX's entries are native code
 
 
 def compile_cache_dir(resilience: ResilienceConfig, run_dir: Path, launched: bool) -> Path | None:
-    """The cache directory: compile_cache_dir if set, else RUN_DIR/compile_cache for a worker
-    started by msjax.launch (launched); None when off (a plain one-process run by default)."""
+    """The signed executables' directory: compile_cache_dir if set, else RUN_DIR/compile_cache
+    for a worker started by msjax.launch (launched); None when off (a plain one-process run by
+    default)."""
     if not resilience.compile_cache:
         return None
     if resilience.compile_cache_dir:
@@ -30,21 +34,57 @@ def compile_cache_dir(resilience: ResilienceConfig, run_dir: Path, launched: boo
     return RunDir(run_dir).compile_cache if launched else None
 
 
+def jax_cache_dir(resilience: ResilienceConfig) -> Path:
+    """JAX's persistent cache: compile_cache_dir if set, else in this user's msjax cache folder.
+    Never in a run dir: its entries are native code that JAX loads unsigned, and a run dir may
+    have been handed over (copied or unpacked, so owned by this user)."""
+    if resilience.compile_cache_dir:
+        return Path(resilience.compile_cache_dir)
+    return resolve_cache_dir(DataConfig()) / JAX_CACHE_FOLDER
+
+
 def enable_compile_cache(
     resilience: ResilienceConfig, run_dir: Path, launched: bool
 ) -> Path | None:
-    """Point JAX at the cache directory, caching every program however fast it compiled."""
+    """Point JAX at its cache directory, caching every program however fast it compiled; the
+    signed executables' directory, or None when off. Both must be this user's own folders that
+    no one else can write, or the cache is off (one line says why)."""
     import jax
 
     directory = compile_cache_dir(resilience, run_dir, launched)
     if directory is None:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory.absolute()))
+    native = jax_cache_dir(resilience)
+    for folder in dict.fromkeys((directory, native)):
+        problem = untrusted_folder(folder)
+        if problem is not None:
+            print(f"msjax: compile cache off: {problem}", file=sys.stderr)
+            return None
+    jax.config.update("jax_compilation_cache_dir", str(native.absolute()))
     # defaults skip programs compiled in under 1 s: a restart wants every one of them
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return directory
+
+
+def untrusted_folder(folder: Path) -> str | None:
+    """Why folder (made, private, if missing) is not safe for cache entries: not a directory,
+    owned by another user, or writable by others, who could plant entries; None if it is."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = folder.stat()
+    except OSError as error:
+        return f"{folder} cannot be made ({error.strerror})"
+    if not stat.S_ISDIR(status.st_mode):
+        return f"{folder} is not a directory"
+    if status.st_uid != os.getuid():
+        return f"{folder} belongs to user id {status.st_uid}, not this user ({os.getuid()})"
+    if status.st_mode & 0o022:
+        return (
+            f"{folder} is writable by others (mode {stat.S_IMODE(status.st_mode):o}); "
+            "chmod go-w it to cache there"
+        )
+    return None
 
 
 def compile_cached(lowered: Any, directory: Path | None, name: str) -> Any:
@@ -105,33 +145,56 @@ def read_signed(path: Path, key: bytes | None, name: str) -> bytes | None:
 
 def signing_key() -> bytes | None:
     """This user's secret for signing cache entries, made on first use (mode 0600) in the msjax
-    cache folder; None (no cache) if it cannot be made or others could have written it."""
+    cache folder; None (no cache, one line why) unless it is a regular file, reached without
+    following a symlink, owned by this user and readable by no one else."""
     folder = resolve_cache_dir(DataConfig())
     path = folder / KEY_FILE
     try:
-        if not path.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".{KEY_FILE}.{os.getpid()}.tmp"
-            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(secrets.token_bytes(32))
-                file.flush()
-                os.fsync(file.fileno())
-            try:
-                os.link(partial, path)  # atomic and never replaces a key another process made
-            except FileExistsError:
-                pass
-            finally:
-                partial.unlink()
-        status = path.stat()
-        if status.st_uid != os.getuid() or status.st_mode & 0o022:
-            print(f"msjax: {path} is not this user's own; compile cache off", file=sys.stderr)
-            return None
-        key = path.read_bytes()
+        if not os.path.lexists(path):
+            _make_key(folder, path)
+        # O_NOFOLLOW: a link planted in the folder is refused; O_NONBLOCK: a FIFO never blocks
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
-        print(f"msjax: no compile cache signing key ({error}); compile cache off", file=sys.stderr)
+        reason = "is a symbolic link" if error.errno == errno.ELOOP else f"({error.strerror})"
+        print(
+            f"msjax: compile cache signing key {path} {reason}; compile cache off", file=sys.stderr
+        )
         return None
-    return key if len(key) >= 32 else None
+    with os.fdopen(descriptor, "rb") as file:
+        status = os.fstat(file.fileno())
+        problem = None
+        if not stat.S_ISREG(status.st_mode):
+            problem = "is not a regular file"
+        elif status.st_uid != os.getuid():
+            problem = f"belongs to user id {status.st_uid}, not this user ({os.getuid()})"
+        elif status.st_mode & 0o077:
+            problem = f"can be read or written by others (mode {stat.S_IMODE(status.st_mode):o})"
+        key = file.read() if problem is None else b""
+    if problem is None and len(key) < 32:
+        problem = f"holds {len(key)} bytes, fewer than 32"
+    if problem is not None:
+        print(
+            f"msjax: compile cache signing key {path} {problem}; compile cache off", file=sys.stderr
+        )
+        return None
+    return key
+
+
+def _make_key(folder: Path, path: Path) -> None:
+    """A new random key at path, atomically (never replacing one another process made)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    partial = folder / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with os.fdopen(os.open(partial, flags, 0o600), "wb") as file:
+        file.write(secrets.token_bytes(32))
+        file.flush()
+        os.fsync(file.fileno())
+    try:
+        os.link(partial, path)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink()
 
 
 def _signature(key: bytes, name: str, payload: bytes) -> bytes:
