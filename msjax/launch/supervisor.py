@@ -210,7 +210,11 @@ class Supervisor:
             workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
         attempt = Attempt.started(number, workers)
         self.attempts.append(attempt)
-        ranks = f"ranks {workers[0].rank}-{workers[-1].rank}" if len(workers) > 1 else "rank 0"
+        ranks = (
+            f"ranks {workers[0].rank}-{workers[-1].rank}"
+            if len(workers) > 1
+            else f"rank {workers[0].rank}"
+        )
         self.say(
             f"attempt {number}: {len(workers)} workers ({ranks} of {layout.num_processes}), "
             f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}"
