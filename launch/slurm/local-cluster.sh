@@ -116,6 +116,8 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$dir/log/jobcomp.log
 SchedulerType=sched/backfill
+# schedule often: a requeued job starts as soon as it may (cred_expire + 1 s)
+SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # nodes may declare more CPUs than the host has
