@@ -189,7 +189,10 @@ class RunDir:
         return sorted(
             entry.name
             for entry in self.path.iterdir()
-            if entry.name not in own and not entry.name.startswith(PREVIOUS_PREFIX)
+            if entry.name not in own
+            and not entry.name.startswith(PREVIOUS_PREFIX)
+            # another node's launcher writing its file (write_text_atomically) right now
+            and not (entry.name.startswith(".") and entry.name[1:].rsplit(".tmp", 1)[0] in own)
         )
 
 

@@ -43,8 +43,6 @@ TIME_LIMIT_MIN = 3
 TIME_LIMIT_SIGNAL_S = 60
 END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
-pytestmark = [pytest.mark.slow, pytest.mark.slurm]
-
 
 def train_args(run_dir: Path, cache_dir: Path, steps: int = STEPS) -> list[str]:
     return [
@@ -373,6 +371,8 @@ def runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
                 process.wait()
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_two_node_job_trains_to_the_end_with_the_losses_of_the_same_job_launched_by_hand(runs):
     job = runs.jobs["clean"]
     assert job.final["JobState"] == "COMPLETED" and job.final["ExitCode"] == "0:0", job.output
@@ -389,6 +389,8 @@ def test_two_node_job_trains_to_the_end_with_the_losses_of_the_same_job_launched
     assert by_slurm == by_hand
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_preempted_job_saves_on_both_nodes_requeues_itself_and_resumes(runs):
     job = runs.jobs["faults"]
     first, second, _ = job.launches()  # node 0's launcher sessions: one per run of the job
@@ -406,6 +408,8 @@ def test_preempted_job_saves_on_both_nodes_requeues_itself_and_resumes(runs):
     assert "msjax: exit code 143; requeueing" in job.output
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_sigkilled_worker_ends_the_run_by_exit_code_and_the_requeued_job_finishes_bitwise(runs):
     job = runs.jobs["faults"]
     assert job.final["JobState"] == "COMPLETED" and job.final["ExitCode"] == "0:0", job.output
@@ -426,6 +430,8 @@ def test_sigkilled_worker_ends_the_run_by_exit_code_and_the_requeued_job_finishe
     assert after_faults == clean
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_one_record_across_requeues(runs):
     job = runs.jobs["faults"]
     run_dir = RunDir(job.run_dir)
@@ -461,18 +467,21 @@ def test_one_record_across_requeues(runs):
         assert f"attempt 0 on {launch['nodes']}: steps {launch['attempts'][0]['start_step']}-" in (
             report.stdout
         )
-    figures = runs.timelines["faults"]
-    first_step_after = requeues[0]["fault_unix_s"] + requeues[0]["restart_s"]
+    requeue = requeues[0]
+    preempted = runs.timelines["faults"].events["preempted"]
+    first_step_after = requeue["detected_unix_s"] + requeue["restart_s"]
     print(
-        f"\nfigures: preemption -> first step after requeue "
-        f"{first_step_after - figures.events['preempted']:.1f} s: Slurm "
-        f"{requeues[0]['scheduler_s']:.1f} s, msjax {requeues[0]['stop_s']:.1f} s stopping + "
-        f"{requeues[0]['restart_s'] - requeues[0]['scheduler_s']:.1f} s starting; effective "
-        f"training time {100 * goodput['effective_training_time_ratio']:.1f}% of "
-        f"{goodput['wall_s']:.0f} s; wall s per job {runs.wall_s}"
+        f"\nfigures: scancel -> first step after the requeue {first_step_after - preempted:.1f} s: "
+        f"signal delivery {requeue['fault_unix_s'] - preempted:.1f} s, msjax saving and stopping "
+        f"{requeue['stop_s']:.1f} s, Slurm requeue and start {requeue['scheduler_s']:.1f} s, "
+        f"msjax start-up to the first step {requeue['restart_s'] - requeue['scheduler_s']:.1f} s; "
+        f"effective training time {100 * goodput['effective_training_time_ratio']:.1f}% of "
+        f"{goodput['wall_s']:.0f} s ({goodput['breakdown_s']}); wall s per job {runs.wall_s}"
     )
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_user_error_is_not_requeued_and_its_one_line_is_in_the_job_output(runs):
     job = runs.jobs["user_error"]
     assert job.final["JobState"] == "FAILED" and job.final["ExitCode"] == "2:0", job.output
@@ -484,6 +493,8 @@ def test_user_error_is_not_requeued_and_its_one_line_is_in_the_job_output(runs):
     assert "msjax: exit code 2 is not worth a retry; not requeued" in output
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
 def test_time_limit_signal_saves_before_the_limit_and_requeues(runs):
     job = runs.jobs["time_limit"]
     first = job.launches()[0]
@@ -494,3 +505,59 @@ def test_time_limit_signal_saves_before_the_limit_and_requeues(runs):
     assert "DUE TO TIME LIMIT" not in job.output  # saved and left before Slurm's kill
     assert runs.timelines["time_limit"].facts["resumed_from_step"] == saved
     assert first["ended_unix_s"] - first["started_unix_s"] < TIME_LIMIT_MIN * 60
+
+
+def sbatch_with_stand_ins(tmp_path: Path, args: list[str], srun_output: str, srun_code: int):
+    """train.sbatch run by bash with stand-ins for srun (its output and code given) and
+    scontrol; returns the script's exit code, the srun command line and the script's output."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls"
+    calls.unlink(missing_ok=True)
+    (bin_dir / "srun").write_text(
+        f'#!/bin/sh\necho "srun $*" >> {calls}\nprintf "{srun_output}"\nexit {srun_code}\n'
+    )
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\n')
+    for stand_in in bin_dir.iterdir():
+        stand_in.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    done = subprocess.run(
+        ["bash", str(SBATCH_SCRIPT), *args], env=env, capture_output=True, text=True
+    )
+    lines = calls.read_text().splitlines()
+    srun = next(line for line in lines if line.startswith("srun "))
+    requeued = "scontrol requeue 42" in lines
+    return done.returncode, srun, done.stdout + done.stderr, requeued
+
+
+def test_sbatch_script_splits_launcher_options_from_trainer_arguments_at_the_double_dash(tmp_path):
+    _, srun, output, _ = sbatch_with_stand_ins(
+        tmp_path, ["--devices-per-proc", "2", "--", "--config", "c.yaml", "train.steps=5"], "", 0
+    )
+    assert srun.endswith("--nprocs 1 --devices-per-proc 2 -- --config c.yaml train.steps=5"), srun
+    assert "msjax: launcher options: --devices-per-proc 2" in output
+    assert "msjax: trainer arguments: --config c.yaml train.steps=5" in output
+    # without a --, every argument is the trainer's (today's submissions keep working)
+    _, srun, _, _ = sbatch_with_stand_ins(tmp_path, ["--config", "c.yaml"], "", 0)
+    assert srun.endswith("--nprocs 1 -- --config c.yaml"), srun
+    # GPUs are the allocation's: the script asks for none (a CPU cluster refuses a GPU request)
+    script = SBATCH_SCRIPT.read_text().splitlines()
+    directives = [line for line in script if line.startswith("#SBATCH")]
+    assert directives and not [line for line in directives if "gpu" in line.lower()]
+
+
+def test_sbatch_script_does_not_requeue_a_user_error_of_one_node_behind_srun_s_143(tmp_path):
+    """Node 0's launcher exits 2; srun stops node 1's (143) and reports the highest code."""
+    per_node = (
+        "msjax: node 0 (n1): msjax.launch exit code 2\\n"
+        "msjax: node 1 (n2): msjax.launch exit code 143\\n"
+    )
+    code, _, output, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node, 143
+    )
+    assert (code, requeued) == (2, False), output
+    assert "msjax: exit code 2 is not worth a retry; not requeued" in output
+    code, _, output, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node.replace("code 2", "code 5"), 143
+    )
+    assert (code, requeued) == (143, True), output
