@@ -261,8 +261,8 @@ def drive_time_limit(job: Job, timeline: Timeline) -> Callable[[], None]:
         if "cancelled" in timeline.events:
             return
         launches = job.launches()
-        if not launches:
-            return
+        if not launches or launches[0]["outcome"] == "stopping on SIGTERM":
+            return  # the first run is still saving
         record = job.heartbeat(0)
         if record is None or record.phase != "step":
             return

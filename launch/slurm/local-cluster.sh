@@ -44,7 +44,7 @@ running() {
 }
 
 free_ports() {  # N free TCP ports on 127.0.0.1
-    python3 - "$1" <<'EOF'
+    "$(command -v python3 || command -v python)" - "$1" <<'EOF'
 import socket, sys
 socks = [socket.socket() for _ in range(int(sys.argv[1]))]
 for s in socks:
