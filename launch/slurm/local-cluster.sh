@@ -9,7 +9,7 @@
 #
 # DIR: the argument, else MSJAX_SLURM_DIR, else /tmp/msjax-slurm. Needs Debian's slurm-wlm and
 # munge (apt-get install slurm-wlm munge), whose slurmd runs several daemons on one host.
-# MSJAX_SLURM_NODES, MSJAX_SLURM_CPUS (CPUs each node declares, default 2) and
+# MSJAX_SLURM_NODES, MSJAX_SLURM_CPUS (CPUs each node declares, default 4) and
 # MSJAX_SLURM_CRED_EXPIRE (munge credential lifetime in s, default 10: a requeued job waits
 # about that long before it starts again) shape it at `up`.
 set -euo pipefail
@@ -22,7 +22,7 @@ usage() {
 action=$1
 dir=${2:-${MSJAX_SLURM_DIR:-/tmp/msjax-slurm}}
 nodes=${MSJAX_SLURM_NODES:-3}
-cpus=${MSJAX_SLURM_CPUS:-2}
+cpus=${MSJAX_SLURM_CPUS:-4}
 cred_expire=${MSJAX_SLURM_CRED_EXPIRE:-10}
 conf="$dir/slurm.conf"
 pids="$dir/pids"  # one "NAME PID" line per daemon this script started
