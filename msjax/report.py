@@ -15,6 +15,7 @@ from typing import Any
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
+from msjax.launch.launches import REQUEUE
 from msjax.observe.flight_recorder import diagnose
 from msjax.observe.flops import MFU_CONVENTION
 from msjax.observe.goodput import step_time_split
@@ -217,7 +218,7 @@ def _launch_lines(run: Run, width: int) -> list[str]:
 
 
 def _incident_text(incident: dict[str, Any]) -> str:
-    if incident.get("cause") == "requeue":
+    if incident.get("cause") == REQUEUE:
         text = (
             f"#{incident.get('incident', '?')} requeue after step {incident.get('step', '?')}: "
             f"{incident.get('detail', '')}; stopping took {incident.get('stop_s', 0.0):.1f} s, "

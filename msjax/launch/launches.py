@@ -9,8 +9,11 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from msjax.launch.attempt import Attempt
 from msjax.observe.goodput import read_records
 from msjax.run_dir import RunDir
+
+REQUEUE = "requeue"  # the cause of the incident that opens a launch after an unfinished one
 
 
 def scheduler_context(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
@@ -35,7 +38,7 @@ def read_launches(run_dir: RunDir) -> list[dict[str, Any]]:
     return [last[number] for number in sorted(last)]
 
 
-def attempt_record(attempt: Any) -> dict[str, Any]:
+def attempt_record(attempt: Attempt) -> dict[str, Any]:
     return {
         "attempt": attempt.number,
         "spawned_unix_s": attempt.spawned_unix_s,
@@ -67,7 +70,7 @@ def requeue_incident(
         by = f" by Slurm (job {context['slurm_job_id']}, restart {context['slurm_restart_count']})"
     return {
         "incident": number,
-        "cause": "requeue",
+        "cause": REQUEUE,
         "rank": None,
         "detail": f"launch {previous['launch']} ended ({previous['outcome']}) on "
         f"{previous['nodes']}; started again{by} on {context['nodes']} "

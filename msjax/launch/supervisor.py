@@ -35,6 +35,7 @@ from msjax.launch.incidents import (
     incident_record,
 )
 from msjax.launch.launches import (
+    REQUEUE,
     append_launch,
     attempt_record,
     read_launches,
@@ -350,7 +351,7 @@ class Supervisor:
         returns goodput's summary line. Node 0's supervisor alone keeps the run's record."""
         if not self.keeps_record:
             return None
-        faults = [i for i in self.incidents.written if i["cause"] != "requeue"]
+        faults = [i for i in self.incidents.written if i["cause"] != REQUEUE]
         launch = {
             "launch": len(self.earlier_launches) + 1,
             **self.context,
