@@ -15,6 +15,7 @@ from typing import Any
 
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
+from msjax.launch.launches import REQUEUE
 from msjax.observe.flight_recorder import diagnose
 from msjax.observe.flops import MFU_CONVENTION
 from msjax.observe.goodput import step_time_split
@@ -164,6 +165,7 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
             f"  {key.removesuffix('_s'):<15}{seconds:9.2f} s {share:5.1f}%  {bar}".rstrip()
         )
 
+    lines += _launch_lines(run, width)
     lines += ["", f"incidents: {len(run.incidents) or 'none'}"]
     for incident in run.incidents:
         lines += textwrap.wrap(
@@ -183,12 +185,51 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
     return lines
 
 
+def _launch_lines(run: Run, width: int) -> list[str]:
+    """Each launcher session (a scheduler's run of the job) with its nodes and attempts."""
+    if not run.launches:
+        return []
+    lines = ["", f"launches: {len(run.launches)} (launches.jsonl)"]
+    previous_end = None
+    for launch in run.launches:
+        text = f"#{launch.get('launch', '?')} on {launch.get('nodes', '?')}"
+        if launch.get("nnodes"):
+            text += f" ({launch['nnodes']} node{'s' if launch['nnodes'] > 1 else ''})"
+        if launch.get("slurm_job_id"):
+            text += (
+                f", Slurm job {launch['slurm_job_id']} run "
+                f"{(launch.get('slurm_restart_count') or 0) + 1}"
+            )
+        started, ended = launch.get("started_unix_s"), launch.get("ended_unix_s")
+        if previous_end is not None and started is not None:
+            text += f", {started - previous_end:.1f} s after the launch before"
+        if started is not None and ended is not None:
+            text += f": {ended - started:.1f} s, {launch.get('outcome', '?')}"
+        lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ")
+        for attempt in launch.get("attempts", []):
+            first, last = attempt.get("start_step"), attempt.get("max_step")
+            steps = "no step" if first is None else f"steps {first}-{last}"
+            lines.append(
+                f"    attempt {attempt.get('attempt', '?')} on {launch.get('nodes', '?')}: "
+                f"{steps}, {attempt.get('outcome') or '?'}"
+            )
+        previous_end = ended
+    return lines
+
+
 def _incident_text(incident: dict[str, Any]) -> str:
-    text = (
-        f"#{incident.get('incident', '?')} {incident.get('cause', '?')} of rank "
-        f"{incident.get('rank', '?')} at step {incident.get('step', '?')}"
-        f" (phase {incident.get('phase', '?')}): {incident.get('detail', '')}"
-    )
+    if incident.get("cause") == REQUEUE:
+        text = (
+            f"#{incident.get('incident', '?')} requeue after step {incident.get('step', '?')}: "
+            f"{incident.get('detail', '')}; stopping took {incident.get('stop_s', 0.0):.1f} s, "
+            f"the scheduler {incident.get('scheduler_s', 0.0):.1f} s"
+        )
+    else:
+        text = (
+            f"#{incident.get('incident', '?')} {incident.get('cause', '?')} of rank "
+            f"{incident.get('rank', '?')} at step {incident.get('step', '?')}"
+            f" (phase {incident.get('phase', '?')}): {incident.get('detail', '')}"
+        )
     latency = incident.get("detection_latency_s")
     if latency is not None:
         text += f"; detected after {latency:.2f} s"

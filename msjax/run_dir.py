@@ -100,6 +100,11 @@ class RunDir:
         return self.path / "goodput.json"
 
     @property
+    def launches(self) -> Path:
+        """One record per launcher session of the run (node 0's): its attempts and nodes."""
+        return self.path / "launches.jsonl"
+
+    @property
     def report(self) -> Path:
         return self.path / "report"
 

@@ -41,3 +41,30 @@ def test_a_superseded_step_of_typical_length_counts_in_full():
     split = step_time_split(records)
     assert split["superseded_step_s"] == pytest.approx(0.5)
     assert split["data_s"] == pytest.approx(0.05)
+
+
+def test_goodput_of_a_requeued_run_spans_every_launch_and_counts_the_wait_between_as_lost(
+    tmp_path,
+):
+    """Two launches of one run (a preempted Slurm job and its requeue), 40 s apart."""
+    import json
+
+    from msjax.observe.goodput import write_goodput
+    from msjax.run_dir import RunDir
+
+    run_dir = RunDir(tmp_path)
+    records = [step(0, 1.0), step(1, 1.0), {"step": 2, "event": "resume"}, step(2, 1.0)]
+    run_dir.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    split = {"startup_s": 5.0, "compile_s": 3.0, "detection_s": 0.0, "restart_s": 0.0}
+    launches = [
+        {"started_unix_s": 100.0, "ended_unix_s": 130.0, "attempts": [{}], "incidents": 0},
+        {"started_unix_s": 170.0, "ended_unix_s": 200.0, "attempts": [{}, {}], "incidents": 2},
+    ]
+    summary = write_goodput(run_dir, [{**launch, "split_s": split} for launch in launches], "done")
+    goodput = json.loads(run_dir.goodput.read_text())
+    assert goodput["wall_s"] == 100.0  # from the first launch's start to the last one's end
+    assert goodput["breakdown_s"]["scheduler_s"] == 40.0
+    assert goodput["breakdown_s"]["startup_s"] == 10.0
+    assert (goodput["launches"], goodput["attempts"], goodput["incidents"]) == (2, 3, 2)
+    assert goodput["effective_training_time_ratio"] == pytest.approx(3.0 / 100.0)
+    assert "2 launches, 3 attempts, 2 incidents" in summary

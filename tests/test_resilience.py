@@ -359,17 +359,26 @@ def run_sbatch_script(tmp_path: Path, srun_exit_code: int) -> tuple[int, str, st
     bin_dir.mkdir()
     calls = tmp_path / f"calls{srun_exit_code}"
     (bin_dir / "srun").write_text(f'#!/bin/sh\necho "srun $*" >> {calls}\nexit {srun_exit_code}\n')
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\n')
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/sh\necho "scontrol $*" >> {calls}\n'
+        'case "$*" in "show hostnames"*) echo n7; echo n8 ;;\n'
+        '"show node n7") echo "NodeName=n7 Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=n7" ;; esac\n'
+    )
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "n[7-8]",
+    }
     script = REPO / "launch" / "slurm" / "train.sbatch"
     done = subprocess.run(
         ["bash", str(script), "--config", "configs/tiny.yaml"], env=env, capture_output=True
     )
     lines = calls.read_text().splitlines()
     srun = next(line for line in lines if line.startswith("srun "))
-    scontrol = "\n".join(line for line in lines if line.startswith("scontrol "))
+    scontrol = "\n".join(line for line in lines if line.startswith("scontrol requeue"))
     return done.returncode, srun, scontrol
 
 
@@ -382,9 +391,10 @@ def test_slurm_script_requeues_on_retryable_exit_codes_and_not_on_fatal_ones(tmp
     for code in (exit_codes.OK, *exit_codes.FATAL, *exit_codes.RETRYABLE, 137):
         exit_code, srun, scontrol = run_sbatch_script(tmp_path, code)
         assert exit_code == code
+        # the coordinator: the first node at its NodeAddr, a port from the job id
         assert (
-            "python -m msjax.launch --cluster slurm --nprocs 1 -- --config configs/tiny.yaml"
-            in srun
+            "python -m msjax.launch --cluster slurm --coordinator 10.0.0.7:10042 --nprocs 1 -- "
+            "--config configs/tiny.yaml" in srun
         )
         requeued = scontrol == "scontrol requeue 42"
         assert requeued == (code not in (exit_codes.OK, *exit_codes.FATAL)), (code, scontrol)

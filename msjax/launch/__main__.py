@@ -56,7 +56,9 @@ def parse_args(argv: Sequence[str]) -> tuple[object, list[str]]:
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, each with a launcher")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
     parser.add_argument(
-        "--coordinator", help="host:port of process 0 (several nodes; default 127.0.0.1:free)"
+        "--coordinator",
+        help="host:port of process 0 (several nodes; default 127.0.0.1:free, under --cluster "
+        "slurm the first node of SLURM_JOB_NODELIST)",
     )
     args = parser.parse_args(argv)
     return args, train_args
@@ -142,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
         nnodes, node_rank, coordinator = args.nnodes, args.node_rank, args.coordinator
         if args.cluster == "slurm":
-            nnodes, node_rank, coordinator = slurm_layout(os.environ)
+            nnodes, node_rank, slurm_coordinator = slurm_layout(os.environ)
+            coordinator = args.coordinator or slurm_coordinator
         if args.nprocs < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
             raise MsjaxError(
                 f"--nprocs={args.nprocs}, --nnodes={nnodes}, --node-rank={node_rank}: need "

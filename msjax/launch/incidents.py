@@ -206,7 +206,8 @@ class IncidentLog:
             )
         if caught_up is not None:
             incident["catch_up_s"] = round(caught_up - detected, 3)
-            self.write()
+        if caught_up is not None and incident["restart_s"] is not None:
+            self.write()  # after the first step, even if resumed at or past the fault's step
 
     def close(self, attempt: Attempt) -> None:
         """The attempt ended: write the open incident with what it got to know."""

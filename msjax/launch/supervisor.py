@@ -36,8 +36,16 @@ from msjax.launch.incidents import (
     flight_verdict,
     incident_record,
 )
+from msjax.launch.launches import (
+    REQUEUE,
+    append_launch,
+    attempt_record,
+    read_launches,
+    requeue_incident,
+    scheduler_context,
+)
 from msjax.launch.workers import WorkerProcess, stop_workers
-from msjax.observe.goodput import write_goodput
+from msjax.observe.goodput import session_split, write_goodput
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
@@ -95,6 +103,11 @@ class Supervisor:
         self.attempts: list[Attempt] = []
         self.incidents = IncidentLog(self.run_dir, self.say)
         self._stop_requested: str | None = None
+        self._stop_requested_unix_s: float | None = None
+        # node 0 keeps the run's record across launches (requeues): launches.jsonl, goodput.json
+        self.keeps_record = layout.node_rank == 0
+        self.context = scheduler_context()
+        self.earlier_launches = read_launches(self.run_dir) if self.keeps_record else []
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -116,8 +129,23 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_requested = signal.Signals(signum).name
+        if self._stop_requested_unix_s is None:
+            self._stop_requested_unix_s = time.time()
+
+    def _open_requeue_incident(self) -> None:
+        """A launch after one that did not finish the run (a requeued job) is an incident."""
+        if not self.earlier_launches or self.earlier_launches[-1]["outcome"] == "done":
+            return
+        number = self.incidents.next_number()
+        incident = requeue_incident(
+            number, self.earlier_launches[-1], self.started_unix_s, self.context
+        )
+        self.incidents.open(incident)
+        self.say(f"incident {number}: requeue: {incident['detail']}")
 
     def _run(self) -> int:
+        if self.keeps_record:
+            self._open_requeue_incident()
         restarts = 0
         stalled = AttemptsWithoutProgress()
         while True:
@@ -266,7 +294,11 @@ class Supervisor:
         attempt = Attempt.started(number, workers)
         attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
-        ranks = f"ranks {workers[0].rank}-{workers[-1].rank}" if len(workers) > 1 else "rank 0"
+        ranks = (
+            f"ranks {workers[0].rank}-{workers[-1].rank}"
+            if len(workers) > 1
+            else f"rank {workers[0].rank}"
+        )
         self.say(
             f"attempt {number}: {len(workers)} workers ({ranks} of {layout.num_processes}), "
             f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}"
@@ -342,6 +374,8 @@ class Supervisor:
     def _stop_on_request(self, attempt: Attempt) -> int:
         """SIGTERM / SIGINT to the supervisor (preemption): let workers save, then leave."""
         self.say(f"{self._stop_requested}: asking the workers to save and stop")
+        # on record before waiting: a scheduler may kill this process before the workers stop
+        self._record_launch(time.time(), f"stopping on {self._stop_requested}")
         for worker in attempt.workers:
             worker.signal(signal.SIGTERM)
             worker.signal(signal.SIGCONT)
@@ -351,6 +385,7 @@ class Supervisor:
                 worker.signal(signal.SIGKILL)
                 worker.wait(10.0)
             worker.close()
+        attempt.read_heartbeats(self.run_dir)  # the step the workers saved and stopped after
         attempt.ended_unix_s = time.time()
         attempt.outcome = f"stopped by {self._stop_requested}"
         self.incidents.close(attempt)
@@ -363,13 +398,28 @@ class Supervisor:
         return exit_codes.TERMINATED
 
     def _finish(self, outcome: str) -> None:
-        ended = time.time()
-        summary = write_goodput(
-            self.run_dir,
-            self.started_unix_s,
-            ended,
-            self.attempts,
-            self.incidents.written,
-            outcome,
-        )
-        self.say(summary)
+        summary = self._record_launch(time.time(), outcome)
+        if summary is not None:
+            self.say(summary)
+
+    def _record_launch(self, ended: float, outcome: str) -> str | None:
+        """Append this launch (so far) to launches.jsonl and write the run's goodput.json;
+        returns goodput's summary line. Node 0's supervisor alone keeps the run's record."""
+        if not self.keeps_record:
+            return None
+        faults = [i for i in self.incidents.written if i["cause"] != REQUEUE]
+        launch = {
+            "launch": len(self.earlier_launches) + 1,
+            **self.context,
+            "nnodes": self.layout.nnodes,
+            "started_unix_s": self.started_unix_s,
+            "ended_unix_s": ended,
+            "stop_requested_unix_s": self._stop_requested_unix_s,
+            "outcome": outcome,
+            "attempts": [attempt_record(attempt) for attempt in self.attempts],
+            "incidents": len(self.incidents.written),
+            "split_s": session_split(ended, self.attempts, faults),
+        }
+        summary = write_goodput(self.run_dir, [*self.earlier_launches, launch], outcome)
+        append_launch(self.run_dir, launch)
+        return summary

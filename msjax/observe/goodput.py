@@ -1,16 +1,19 @@
 """Where a supervised run's wall time went, and its effective training time ratio.
 
 MegaScale's effective training time is productive step time over wall time: the steps that
-count (each step index's last record in metrics.jsonl) against everything from the supervisor's
-start to its end. The rest is split into start-up, compilation, checkpoint pauses, lost progress
-(steps trained and then redone after a fault, and the time until the fault was detected) and
-restarting (diagnostics, stopping workers, backoff). Written to RUN_DIR/goodput.json by the
-supervisor (msjax.launch); the report reads it, or splits metrics.jsonl alone the same way.
+count (each step index's last record in metrics.jsonl) against everything from the first
+supervisor's start to the last one's end. The rest is split into start-up, compilation,
+checkpoint pauses, lost progress (steps trained and then redone after a fault, and the time
+until the fault was detected), restarting (diagnostics, stopping workers, backoff) and the
+scheduler's time between two launcher sessions of one run (a requeued job waiting and starting
+again). Written to RUN_DIR/goodput.json by the supervisor (msjax.launch) for the whole run,
+every requeue included; the report reads it, or splits metrics.jsonl alone the same way.
 """
 
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +82,12 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def write_goodput(
-    run_dir: RunDir,
-    started_unix_s: float,
-    ended_unix_s: float,
-    attempts: list[Any],
-    incidents: list[dict[str, Any]],
-    outcome: str,
-) -> str:
-    """Write RUN_DIR/goodput.json from the supervisor's attempts (each with spawned_unix_s,
-    compile_unix_s, first_step_unix_s, ended_unix_s) and incidents; return a one-line summary."""
-    wall_s = max(ended_unix_s - started_unix_s, 1e-9)
-    steps = step_time_split(read_records(run_dir.metrics))
+def session_split(
+    ended_unix_s: float, attempts: list[Any], incidents: list[dict[str, Any]]
+) -> dict[str, float]:
+    """One launcher session's start-up, compilation (up to each attempt's first step, that
+    step included), detection and restart seconds, from its attempts (each with spawned_unix_s,
+    compile_unix_s, first_step_unix_s, ended_unix_s) and the incidents it detected."""
     startup_s = compile_s = 0.0
     for attempt in attempts:
         end = attempt.ended_unix_s if attempt.ended_unix_s is not None else ended_unix_s
@@ -102,33 +99,64 @@ def write_goodput(
     restart_s = 0.0
     for incident, attempt in zip(incidents, attempts[1:], strict=False):
         restart_s += max(attempt.spawned_unix_s - incident["detected_unix_s"], 0.0)
+    return {
+        "startup_s": startup_s,
+        "compile_s": compile_s,
+        "detection_s": detection_s,
+        "restart_s": restart_s,
+    }
+
+
+def write_goodput(run_dir: RunDir, sessions: list[dict[str, Any]], outcome: str) -> str:
+    """Write RUN_DIR/goodput.json for the whole run and return a one-line summary.
+
+    `sessions`: every launcher session of the run so far, oldest first (RUN_DIR/launches.jsonl's
+    records, then the current one), each with started_unix_s, ended_unix_s, attempts (a list),
+    incidents (a count) and split_s (session_split). Wall time runs from the first session's start
+    to the last one's end; the gaps between sessions (a scheduler requeueing and starting the job
+    again) count as lost, as `scheduler_s`.
+    """
+    started_unix_s = sessions[0]["started_unix_s"]
+    ended_unix_s = sessions[-1]["ended_unix_s"]
+    wall_s = max(ended_unix_s - started_unix_s, 1e-9)
+    steps = step_time_split(read_records(run_dir.metrics))
+    totals = {key: sum(s["split_s"][key] for s in sessions) for key in sessions[-1]["split_s"]}
+    scheduler_s = sum(
+        max(later["started_unix_s"] - earlier["ended_unix_s"], 0.0)
+        for earlier, later in pairwise(sessions)
+    )
     # each attempt's compile window ends with its first step, whose typical part is a step
-    compile_s = max(compile_s - steps["first_step_typical_s"], 0.0)
+    compile_s = max(totals["compile_s"] - steps["first_step_typical_s"], 0.0)
     breakdown = {
         "step_s": steps["kept_step_s"] - steps["data_s"],
         "data_s": steps["data_s"],
         "checkpoint_s": steps["checkpoint_s"],
-        "startup_s": startup_s,
+        "startup_s": totals["startup_s"],
         "compile_s": compile_s,
-        "lost_progress_s": steps["superseded_step_s"] + detection_s,
-        "restart_s": restart_s,
+        "lost_progress_s": steps["superseded_step_s"] + totals["detection_s"],
+        "restart_s": totals["restart_s"],
+        "scheduler_s": scheduler_s,
     }
     breakdown["other_s"] = max(wall_s - sum(breakdown.values()), 0.0)
     ratio = steps["kept_step_s"] / wall_s
+    attempts = sum(len(session["attempts"]) for session in sessions)
+    incidents = sum(session["incidents"] for session in sessions)
     summary = {
         "outcome": outcome,
         "wall_s": round(wall_s, 3),
         "effective_training_time_ratio": round(ratio, 4),
         "steps": steps["kept_steps"],
-        "attempts": len(attempts),
-        "incidents": len(incidents),
+        "launches": len(sessions),
+        "attempts": attempts,
+        "incidents": incidents,
         "breakdown_s": {key: round(value, 3) for key, value in breakdown.items()},
     }
     rewrite_best_effort(run_dir.goodput, json.dumps(summary, indent=1) + "\n")  # full disk: warns
     shares = ", ".join(
         f"{key[:-2]} {100 * value / wall_s:.0f}%" for key, value in breakdown.items() if value > 0
     )
+    launches = f"{len(sessions)} launches, " if len(sessions) > 1 else ""
     return (
         f"goodput: effective training time {100 * ratio:.1f}% of {wall_s:.0f} s wall "
-        f"({len(attempts)} attempts, {len(incidents)} incidents; {shares})"
+        f"({launches}{attempts} attempts, {incidents} incidents; {shares})"
     )

@@ -55,6 +55,7 @@ class Run:
     goodput: dict[str, Any] | None
     incidents: list[dict[str, Any]]
     ranks: RankTimes | None
+    launches: list[dict[str, Any]] = field(default_factory=list)  # launcher sessions, oldest first
     unreadable_lines: dict[str, int] = field(default_factory=dict)
 
 
@@ -157,6 +158,14 @@ def load_run(run_dir: Path) -> Run:
     incidents = []
     if files.incidents_log.exists():
         incidents = _read_jsonl(files.incidents_log, unreadable)
+    launches = []
+    if files.launches.exists():
+        # a launch's last record is its own (one is written on a stop request, one at the end)
+        by_number = {
+            record.get("launch"): record
+            for record in _read_jsonl(files.launches, unreadable, required="started_unix_s")
+        }
+        launches = list(by_number.values())
     ranks = None
     if files.ranks.exists():
         ranks = _read_ranks(_read_jsonl(files.ranks, unreadable))
@@ -173,6 +182,7 @@ def load_run(run_dir: Path) -> Run:
         goodput=goodput,
         incidents=incidents,
         ranks=ranks,
+        launches=launches,
         unreadable_lines=unreadable,
     )
 
