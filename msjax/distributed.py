@@ -9,6 +9,7 @@ MSJAX_JOB_SECRET seals what the job writes to its coordination service (msjax.pa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -133,6 +134,10 @@ def initialize_distributed(job: JobEnv) -> bool:
         return False
     # gloo carries CPU collectives across processes (the default in newer JAX); GPUs use NCCL
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service installs its own SIGTERM handler, which swallows the signal;
+    # msjax answers SIGTERM itself (msjax.training.stop_signal) and never asks that service
+    with contextlib.suppress(AttributeError):  # a JAX without the option has no such handler
+        jax.config.update("jax_enable_preemption_service", False)
     if job.auto:
         jax.distributed.initialize(initialization_timeout=INIT_TIMEOUT_S)
     else:

@@ -25,6 +25,7 @@ from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
+from msjax.training.stop_signal import remember_stop_signals_from_start
 from msjax.writable import WriteFailed
 
 if TYPE_CHECKING:
@@ -66,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        # SIGUSR1 dumps stacks from here on: joining the job and preparing data may hang
+        # SIGUSR1 dumps stacks from here on: joining the job and preparing data may hang; a
+        # SIGTERM while starting up is kept for the loop (a save after its first step)
         dump_stacks_from_start(config.run.dir)
+        remember_stop_signals_from_start()
         # data that is not there fails before JAX starts; so does a run dir it cannot use, in
         # its one planner (msjax.training.prepare.plan_run)
         check_sources(config.data)

@@ -12,6 +12,25 @@ import time
 from typing import Any
 
 DEFAULT_GRACE_S = 600.0  # resilience.checkpoint_deadline_s's default
+STOP_SIGNUMS = (signal.SIGTERM, signal.SIGINT)
+_early: tuple[str, float] | None = None  # the first stop signal before the loop's StopSignal
+
+
+def _remember_early(signum: int, frame: Any) -> None:
+    global _early
+    if _early is None:
+        _early = (signal.Signals(signum).name, time.monotonic())
+    elif signum == signal.SIGINT and _early[0] == "SIGINT":
+        raise KeyboardInterrupt  # Ctrl-C twice while starting up: the user insists
+
+
+def remember_stop_signals_from_start() -> None:
+    """From a worker's first line on: a SIGTERM or SIGINT while it joins the job, reads data or
+    compiles is kept, and the loop's StopSignal acts on it after the first step (a scheduler
+    that preempts a job just started still gets its checkpoint and a clean exit)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNUMS:
+            signal.signal(signum, _remember_early)
 
 
 class StopSignal:
@@ -29,9 +48,15 @@ class StopSignal:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignal:
+        global _early
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in STOP_SIGNUMS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        if _early is not None:  # received while starting up
+            self.received, self._first_at = _early
+            self._signals_seen.add(self.received)
+            self.count = 1
+            _early = None
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
