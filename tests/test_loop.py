@@ -133,3 +133,20 @@ def test_a_stop_signal_is_part_of_the_next_decision(tmp_path: Path):
     stop.received = "SIGTERM"
     assert decide.after_step(2) == Decision(step=2, stop_by="SIGTERM")
     assert decide.after_step(2).needs_result
+
+
+class FailsOnceCompiled(LoopEvents):
+    """A listener whose work after the compile raises, as a user's own listener may."""
+
+    def compiled(self, train_step: object) -> None:
+        raise RuntimeError("this listener failed")
+
+
+def test_a_failure_after_run_start_and_before_the_first_step_reaches_every_listener(
+    tmp_path: Path,
+):
+    recorder = Recorder()
+    overrides = [*TINY_RUN, "train.steps=2", f"run.dir={tmp_path / 'run'}"]
+    with pytest.raises(RuntimeError, match="this listener failed"):
+        train(load_config(None, overrides), io.StringIO(), [recorder, FailsOnceCompiled()])
+    assert [hook for hook, _ in recorder.heard] == ["run_start", "compiled", "run_failed"]

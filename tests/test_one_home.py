@@ -119,3 +119,19 @@ def test_the_state_layout_is_derived_in_the_step_module_only():
         )
 
     assert where(derives_optimizer_state) == ["msjax/step.py"]
+
+
+def test_a_rank_s_heartbeat_is_made_in_one_place_of_the_run():
+    """prepare.py makes the rank's one heartbeat; the data phase and the loop's resilience
+    listener share it (a second one would write the same file with its own phase and clock)."""
+    made_in = sorted(
+        name
+        for name, tree in modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "Heartbeat"
+    )
+    # resilience/worker.py's is the stack-dump handler from a worker's first line, before the run
+    # is prepared; it never beats
+    assert made_in == ["msjax/resilience/worker.py", "msjax/training/prepare.py"]

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from msjax.config import ResilienceConfig
 from msjax.distributed import ATTEMPT, PROCESS_ID
 from msjax.loop_events import LoopEvents, StepRecord
 from msjax.resilience.faults import FaultInjector
@@ -78,16 +77,15 @@ class WorkerResilience(LoopEvents):
 
     def __init__(
         self,
-        options: ResilienceConfig,
         run_dir: Path,
-        rank: int,
+        heartbeat: Heartbeat,
         attempt: int,
         wait_for_saves: Callable[[], None],
         vocab_size: int = 0,
     ):
-        self.heartbeat = Heartbeat(run_dir, rank, options.heartbeat_every_s, attempt)
+        self.heartbeat = heartbeat  # the rank's one heartbeat, made when its run dir was known
         self.heartbeat.dump_stacks_on_sigusr1(run_dir)
-        self.faults = FaultInjector.from_env(run_dir, rank, attempt)
+        self.faults = FaultInjector.from_env(run_dir, heartbeat.rank, attempt)
         self.skipped_steps = read_skipped_steps(run_dir)
         self.wait_for_saves = wait_for_saves
         self.vocab_size = vocab_size  # an injected bad token is this id, just past the table

@@ -175,7 +175,11 @@ def _prepare(
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
     mesh = build_mesh(config.mesh)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
-    data = read_data_watched(config, run_dir, job, progress.message)
+    # this rank's one heartbeat, from the data phase to the end of the loop
+    heartbeat = Heartbeat(
+        run_dir.path, jax.process_index(), config.resilience.heartbeat_every_s, job.attempt
+    )
+    data = read_data_watched(config, job, heartbeat, progress.message)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     is_writer = jax.process_index() == 0
     if config.observe.tensorboard:
@@ -191,9 +195,8 @@ def _prepare(
 
     checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
     resilience = WorkerResilience(
-        config.resilience,
         run_dir.path,
-        jax.process_index(),
+        heartbeat,
         job.attempt,
         checkpointer.wait,
         config.model.vocab_size,
@@ -211,11 +214,14 @@ def _prepare(
         listeners.append(MetricsLog(run_dir.metrics))
     listeners += [ProgressReport(progress), resilience, *extra_listeners, lock]
     events = EventFanOut(listeners)
-    events.run_start(start.step, None if start.restored is None else start.restored.path)
-    if config.checkpoint.enabled:
-        checkpointer.prepare(abstract_state)
-    train_step = compile_train_step(program, abstract_state, compile_cache, progress.message)
-    events.compiled(train_step)
+    # the events own run_failed: from run_start on, a failure (compiling here, the loop in
+    # msjax.train) reaches every listener
+    with events:
+        events.run_start(start.step, None if start.restored is None else start.restored.path)
+        if config.checkpoint.enabled:
+            checkpointer.prepare(abstract_state)
+        train_step = compile_train_step(program, abstract_state, compile_cache, progress.message)
+        events.compiled(train_step)
 
     tokens_per_step = config.train.global_batch * config.data.seq_len
     results = StepResults(
@@ -249,18 +255,13 @@ def _prepare(
 
 
 def read_data_watched(
-    config: Config, run_dir: RunDir, job: JobEnv, message: Callable[[str], None]
+    config: Config, job: JobEnv, heartbeat: Heartbeat, message: Callable[[str], None]
 ) -> TrainingData:
     """The corpus, read or tokenized; under msjax.launch with a heartbeat in phase `data` that
     reports every long step's work (bytes hashed and read, token files scanned, tokens written),
     so a large corpus counts as progress, not as a hang."""
-    import jax
-
     if not job.launched:
         return build_training_data(config, message)
-    heartbeat = Heartbeat(
-        run_dir.path, jax.process_index(), config.resilience.heartbeat_every_s, job.attempt
-    )
     heartbeat.beat("data")
     with write_progress(lambda tokens: heartbeat.beat("data", progress=tokens)):
         return build_training_data(config, message)
