@@ -414,7 +414,9 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
 
     On a pipe mesh a device runs its stage's layers once per pipeline iteration on one
     microbatch (bubble iterations included: they run on zeros), so its per-layer traffic is
-    counted per stage run.
+    counted per stage run. Accumulating gradients, each of the `grad_accum_steps` microbatches is
+    a pass of its own: XLA gathers the weights, and reduces their gradients (over fsdp and over
+    data), inside the accumulation loop, once per microbatch.
     """
     config = config_for_mesh(config, mesh)
     dims = local_dims(config, mesh)
@@ -468,12 +470,13 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
     pipe_bytes = 0.0 if layout is None else _pipe_bytes(layout, dims, stream, replica_stream)
+    passes_per_step = dims.accum_steps
     return CommEstimate(
-        round(tensor_bytes),
-        round(fsdp_bytes),
-        round(data_bytes),
-        pipe_bytes=round(pipe_bytes),
-        fsdp_gather_bytes=round(gather_bytes),
+        round(passes_per_step * tensor_bytes),
+        round(passes_per_step * fsdp_bytes),
+        round(passes_per_step * data_bytes),
+        pipe_bytes=round(passes_per_step * pipe_bytes),
+        fsdp_gather_bytes=round(passes_per_step * gather_bytes),
     )
 
 
