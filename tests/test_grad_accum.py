@@ -37,6 +37,10 @@ MESHES: dict[str, tuple[dict[str, int], dict[str, Any] | None]] = {
         {"data": 2, "fsdp": 1, "tensor": 2, "pipe": 2},
         {"microbatches": 2},
     ),
+    "data2-pipe2-tensor2-1f1b-m2": (
+        {"data": 2, "fsdp": 1, "tensor": 2, "pipe": 2},
+        {"schedule": "1f1b", "microbatches": 2},
+    ),
 }
 
 
