@@ -104,11 +104,6 @@ def real_token_count(batch: Batch) -> jax.Array:
     return jnp.maximum(jnp.sum(real_token_weights(batch)), 1.0)
 
 
-def mean_over_real_tokens(losses: jax.Array, batch: Batch) -> jax.Array:
-    """Mean of per-token losses [batch, seq] over real tokens (segment id 0 marks padding)."""
-    return jnp.sum(losses * real_token_weights(batch)) / real_token_count(batch)
-
-
 def microbatched(
     value_and_grad: Any,
     steps: int,
