@@ -18,12 +18,15 @@ import pytest
 from mesh_runs import fixed_batches, small_config
 
 from msjax.config import Config, load_config
+from msjax.observe.metrics import read_metrics
 from msjax.parallel.mesh import build_mesh
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
 from msjax.planner.planning import estimate_memory
 from msjax.resolve import resolve
 from msjax.step import TrainProgram, build_program
+from msjax.train import train as train_run
+from tests.small_runs import QUICK_RUN
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 32  # 4 rows per replica on fsdp 8, so K = 4 fits every mesh below
@@ -177,3 +180,25 @@ def test_the_planner_counts_one_microbatch_and_a_gradient_accumulator_as_xla_doe
     assert saved / (xla[1] - xla[2]) == pytest.approx(1.0, abs=0.10)
     assert model[2].gradients_bytes == 2 * model[1].gradients_bytes
     assert model[2].batch_bytes == model[1].batch_bytes  # the whole batch is still an input
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_more_microbatches_trains_as_the_uninterrupted_run(tmp_path: Path):
+    # what a shrunk mesh does to keep the global batch: the same run, from its checkpoint, in two
+    # passes per step (tiny's mesh: 8 / (data 2 x fsdp 2) = 2 rows per replica)
+    run = [*QUICK_RUN, "train.eval_every=0", "checkpoint.every_steps=2", "optim.schedule=constant"]
+
+    def losses(run_dir: Path, *overrides: str) -> list[tuple[int, float]]:
+        """(step, loss) of every step the run dir's attempts trained, in order."""
+        config = load_config(None, [*run, f"run.dir={run_dir}", *overrides])
+        train_run(config, progress_stream=open(os.devnull, "w"))  # noqa: SIM115
+        records = read_metrics(run_dir / "metrics.jsonl")
+        return [(record["step"], record["loss"]) for record in records if "loss" in record]
+
+    uninterrupted = losses(tmp_path / "whole", "train.steps=4")
+    losses(tmp_path / "resumed", "train.steps=2")
+    resumed = losses(tmp_path / "resumed", "train.steps=4", "train.grad_accum_steps=2")
+    assert [step for step, _ in resumed] == [0, 1, 2, 3]  # went on from step 2's checkpoint
+    np.testing.assert_allclose(
+        [loss for _, loss in resumed], [loss for _, loss in uninterrupted], **TOLERANCE
+    )
