@@ -144,6 +144,10 @@ class TrainConfig:
 
     steps: int = 300
     global_batch: int = 16
+    # gradient accumulation: each step runs its global batch as this many microbatches, one after
+    # another inside the compiled step (activations of one microbatch alive at a time); the same
+    # loss, gradients and update as one pass over the whole batch
+    grad_accum_steps: int = 1
     eval_every: int = 100  # 0: never
     eval_batches: int = 4
     peak_tflops: float | None = None  # per device; None: known GPU table, or measured on CPU

@@ -61,6 +61,7 @@ def validate(config: Config) -> None:
         "data.max_corpus_mib": data.max_corpus_mib,
         "train.steps": train.steps,
         "train.global_batch": train.global_batch,
+        "train.grad_accum_steps": train.grad_accum_steps,
         "train.eval_batches": train.eval_batches,
         "optim.learning_rate": config.optim.learning_rate,
     }
@@ -198,11 +199,12 @@ def _check_pipeline_fits(config: Config, sizes: dict[str, int]) -> None:
         )
     data_parallel = sizes["data"] * sizes["fsdp"]
     if data_parallel > 0 and config.train.global_batch % data_parallel == 0:
-        per_replica = config.train.global_batch // data_parallel
+        # the pipeline splits what one replica runs at once: its share of one accumulation step
+        per_replica = config.train.global_batch // data_parallel // config.train.grad_accum_steps
         if per_replica % pipeline.microbatches:
             raise ConfigError(
                 f"each data-parallel replica's batch (train.global_batch / (mesh.data x "
-                f"mesh.fsdp) = {per_replica}) is not divisible by "
+                f"mesh.fsdp) / train.grad_accum_steps = {per_replica}) is not divisible by "
                 f"pipeline.microbatches={pipeline.microbatches}"
             )
 
@@ -281,6 +283,13 @@ def check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(
             f"train.global_batch={config.train.global_batch} is not divisible by the "
             f"data-parallel size mesh.data x mesh.fsdp = {data_parallel}"
+        )
+    accum_steps = config.train.grad_accum_steps
+    if data_parallel > 0 and (config.train.global_batch // data_parallel) % accum_steps:
+        raise ConfigError(
+            f"train.grad_accum_steps={accum_steps} does not divide each data-parallel replica's "
+            f"batch (train.global_batch / (mesh.data x mesh.fsdp) = "
+            f"{config.train.global_batch // data_parallel}); use a divisor of it"
         )
     tensor = sizes["tensor"]
     if tensor > 0:

@@ -41,6 +41,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "run.name",
         "run.overwrite",
         "train.steps",
+        "train.grad_accum_steps",  # the same batch, loss and update, in fewer or more passes
         "train.eval_every",
         "train.eval_batches",
         "train.peak_tflops",

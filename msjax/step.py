@@ -35,6 +35,7 @@ from msjax.parallel.pipeline import (
     PipelineLayout,
     StageFunction,
     run_pipeline,
+    split_microbatches,
     to_canonical_order,
     to_memory_order,
 )
@@ -69,15 +70,27 @@ def update_is_finite(loss: jax.Array, grad_norm: jax.Array, params: Params) -> j
     return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.stack(params_finite).all()
 
 
+def skipped_step(state: TrainState) -> TrainState:
+    """The state after a skipped step: the same parameters and moments; step + 1, and the
+    learning-rate schedule with it, so later steps get the rates they would have had."""
+    return dataclasses.replace(
+        state, step=state.step + 1, opt_state=advance_schedule(state.opt_state)
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def skip_update(state: TrainState) -> TrainState:
+    """skipped_step on its own, for a step whose batch is dropped (msjax.resilience.skips)."""
+    return skipped_step(state)
+
+
 def keep_unless_finite(
     update_finite: jax.Array, updated: TrainState, state: TrainState
 ) -> TrainState:
-    """`updated` when the update is finite; otherwise the state of a skipped step (parameters
-    and moments as they were, step and schedule one further), so a non-finite update is never
-    applied and never reaches a checkpoint (msjax.resilience.skips: the same as a rollback's)."""
-    skipped = dataclasses.replace(
-        state, step=state.step + 1, opt_state=advance_schedule(state.opt_state)
-    )
+    """`updated` when the update is finite; otherwise the state of a skipped step, so a
+    non-finite update is never applied and never reaches a checkpoint (the same state as a
+    rollback's skip of that step)."""
+    skipped = skipped_step(state)
     return jax.tree.map(lambda new, old: jnp.where(update_finite, new, old), updated, skipped)
 
 
@@ -86,10 +99,60 @@ def real_token_weights(batch: Batch) -> jax.Array:
     return (batch["segment_ids"] != 0).astype(jnp.float32)
 
 
-def mean_over_real_tokens(losses: jax.Array, batch: Batch) -> jax.Array:
-    """Mean of per-token losses [batch, seq] over real tokens (segment id 0 marks padding)."""
-    weights = real_token_weights(batch)
-    return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+def real_token_count(batch: Batch) -> jax.Array:
+    """float32 scalar: the real tokens of a batch, at least 1; every loss divides by it."""
+    return jnp.maximum(jnp.sum(real_token_weights(batch)), 1.0)
+
+
+def microbatched(
+    value_and_grad: Any,
+    steps: int,
+    microbatch_sharding: NamedSharding | None = None,
+    grad_shardings: Any = None,
+) -> Any:
+    """`value_and_grad(params, batch, *rest) -> (value, grads)` run on `steps` microbatches of
+    the batch one after another (a scan), their values and gradients summed in float32.
+
+    The sum is the whole batch's only when each microbatch's value is its share of it: a loss
+    divided by the whole batch's token count, not its own mean (Levanter's `microbatched`
+    averages instead, which weights a padded microbatch wrong). Microbatch i takes rows i,
+    i + steps, ..., so each data-parallel replica's rows (a contiguous block) feed every
+    microbatch and the split moves no data between devices; only one microbatch's activations
+    are alive at a time, beside a float32 accumulator of the gradients. `microbatch_sharding`
+    places a [batch / steps, seq] microbatch, `grad_shardings` the accumulator.
+    """
+    if steps == 1:
+        return value_and_grad
+
+    def accumulated(params: Params, batch: Batch, *rest: Any) -> tuple[jax.Array, Params]:
+        def split(array: jax.Array) -> jax.Array:
+            microbatches = split_microbatches(array, steps)  # [steps, batch / steps, seq]
+            if microbatch_sharding is None:
+                return microbatches
+            spec = PartitionSpec(None, *microbatch_sharding.spec)
+            return jax.lax.with_sharding_constraint(
+                microbatches, NamedSharding(microbatch_sharding.mesh, spec)
+            )
+
+        def float32_zeros(like: jax.Array) -> jax.Array:
+            return jnp.zeros(like.shape, jnp.float32)
+
+        grads = jax.tree.map(float32_zeros, params)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        total = (jnp.zeros((), jnp.float32), grads)
+
+        def add_microbatch(total: Any, microbatch: Batch) -> tuple[Any, None]:
+            value_and_grads = value_and_grad(params, microbatch, *rest)
+            added = jax.tree.map(
+                lambda sum_, part: sum_ + part.astype(jnp.float32), total, value_and_grads
+            )
+            return added, None
+
+        total, _ = jax.lax.scan(add_microbatch, total, jax.tree.map(split, batch))
+        return total
+
+    return accumulated
 
 
 @dataclass
@@ -152,9 +215,9 @@ class TrainProgram:
         return stage, layer_params
 
     def _one_f_one_b_summed_loss(
-        self, model: Transformer, params: Params, batch: Batch, token_weights: jax.Array
+        self, model: Transformer, params: Params, batch: Batch
     ) -> jax.Array:
-        """The weighted sum of token losses, its gradient computed by the 1F1B loop."""
+        """The sum of real tokens' losses, its gradient computed by the 1F1B loop."""
         stage, layer_params = self._stage_function(model)
         rules = logical_axis_rules(self.config)
         unembedding = "embedding" if self.config.model.tied_embeddings else "unembedding"
@@ -175,27 +238,40 @@ class TrainProgram:
             return jnp.sum(losses * weights)
 
         summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.config.mesh.data)
-        labels = (batch["targets"], token_weights, batch["positions"], batch["segment_ids"])
+        labels = (
+            batch["targets"],
+            real_token_weights(batch),
+            batch["positions"],
+            batch["segment_ids"],
+        )
         return summed_loss(layer_params, head_params, model.embed(batch["inputs"]), labels)
 
-    def loss(self, params: Params, batch: Batch) -> jax.Array:
+    def summed_loss(self, params: Params, batch: Batch) -> jax.Array:
+        """float32 scalar: the sum of the losses of the batch's real tokens."""
         rules = logical_axis_rules(self.config)
         weights = weight_gather(self.mesh, rules, self.config.optim.grad_reduce_dtype)
         with activation_placement(self.mesh, rules, weights):
             model = self.model(params)
             layout = self.pipeline
             if layout.stages > 1 and layout.interleaves_backward:
-                token_weights = real_token_weights(batch)
-                summed = self._one_f_one_b_summed_loss(model, params, batch, token_weights)
-                return summed / jnp.maximum(jnp.sum(token_weights), 1.0)
+                return self._one_f_one_b_summed_loss(model, params, batch)
             features = self.features(model, batch)
             losses = ops.token_losses(
                 features,
                 model.unembedding_matrix(),
                 batch["targets"],
                 impl=self.config.model.loss_impl,
-            )
-        return mean_over_real_tokens(losses, batch)
+            )  # [batch, seq]
+        return jnp.sum(losses * real_token_weights(batch))
+
+    def loss_share(self, params: Params, batch: Batch, token_count: jax.Array) -> jax.Array:
+        """The batch's share of a mean loss over `token_count` real tokens (its own, or those of
+        the whole batch it is a microbatch of): the one place a loss is averaged."""
+        return self.summed_loss(params, batch) / token_count
+
+    def loss(self, params: Params, batch: Batch) -> jax.Array:
+        """The mean loss over the batch's real tokens."""
+        return self.loss_share(params, batch, real_token_count(batch))
 
     def init_state(self) -> TrainState:
         """Parameters and optimizer state created directly in their shards."""
@@ -366,8 +442,17 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
     )
     batch_shardings = dict.fromkeys(BATCH_FIELDS, batch_sharding)
 
+    loss_and_grads = microbatched(
+        jax.value_and_grad(program.loss_share),
+        config.train.grad_accum_steps,
+        microbatch_sharding=batch_sharding,
+        grad_shardings=param_shardings,
+    )
+
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads = jax.value_and_grad(program.loss)(state.params, batch)
+        # every microbatch's loss is divided by the whole batch's real tokens, so the sum over
+        # microbatches is the whole batch's mean, however the padding falls among them
+        loss, grads = loss_and_grads(state.params, batch, real_token_count(batch))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)

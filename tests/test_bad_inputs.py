@@ -152,6 +152,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.generate", ["{tmp}/foreign", "--prompt", "x", "--top-k", "-3"], "--top-k=-3 must be"),
     ("msjax.generate", ["{tmp}/foreign", "--prompt", "caf\udce9"], "--prompt is not UTF-8"),
     ("msjax.hf", ["export", "{tmp}/foreign", "{tmp}/link_out"], "is a symbolic link"),
+    # gradient accumulation (tiny's mesh: 16 / (data 2 x fsdp 2) = 4 rows per replica)
+    ("msjax.train", ["train.grad_accum_steps=3"], "train.grad_accum_steps=3 does not divide"),
+    (
+        "msjax.train",
+        ["mesh.tensor=1", "mesh.pipe=2", "train.grad_accum_steps=4", "pipeline.microbatches=2"],
+        "/ train.grad_accum_steps = 1) is not divisible by pipeline.microbatches=2",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

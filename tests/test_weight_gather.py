@@ -2,6 +2,7 @@
 scan, float32 gradient reduction by default, and the same losses as gathering float32."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,7 +13,7 @@ from msjax.planner.aot import compile_step
 from msjax.planner.candidates import MeshShape
 from msjax.planner.planning import estimate_communication, ring_all_gather_bytes
 from msjax.planner.sweep import synthetic_batch
-from msjax.step import mean_over_real_tokens
+from msjax.step import real_token_count, real_token_weights
 
 SMALL = ["model.num_layers=2", "data.seq_len=32", "train.global_batch=8"]
 # meshes with an fsdp axis: (data, fsdp, tensor), and fsdp inside two pipeline stages
@@ -68,7 +69,7 @@ def test_bfloat16_gather_matches_the_float32_gather_path() -> None:
             model = program.model(params)
             features = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
             losses = ops.token_losses(features, model.unembedding_matrix(), batch["targets"])
-        return mean_over_real_tokens(losses, batch)
+        return jnp.sum(losses * real_token_weights(batch)) / real_token_count(batch)
 
     state = program.init_state()
     reference = float(jax.jit(loss_gathering_float32)(state.params, batch))

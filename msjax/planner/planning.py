@@ -91,7 +91,10 @@ class LocalDims:
     vocab: int
     layers: int  # layers a device runs per pass of its batch: all, or one stage's
     stage_runs: int  # passes of a microbatch through those layers per step (1 without a pipe)
-    replica_batch: int  # sequences per data-parallel replica: global_batch / (data x fsdp)
+    # sequences per data-parallel replica in one pass: global_batch / (data x fsdp) /
+    # grad_accum_steps (one accumulation microbatch's; the whole replica batch without)
+    replica_batch: int
+    accum_steps: int  # train.grad_accum_steps: passes per step, one after another
     act_bytes: int  # bytes per element of the compute dtype
     residual_split: int  # `tensor` when the residual stream is sequence-parallel, else 1
     parallel_block: bool
@@ -114,7 +117,8 @@ def loss_is_fused(model: ModelConfig) -> bool:
 def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
     """Per-device activation sizes of a config made for `mesh` (see `config_for_mesh`)."""
     model, tensor = config.model, mesh.tensor
-    replica_batch = config.train.global_batch // (mesh.data * mesh.fsdp)
+    accum_steps = config.train.grad_accum_steps
+    replica_batch = config.train.global_batch // (mesh.data * mesh.fsdp) // accum_steps
     layers, stage_runs, microbatches = model.num_layers, 1, 1
     if mesh.pipe > 1:
         layout = PipelineLayout.of(config)
@@ -135,6 +139,7 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
         layers=layers,
         stage_runs=stage_runs,
         replica_batch=replica_batch,
+        accum_steps=accum_steps,
         act_bytes=np.dtype(model.compute_dtype).itemsize,
         residual_split=tensor if config.mesh.sequence_parallel else 1,
         parallel_block=model.parallel_block,
@@ -326,8 +331,10 @@ def estimate_memory(
     return MemoryEstimate(
         params_bytes=state.params,
         optimizer_bytes=state.optimizer,
-        batch_bytes=len(BATCH_FIELDS) * b * s * INT32_BYTES,
-        gradients_bytes=state.params,  # float32, sharded like the parameters
+        batch_bytes=len(BATCH_FIELDS) * b * dims.accum_steps * s * INT32_BYTES,
+        # float32, sharded like the parameters; accumulating, a microbatch's gradients beside
+        # their running sum (msjax.step.microbatched)
+        gradients_bytes=state.params * (2 if dims.accum_steps > 1 else 1),
         # a pipeline stage keeps what each of its runs saved (bubble runs included)
         activations_bytes=round(saved + head),
         working_bytes=round(_working_set(dims, remat) + gathered + pipeline_working),
@@ -407,7 +414,9 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
 
     On a pipe mesh a device runs its stage's layers once per pipeline iteration on one
     microbatch (bubble iterations included: they run on zeros), so its per-layer traffic is
-    counted per stage run.
+    counted per stage run. Accumulating gradients, each of the `grad_accum_steps` microbatches is
+    a pass of its own: XLA gathers the weights, and reduces their gradients (over fsdp and over
+    data), inside the accumulation loop, once per microbatch.
     """
     config = config_for_mesh(config, mesh)
     dims = local_dims(config, mesh)
@@ -461,12 +470,13 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
     pipe_bytes = 0.0 if layout is None else _pipe_bytes(layout, dims, stream, replica_stream)
+    passes_per_step = dims.accum_steps
     return CommEstimate(
-        round(tensor_bytes),
-        round(fsdp_bytes),
-        round(data_bytes),
-        pipe_bytes=round(pipe_bytes),
-        fsdp_gather_bytes=round(gather_bytes),
+        round(passes_per_step * tensor_bytes),
+        round(passes_per_step * fsdp_bytes),
+        round(passes_per_step * data_bytes),
+        pipe_bytes=round(passes_per_step * pipe_bytes),
+        fsdp_gather_bytes=round(passes_per_step * gather_bytes),
     )
 
 

@@ -3,7 +3,6 @@ one listener of the loop's events; plus the non-finite-loss stop."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -142,21 +141,7 @@ class WorkerResilience(LoopEvents):
 
 
 def skip_update(state: Any) -> Any:
-    """The state after a skipped step: the same parameters and moments; step + 1, and the
-    learning-rate schedule with it, so later steps get the rates they would have had."""
-    import jax
+    """The state after a skipped step (msjax.step.skip_update: its one home)."""
+    from msjax.step import skip_update as skipped
 
-    from msjax.optim import advance_schedule
-
-    global _skip_update
-    if _skip_update is None:
-        _skip_update = jax.jit(
-            lambda state: dataclasses.replace(
-                state, step=state.step + 1, opt_state=advance_schedule(state.opt_state)
-            ),
-            donate_argnums=0,
-        )
-    return _skip_update(state)
-
-
-_skip_update: Any = None
+    return skipped(state)
