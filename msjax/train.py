@@ -122,7 +122,7 @@ def train(
 
     listeners: more `LoopEvents` to tell what happens around each step, after msjax's own.
     """
-    from msjax.resilience.worker import skip_update
+    from msjax.step import skip_update
     from msjax.training.decisions import Decider
     from msjax.training.prepare import prepare_run
     from msjax.training.reporting import InFlight

@@ -7,7 +7,6 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from msjax.distributed import ATTEMPT, PROCESS_ID
 from msjax.loop_events import LoopEvents, StepRecord
@@ -21,7 +20,6 @@ __all__ = [
     "WorkerResilience",
     "dump_stacks_from_start",
     "leave_job_now",
-    "skip_update",
 ]
 from msjax.resilience.skips import read_skipped_steps
 
@@ -138,10 +136,3 @@ class WorkerResilience(LoopEvents):
     def run_end(self, final_step: int) -> None:
         self.heartbeat.beat("done", final_step)
         self.heartbeat.close()
-
-
-def skip_update(state: Any) -> Any:
-    """The state after a skipped step (msjax.step.skip_update: its one home)."""
-    from msjax.step import skip_update as skipped
-
-    return skipped(state)
