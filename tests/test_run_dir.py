@@ -86,14 +86,15 @@ def test_overwrite_sets_aside_msjax_files_only(tmp_path):
 
 
 def test_another_nodes_launcher_writing_its_job_config_is_not_a_foreign_file(tmp_path):
-    """Two nodes' launchers start one run in a shared run dir: node 1 may be writing its
-    job config (through a temporary file) while node 0 checks the directory."""
+    """Two nodes' launchers start one run in a shared run dir: one may be writing a run file
+    (through msjax's temporary name) while node 0 checks the directory."""
     from msjax.resolve import resolve_run_dir
     from msjax.run_dir import plan_run_dir
+    from msjax.writable import temporary_path
 
     run_dir = RunDir(tmp_path / "run")
     run_dir.path.mkdir()
-    (run_dir.path / f".{run_dir.job_config.name}.tmp4242").write_text("model: {}\n")
+    temporary_path(run_dir.job_config).write_text("model: {}\n")
     config = resolve_run_dir(load_config(None, [*SHORT, f"run.dir={run_dir.path}"]))
     assert run_dir.foreign_entries() == []
     assert not plan_run_dir(config).continues_run

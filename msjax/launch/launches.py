@@ -12,6 +12,7 @@ from typing import Any
 from msjax.launch.attempt import Attempt
 from msjax.observe.goodput import read_records
 from msjax.run_dir import RunDir
+from msjax.writable import AppendLog
 
 REQUEUE = "requeue"  # the cause of the incident that opens a launch after an unfinished one
 
@@ -51,8 +52,10 @@ def attempt_record(attempt: Attempt) -> dict[str, Any]:
 
 
 def append_launch(run_dir: RunDir, record: dict[str, Any]) -> None:
-    with run_dir.launches.open("a") as log:
-        log.write(json.dumps(record) + "\n")
+    """One record more; a full disk drops it with one warning (the supervisor's exit code stays)."""
+    log = AppendLog(run_dir.launches)
+    log.write(json.dumps(record) + "\n")
+    log.close()
 
 
 def requeue_incident(
