@@ -120,9 +120,7 @@ def train(
     stopped_by = eval_loss = None
     with events:
         with StopSignal() as stop, run.batches() as batches:
-            decide = Decider(
-                run.config, run.saves.checkpointer, stop, bool(run.validation), run.saves
-            )
+            decide = Decider(run.config, run.saves.schedule, stop, bool(run.validation), run.saves)
             for step in range(run.start.step, run.config.train.steps):
                 events.step_begin(step)
                 if run.resilience.skips(step):
