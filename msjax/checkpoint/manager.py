@@ -505,7 +505,10 @@ def processes_failing(failed_here: bool) -> list[int]:
 
 
 def _one_line(error: Exception) -> str:
-    text = str(error).splitlines()[0][:200] if str(error) else ""
+    """An error as one line; a long one keeps its start and its end (the OS error is there)."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    if len(text) > 300:
+        text = f"{text[:120]} ... {text[-160:]}"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 

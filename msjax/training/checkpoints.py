@@ -277,8 +277,9 @@ class CheckpointSaves:
         if self.config.checkpoint.enabled and final_step > self.start.step and not saved_already:
             self.save(final_step, state)
         self.events.saves_draining()
+        self.checkpointer.wait()  # then retention counts the last save too
         if self.schedule.in_flight:
-            outcome = self.checkpointer.save_outcome()  # waits on every process: one vote
+            outcome = self.checkpointer.save_outcome()  # finished on every process: one vote
             failed_here = outcome is not None and outcome.problem is not None
             self.settle(bool(agree_max(self.vote, [failed_here])[0]))
         self.checkpointer.close()
