@@ -140,7 +140,8 @@ class _MetaRestore(ocp.args.CheckpointArgs):
 
 
 class Checkpointer:
-    """Saves every so many steps or minutes, asynchronously; restores the newest valid step."""
+    """Asynchronous saves (when is msjax.training.save_schedule's call), their outcomes and
+    retention; restores the newest valid step."""
 
     def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
         self.directory = directory
@@ -196,8 +197,8 @@ class Checkpointer:
         """Start an asynchronous save; returns once the arrays are copied off the devices.
 
         Every process of the job calls it for the same step (it enters Orbax's barriers). The
-        fingerprints are only dispatched here; the background thread writing
-        the save waits for them. The save counts only once `save_outcome` says it committed.
+        fingerprints are only dispatched here; the background thread writing the save waits
+        for them. The save counts only once `save_outcome` says it committed.
         """
         meta = {
             **meta,

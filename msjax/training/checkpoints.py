@@ -252,7 +252,8 @@ class CheckpointSaves:
                 self.last_saved_step = step
                 self.events.save_end(step, time.perf_counter() - blocked_from)
                 return
-        self._failed(step, _reason(local_error), "was skipped by every process")
+        what = "was skipped by every process" if skip else "did not start on every process"
+        self._failed(step, _reason(local_error), what)
         self.events.save_end(step, None)
 
     def _meta(self, step: int) -> dict[str, Any]:
