@@ -4,6 +4,7 @@ enters it or skips it together, and nothing a failed or killed save wrote outliv
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -186,3 +187,35 @@ def test_a_save_killed_mid_write_leaves_nothing_behind_after_the_restart(tmp_pat
     assert f"removed {len(left)} unfinished saves in {checkpoints}" in output, output[-4000:]
     assert unfinished_on_disk(checkpoints) == []
     assert committed_on_disk(checkpoints) == [2, 4, 6]
+
+
+# --- a save due by the clock that fails --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_failed_save_due_by_the_clock_is_retried_on_the_back_off_not_at_every_step(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SMALL_RUN,
+        "model.num_layers=2",
+        "train.steps=40",
+        "checkpoint.every_steps=0",
+        "checkpoint.every_minutes=0.02",
+        "observe.flight_recorder_events=4096",
+    ]
+    code, output = run_train(run_dir, overrides, MSJAX_FAULT="save_error@step=1,rank=0,times=3")
+    assert code == 0, output[-4000:]
+    begun = [
+        event["t"] for event in flight_events(run_dir, 0) if event["event"] == "checkpoint_begin"
+    ]
+    failed = [
+        line
+        for line in output.splitlines()
+        if line.startswith("warning: checkpoint save at step") and "injected save_error" in line
+    ]
+    assert len(failed) == 3 and len(begun) >= 4, (failed, begun)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(begun[:4])]
+    # retried 1 s, 2 s, 4 s after each failure, not at the next step because the clock still
+    # says a save is due
+    assert all(gap >= pause for gap, pause in zip(gaps, (1, 2, 4), strict=True)), gaps
+    assert 40 in committed_on_disk(RunDir(run_dir).checkpoints)
