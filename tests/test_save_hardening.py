@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 from checkpoint_fault_helpers import SMALL_RUN, committed_on_disk, unfinished_on_disk
 
+from msjax.config import CheckpointConfig
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
+from msjax.training.save_schedule import SaveSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 600
@@ -219,3 +221,23 @@ def test_a_failed_save_due_by_the_clock_is_retried_on_the_back_off_not_at_every_
     # says a save is due
     assert all(gap >= pause for gap, pause in zip(gaps, (1, 2, 4), strict=True)), gaps
     assert 40 in committed_on_disk(RunDir(run_dir).checkpoints)
+
+
+def test_one_schedule_answers_save_now_and_while_saves_fail_only_its_back_off_does():
+    schedule = SaveSchedule(CheckpointConfig(every_steps=2, every_minutes=0.1 / 60))
+    assert schedule.due_by_steps(4) and not schedule.due_by_steps(3)
+    assert not schedule.due_by_clock()
+    time.sleep(0.15)
+    assert schedule.due_by_clock()
+    schedule.tried()
+    schedule.failed()
+    time.sleep(0.15)
+    # failing: neither the step count nor the clock brings the retry closer than its pause
+    assert not (schedule.due_by_steps(4) or schedule.due_by_clock() or schedule.retry_due())
+    time.sleep(0.9)
+    assert schedule.retry_due()
+    retried_s = schedule.tried()
+    schedule.in_flight = True  # the retry started; its outcome is not known yet
+    assert not schedule.retry_due() and schedule.failures == 1
+    schedule.committed(retried_s)
+    assert schedule.failures == 0 and schedule.due_by_steps(4) and not schedule.overdue()
