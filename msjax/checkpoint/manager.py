@@ -140,7 +140,7 @@ class _MetaRestore(ocp.args.CheckpointArgs):
 
 
 class Checkpointer:
-    """Asynchronous saves (when is msjax.training.save_schedule's call), their outcomes and
+    """Asynchronous saves (msjax.training.save_schedule decides when), their outcomes and
     retention; restores the newest valid step."""
 
     def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
