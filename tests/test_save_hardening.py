@@ -81,7 +81,7 @@ def test_saves_failing_in_the_background_end_the_attempt_after_max_unsaved_minut
     wall_s = time.monotonic() - started
     assert code == exit_codes.SAVES_FAILED, output[-4000:]
     assert "kept failing for checkpoint.max_unsaved_minutes=0.25" in output, output[-4000:]
-    failed = [line for line in output.splitlines() if "did not commit" in line]
+    failed = [line for line in output.splitlines() if "failed (not committed" in line]
     # the write's own error, or (when Orbax logged it and went on) the step found unfinalized
     reasons = ("File too large", "was not finalized")
     assert failed and all(any(r in line for r in reasons) for line in failed), failed
@@ -148,7 +148,8 @@ def test_a_save_failing_on_one_process_is_skipped_by_all_without_waiting(one_ran
     assert spans[0][2] < 30 and spans[1][2] < 30, spans
     logs = [RunDir(run_dir).log(rank).read_text().splitlines() for rank in (0, 1)]
     skipped = [
-        [line for line in log if "at step 2 was skipped by every process" in line] for log in logs
+        [line for line in log if "at step 2 failed (skipped by every process" in line]
+        for log in logs
     ]
     assert [len(lines) for lines in skipped] == [1, 1], skipped
     assert "another process could not start it" in skipped[0][0]  # rank 0 was ready

@@ -213,7 +213,7 @@ class CheckpointSaves:
         self._failed(
             outcome.step,
             outcome.problem or "it did not commit on another process",
-            "did not commit",
+            "not committed",
         )
         self.checkpointer.remove_unfinished(self.vote, outcome.step)  # no process writes it now
 
@@ -252,7 +252,7 @@ class CheckpointSaves:
                 self.last_saved_step = step
                 self.events.save_end(step, time.perf_counter() - blocked_from)
                 return
-        what = "was skipped by every process" if skip else "did not start on every process"
+        what = "skipped by every process" if skip else "not started by every process"
         self._failed(step, _reason(local_error), what)
         self.events.save_end(step, None)
 
@@ -295,7 +295,8 @@ class CheckpointSaves:
         if self.last_saved_step == step:
             self.last_saved_step = None
         message = (
-            f"checkpoint save at step {step} {what} ({problem}); earlier checkpoints are untouched"
+            f"checkpoint save at step {step} failed ({what}: {problem}); earlier checkpoints "
+            "are untouched"
         )
         if self.config.checkpoint.on_save_error == "stop":
             raise SavesFailing(message + "; stopping (checkpoint.on_save_error=stop)") from None
