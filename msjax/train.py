@@ -137,9 +137,7 @@ def train(
     grace_s = run.config.resilience.checkpoint_deadline_s
     with events, StopSignal(grace_s) as stop:
         with run.batches() as batches:
-            decide = Decider(
-                run.config, run.saves.checkpointer, stop, bool(run.validation), run.saves
-            )
+            decide = Decider(run.config, run.saves.schedule, stop, bool(run.validation), run.saves)
             for step in range(run.start.step, run.config.train.steps):
                 events.step_begin(step)
                 if run.resilience.skips(step):

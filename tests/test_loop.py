@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from small_runs import QUICK_RUN
 
-from msjax.checkpoint.manager import Checkpointer
 from msjax.config import CheckpointConfig, load_config
 from msjax.loop_events import HOOKS, EventFanOut, LoopEvents
 from msjax.observe.metrics import read_metrics
 from msjax.train import train
 from msjax.training.decisions import Decider, Decision, StopSignal
+from msjax.training.save_schedule import SaveSchedule
 
 TINY_RUN = [
     *QUICK_RUN,
@@ -113,8 +113,7 @@ def test_fan_out_calls_listeners_in_order_and_tells_all_of_a_failure():
 
 def decider(tmp_path: Path, stop: StopSignal, **overrides) -> Decider:
     config = load_config(None, [f"train.{k}={v}" for k, v in overrides.items()])
-    options = CheckpointConfig(every_steps=3)
-    return Decider(config, Checkpointer(tmp_path / "ckpt", options), stop, can_evaluate=True)
+    return Decider(config, SaveSchedule(CheckpointConfig(every_steps=3)), stop, can_evaluate=True)
 
 
 def test_decisions_follow_the_cadences_and_leave_the_last_step_to_the_end(tmp_path: Path):

@@ -82,20 +82,17 @@ def test_max_unsaved_minutes_must_be_positive_or_null():
 
 
 def test_a_failed_save_is_retried_after_a_growing_pause_and_bounded_in_time():
-    from msjax.loop_events import EventFanOut
-    from msjax.training.checkpoints import CheckpointSaves
+    from msjax.training.save_schedule import SaveSchedule
 
-    config = dataclasses.replace(
-        Config(),
-        checkpoint=dataclasses.replace(Config().checkpoint, max_unsaved_minutes=0.5 / 60),
-    )
-    saves = CheckpointSaves(config, None, None, EventFanOut([]), lambda line: None)
-    assert not saves.retry_due() and not saves.overdue()
-    saves._report_error(3, OSError(28, "No space left on device"))
-    assert not saves.retry_due()  # the first retry waits 1 s
+    options = dataclasses.replace(Config().checkpoint, max_unsaved_minutes=0.5 / 60)
+    schedule = SaveSchedule(options)
+    assert not schedule.retry_due() and not schedule.overdue()
+    schedule.tried()
+    schedule.failed()
+    assert not schedule.retry_due()  # the first retry waits 1 s
     time.sleep(0.6)
-    assert saves.overdue()  # 0.5 s without a good save, and saves are failing
+    assert schedule.overdue()  # 0.5 s without a committed save, and saves are failing
     time.sleep(0.5)
-    assert saves.retry_due()
-    saves._report_error(4, OSError(28, "No space left on device"))
-    assert not saves.retry_due()  # now 2 s
+    assert schedule.retry_due()
+    schedule.failed()
+    assert not schedule.retry_due()  # now 2 s

@@ -59,6 +59,14 @@ class Listing:
 
 
 @dataclass(frozen=True)
+class SaveOutcome:
+    """How a started save ended: committed with an intact record (problem None), or why not."""
+
+    step: int
+    problem: str | None
+
+
+@dataclass(frozen=True)
 class Restored:
     """A checkpoint read back and verified."""
 
@@ -139,7 +147,8 @@ class _MetaRestore(ocp.args.CheckpointArgs):
 
 
 class Checkpointer:
-    """Saves every so many steps or minutes, asynchronously; restores the newest valid step."""
+    """Asynchronous saves (msjax.training.save_schedule decides when), their outcomes and
+    retention; restores the newest valid step."""
 
     def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
         self.directory = directory
@@ -162,10 +171,9 @@ class Checkpointer:
                 read_only=read_only,
             ),
         )
-        self._last_save_time = time.monotonic()
-        self.last_saved_step: int | None = None
-        self.save_blocked_s: list[float] = []  # how long each save() held up the loop
         self._compiling: threading.Thread | None = None
+        self._in_flight: int | None = None  # the step of the last save started
+        self._finished: SaveOutcome | None = None  # its outcome, once known
         self.read_only = read_only
         self.skipped: list[str] = []  # why restore_newest_valid passed over each step
         self.moved_aside: list[str] = []  # what it moved to damaged/ (names there)
@@ -184,28 +192,22 @@ class Checkpointer:
         )
         self._compiling.start()
 
-    def due_by_steps(self, step: int) -> bool:
-        """Whether checkpoint.every_steps asks for a save after `step` updates."""
-        every = self.options.every_steps
-        return bool(self.options.enabled and every and step % every == 0)
-
-    def due_by_clock(self) -> bool:
-        """Whether checkpoint.every_minutes have passed since the last save (this clock's view)."""
-        minutes = self.options.every_minutes
-        if not self.options.enabled or minutes is None:
-            return False
-        return time.monotonic() - self._last_save_time >= 60 * minutes
+    def prepare_save(self) -> None:
+        """What a save does first, each process on its own (what can fail here fails before the
+        processes enter the save together): the fingerprint program compiled, the save before
+        finished (its outcome kept for `save_outcome`), retention applied."""
+        if self._compiling is not None:
+            self._compiling.join()  # if it failed, the dispatch in save() compiles (and raises)
+            self._compiling = None
+        self.wait()
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start an asynchronous save; returns once the arrays are copied off the devices.
 
-        The fingerprints are only dispatched here; the background thread writing the save waits
-        for them. Raises what Orbax raises (a failed earlier save surfaces here or in `wait`).
+        Every process of the job calls it for the same step (it enters Orbax's barriers). The
+        fingerprints are only dispatched here; the background thread writing the save waits
+        for them. The save counts only once `save_outcome` says it committed.
         """
-        started = time.perf_counter()
-        if self._compiling is not None:
-            self._compiling.join()  # if it failed, the dispatch below compiles (and raises)
-            self._compiling = None
         meta = {
             **meta,
             "format_version": FORMAT_VERSION,
@@ -213,9 +215,9 @@ class Checkpointer:
             "step": step,
             "saved_at_unix_s": time.time(),
         }
+        self.prepare_save()  # quick when done already
+        self._in_flight, self._finished = None, None
         pending = PendingFingerprints(state)  # the next step, donating state, waits for it
-        self._manager.wait_until_finished()  # Orbax would wait here too; the last save is whole
-        self.prune()
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -223,14 +225,70 @@ class Checkpointer:
             ),
             force=True,
         )
-        self.save_blocked_s.append(time.perf_counter() - started)
-        self._last_save_time = time.monotonic()
-        self.last_saved_step = step
+        self._in_flight = step
+
+    def save_in_flight(self) -> bool:
+        """Whether the started save is still being written (never blocks)."""
+        if self._in_flight is None or self._finished is not None:
+            return False
+        return self._manager.is_saving_in_progress()
+
+    def save_outcome(self) -> SaveOutcome | None:
+        """How the last started save ended, once it is finalized (blocks until then); None when
+        none was started. Never raises: a failure is in the outcome."""
+        if self._in_flight is not None and self._finished is None:
+            step = self._in_flight
+            try:
+                self._manager.wait_until_finished()  # raises what the background write raised
+                problem = self._commit_problem(step)
+            except Exception as error:  # Orbax and TensorStore raise many types
+                problem = _one_line(error)
+            self._finished = SaveOutcome(step, problem)
+        return self._finished
+
+    def _commit_problem(self, step: int) -> str | None:
+        """Why a step whose save finished is not committed with an intact record, or None.
+
+        Process 0 finalizes a step, so it alone looks; the others' share is their own writes.
+        """
+        if jax.process_index() != 0:
+            return None
+        if not (self.directory / str(step) / COMMIT_MARKER).exists():
+            return f"step {step} was not finalized (no {COMMIT_MARKER})"
+        if not self._record_ok(step):
+            return f"the record of step {step} is missing or damaged"
+        return None
 
     def wait(self) -> None:
-        """Block until every started save is finalized on disk, then apply retention."""
+        """Block until every started save is finalized on disk (its outcome is kept for
+        `save_outcome`), then apply retention."""
+        self.save_outcome()
         self._manager.wait_until_finished()
         self.prune()
+
+    def remove_unfinished(self, vote: ProcessVote | None, step: int | None = None) -> list[str]:
+        """Delete the step directories that saves started and never finalized (Orbax's
+        `STEP.orbax-checkpoint-tmp-*`, or a STEP without its commit marker): all of them, or
+        those of `step`; the names removed.
+
+        Call it on every process of the job that holds the run lock, when none of its saves is
+        in flight (at start-up, or once a failed save is finished everywhere): process 0
+        deletes, then every process reloads its list of steps. A committed step is never
+        touched. A directory that cannot be listed is left as it is.
+        """
+        removed: list[str] = []
+        if not self.read_only and jax.process_index() == 0:
+            try:
+                names = uncommitted_entries(self.directory)
+            except OSError:
+                names = []
+            for name in names:
+                if step is None or name.split(".")[0] == str(step):
+                    shutil.rmtree(self.directory / name, ignore_errors=True)
+                    removed.append(name)
+        agree_any(vote, False)  # process 0 is done: a barrier before every process reloads
+        self._manager.reload()
+        return removed
 
     def prune(self) -> None:
         """Delete checkpoints past `max_to_keep`, counting only committed steps whose record is
@@ -559,6 +617,14 @@ def read_sealed_record(path: Path) -> dict[str, Any]:
             f"msjax reads ({FINGERPRINT_FORMATS[-1]}); restore it with a newer msjax"
         )
     return meta
+
+
+def _one_line(error: Exception) -> str:
+    """An error as one line; a long one keeps its start and its end (the OS error is there)."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    if len(text) > 300:
+        text = f"{text[:120]} ... {text[-160:]}"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _check_fingerprints(path: Path, meta: dict[str, Any], actual: dict[str, int]) -> None:

@@ -118,3 +118,8 @@ def agree_min(vote: ProcessVote | None, mine: int) -> int:
     if vote is None:
         return mine
     return -vote.agree([1 if mine < 0 else -mine])[0]
+
+
+def agree_max(vote: ProcessVote | None, mine: Sequence[int]) -> tuple[int, ...]:
+    """The maximum over every process of each value (this process's own when there is no vote)."""
+    return tuple(int(v) for v in mine) if vote is None else vote.agree(mine)

@@ -15,8 +15,10 @@ from msjax.config import Config, config_from_dict
 from msjax.data.identity import corpus_changes
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
+from msjax.parallel.agreement import agree_max, process_vote
 from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
+from msjax.training.save_schedule import SaveSchedule
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,6 @@ def check_same_model(config: Config, restored: Restored) -> None:
         )
 
 
-RETRY_PAUSE_MAX_S = 60.0  # a failed save is retried after 1 s, 2 s, 4 s, ... at most this
-
-
 def check_same_corpus(
     config: Config, start: StartingPoint, corpus: dict[str, Any], message: Callable[[str], None]
 ) -> list[dict[str, Any]]:
@@ -192,10 +191,13 @@ def check_same_corpus(
 
 
 class CheckpointSaves:
-    """Saves of the train state with the run's config and data position. A failed save is
-    retried (the loop saves again once `retry_due`); checkpoint.on_save_error=stop ends the
-    attempt at the first failure, and checkpoint.max_unsaved_minutes bounds how long training
-    goes on while saves keep failing."""
+    """Saves of the train state with the run's config and data position, entered by every
+    process together, and counted good only once committed.
+
+    A failed save is retried on the schedule's back-off (`schedule`); checkpoint.on_save_error=
+    stop ends the attempt at the first failure, and checkpoint.max_unsaved_minutes bounds how
+    long training goes on while saves keep failing.
+    """
 
     def __init__(
         self,
@@ -217,20 +219,93 @@ class CheckpointSaves:
         self.start = start
         self.events = events
         self.warn = warn
-        self.last_good_s = time.monotonic()  # the last save that did not fail (or the start)
-        self.failures = 0  # saves failed in a row
-        self._failed_at_s = 0.0
+        self.schedule = SaveSchedule(config.checkpoint)
+        self.vote = process_vote("save")  # every process casts the same rounds, in order
+        self.last_saved_step: int | None = None  # started and not failed (maybe in flight)
+        self._started_s = 0.0  # when the save in flight was started
+        if config.checkpoint.enabled:
+            # no save of this job has started yet, and the job holds the run lock
+            removed = checkpointer.remove_unfinished(self.vote)
+            if removed:
+                warn(
+                    f"removed {len(removed)} unfinished saves in {self.directory} (a killed or "
+                    f"failed save left them): {', '.join(removed)}"
+                )
 
     @property
     def directory(self) -> Path:
         return self.checkpointer.directory
 
+    def view_of_save_in_flight(self) -> tuple[bool, bool]:
+        """This process's view of the save started last and not counted yet: (still being
+        written, failed here). Never blocks; `settle` counts what every process saw."""
+        if not self.schedule.in_flight:
+            return False, False
+        if self.checkpointer.save_in_flight():
+            return True, False
+        outcome = self.checkpointer.save_outcome()  # finished here: no wait
+        return False, outcome is not None and outcome.problem is not None
+
+    def settle(self, failed_anywhere: bool) -> None:
+        """Count the save in flight, finished on every process, as committed or failed (every
+        process calls it at the same step, with the same verdict)."""
+        outcome = self.checkpointer.save_outcome()
+        if outcome is None or not self.schedule.in_flight:
+            return
+        if not failed_anywhere:
+            self.schedule.committed(self._started_s)
+            return
+        self._failed(
+            outcome.step,
+            outcome.problem or "it did not commit on another process",
+            "not committed",
+        )
+        self.checkpointer.remove_unfinished(self.vote, outcome.step)  # no process writes it now
+
     def save(self, step: int, state: Any) -> None:
-        """Start an asynchronous checkpoint of `state`, which has `step` updates."""
+        """Save `state`, which has `step` updates, asynchronously; every process calls it for
+        the same step.
+
+        Each process first does what can fail on its own (the save hooks, waiting for the save
+        before, retention), then all vote: every process enters Orbax's save, or all skip it
+        (no process waits in Orbax's barriers for one that failed) and retry together.
+        """
+        blocked_from = time.perf_counter()
+        started_s = self.schedule.tried()
+        previous_failed = False
+        if self.schedule.in_flight:
+            previous = self.checkpointer.save_outcome()  # waits for the save before
+            previous_failed = previous is not None and previous.problem is not None
+        local_error: Exception | None = None
+        try:
+            self.events.save_begin(step)  # an injected save_error fault strikes here
+            self.checkpointer.prepare_save()
+        except Exception as error:
+            local_error = error
+        skip, previous_failed = agree_max(self.vote, [local_error is not None, previous_failed])
+        self.settle(bool(previous_failed))
+        if not skip:
+            local_error = None
+            try:
+                # transformed and fingerprinted on every process together: after the vote
+                self.checkpointer.save(step, self.to_canonical(state), self._meta(step))
+            except Exception as error:
+                local_error = error
+            if not agree_max(self.vote, [local_error is not None])[0]:
+                self.schedule.in_flight = True
+                self._started_s = started_s
+                self.last_saved_step = step
+                self.events.save_end(step, time.perf_counter() - blocked_from)
+                return
+        what = "skipped by every process" if skip else "not started by every process"
+        self._failed(step, _reason(local_error), what)
+        self.events.save_end(step, None)
+
+    def _meta(self, step: int) -> dict[str, Any]:
         samples_seen = self.start.first_sample + (step - self.start.step) * (
             self.config.train.global_batch
         )
-        meta = {
+        return {
             "config": self.config.to_dict(),
             "data": {
                 "next_step": step,
@@ -241,52 +316,43 @@ class CheckpointSaves:
             "seed": self.config.run.seed,
             "msjax_version": __version__,
         }
-        try:
-            self.events.save_begin(step)  # an injected save_error fault strikes here
-            self.checkpointer.save(step, self.to_canonical(state), meta)
-        except Exception as error:
-            self._report_error(step, error)
-            self.events.save_end(step, None)
-        else:
-            self.failures = 0
-            self.last_good_s = time.monotonic()
-            self.events.save_end(step, self.checkpointer.save_blocked_s[-1])
-
-    def retry_due(self) -> bool:
-        """Whether a failed save is waiting to be retried and its pause is over."""
-        pause_s = min(2.0 ** (self.failures - 1), RETRY_PAUSE_MAX_S)
-        return self.failures > 0 and time.monotonic() - self._failed_at_s >= pause_s
-
-    def overdue(self) -> bool:
-        """Whether saves are failing and the last good one is older than max_unsaved_minutes."""
-        minutes = self.config.checkpoint.max_unsaved_minutes
-        unsaved_s = time.monotonic() - self.last_good_s
-        return self.failures > 0 and minutes is not None and unsaved_s > 60 * minutes
 
     def finish(self, state: Any, final_step: int) -> None:
-        """The last save (unless the state is saved already), then wait for every save."""
-        saved_already = self.checkpointer.last_saved_step == final_step
+        """The last save (unless the state is saved already), then wait for it to commit."""
+        saved_already = self.last_saved_step == final_step
         if self.config.checkpoint.enabled and final_step > self.start.step and not saved_already:
             self.save(final_step, state)
         self.events.saves_draining()
-        try:
-            self.checkpointer.wait()
-        except Exception as error:
-            self._report_error(final_step, error)
+        self.checkpointer.wait()  # then retention counts the last save too
+        if self.schedule.in_flight:
+            outcome = self.checkpointer.save_outcome()  # finished on every process: one vote
+            failed_here = outcome is not None and outcome.problem is not None
+            self.settle(bool(agree_max(self.vote, [failed_here])[0]))
         self.checkpointer.close()
-        if self.failures:
+        if self.schedule.failures:
             raise SavesFailing(
                 f"the last checkpoint (step {final_step}) could not be saved; the good ones in "
                 f"{self.directory} are kept"
             )
 
-    def _report_error(self, step: int, error: Exception) -> None:
-        self.failures += 1
-        self._failed_at_s = time.monotonic()
+    def _failed(self, step: int | None, problem: str, what: str) -> None:
+        self.schedule.failed()
+        if self.last_saved_step == step:
+            self.last_saved_step = None
         message = (
-            f"checkpoint save at step {step} failed ({type(error).__name__}: {error}); "
-            "earlier checkpoints are untouched"
+            f"checkpoint save at step {step} failed ({what}: {problem}); earlier checkpoints "
+            "are untouched"
         )
         if self.config.checkpoint.on_save_error == "stop":
             raise SavesFailing(message + "; stopping (checkpoint.on_save_error=stop)") from None
-        self.warn("warning: " + message + "; training continues and the save is retried")
+        self.warn(
+            f"warning: {message}; training continues and the save is retried in "
+            f"{self.schedule.retry_pause_s:g} s"
+        )
+
+
+def _reason(error: Exception | None) -> str:
+    """Why a save did not start, as this process saw it."""
+    if error is None:
+        return "another process could not start it"
+    return f"{type(error).__name__}: {error}"

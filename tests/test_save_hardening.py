@@ -1,0 +1,246 @@
+"""Saves under real faults: a disk that fills in the background, a save that fails on one
+process of two, a worker killed in a save. A save counts only once committed, every process
+enters it or skips it together, and nothing a failed or killed save wrote outlives a restart."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoint_fault_helpers import SMALL_RUN, committed_on_disk, unfinished_on_disk
+
+from msjax.config import CheckpointConfig
+from msjax.resilience import exit_codes
+from msjax.run_dir import RunDir
+from msjax.training.save_schedule import SaveSchedule
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 600
+FILE_SIZE_LIMIT_BYTES = 3 << 20  # the corpus's token files fit; a checkpoint's array files do not
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def run_train(
+    run_dir: Path, overrides: list[str], file_size_limit: int | None = None, **env: str
+) -> tuple[int, str]:
+    """`python -m msjax.train`, its files held to file_size_limit bytes (RLIMIT_FSIZE: a write
+    past it fails with EFBIG, as on a full disk); its exit code and output."""
+
+    def limit_files() -> None:
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "msjax.train", *overrides, f"run.dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(**env),
+        cwd=run_dir.parent,
+        preexec_fn=limit_files,
+        timeout=RUN_TIMEOUT_S,
+    )
+    return done.returncode, done.stdout
+
+
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = RunDir(run_dir).metrics.read_text().splitlines()
+    return [record for record in map(json.loads, lines) if "loss" in record]
+
+
+# --- a disk that fills while saves are written in the background ---------------------------------
+
+
+@pytest.mark.slow
+def test_saves_failing_in_the_background_end_the_attempt_after_max_unsaved_minutes(tmp_path):
+    """Every save starts (the arrays reach the host) and fails while being written: none is
+    committed, so the failures and the unsaved clock keep running until exit 6, long before the
+    run's last step; each failed save's partial files are removed once it is known failed."""
+    run_dir = tmp_path / "run"
+    steps = 400
+    overrides = [
+        *SMALL_RUN,
+        "data.max_corpus_mib=1",
+        f"train.steps={steps}",
+        "checkpoint.every_steps=2",
+        "checkpoint.max_unsaved_minutes=0.25",
+    ]
+    started = time.monotonic()
+    code, output = run_train(run_dir, overrides, FILE_SIZE_LIMIT_BYTES)
+    wall_s = time.monotonic() - started
+    assert code == exit_codes.SAVES_FAILED, output[-4000:]
+    assert "kept failing for checkpoint.max_unsaved_minutes=0.25" in output, output[-4000:]
+    failed = [line for line in output.splitlines() if "failed (not committed" in line]
+    # the write's own error, or (when Orbax logged it and went on) the step found unfinalized
+    reasons = ("File too large", "was not finalized")
+    assert failed and all(any(r in line for r in reasons) for line in failed), failed
+    # the back-off spaces the retries (1 s, 2 s, 4 s, 8 s within 15 s), not one per step
+    assert 2 <= len(failed) <= 6, output[-4000:]
+    trained = max(record["step"] for record in step_records(run_dir)) + 1
+    assert trained < steps, f"ran to the end ({trained} steps in {wall_s:.0f} s)"
+    checkpoints = RunDir(run_dir).checkpoints
+    assert committed_on_disk(checkpoints) == []
+    assert len(unfinished_on_disk(checkpoints)) <= 1  # at most the save in flight at the exit
+
+
+# --- a save that fails on one process of two ----------------------------------------------------
+
+
+def flight_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    return json.loads(RunDir(run_dir).flight_record(rank).read_text())["events"]
+
+
+def checkpoint_spans(run_dir: Path, rank: int) -> dict[int, float]:
+    """How long each save held rank's loop: its checkpoint_begin to checkpoint_end, by step."""
+    begun: dict[int, float] = {}
+    spans: dict[int, float] = {}
+    for event in flight_events(run_dir, rank):
+        if event["event"] == "checkpoint_begin":
+            begun[event["step"]] = event["t"]
+        elif event["event"] == "checkpoint_end":
+            spans[event["step"]] = event["t"] - begun[event["step"]]
+    return spans
+
+
+@pytest.fixture(scope="module")
+def one_rank_fails_a_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """A 2-process job (msjax.launch) whose save of step 2 fails on rank 1 only (ENOSPC)."""
+    run_dir = tmp_path_factory.mktemp("one_rank") / "run"
+    cache_dir = tmp_path_factory.mktemp("compile_cache")
+    command = [
+        sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2",
+        "--fault=save_error@step=2,rank=1", "--",
+        "model.num_layers=2", "data.seq_len=32", "data.max_corpus_mib=1",
+        "train.global_batch=8", "train.steps=12", "train.eval_every=0",
+        "train.peak_tflops=0.5", "checkpoint.every_steps=2", "mesh.data=2", "mesh.fsdp=2",
+        "mesh.tensor=1", "resilience.max_restarts=0", f"resilience.compile_cache_dir={cache_dir}",
+        f"run.dir={run_dir}",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=worker_env(),
+        cwd=run_dir.parent,
+        timeout=RUN_TIMEOUT_S,
+    )
+    return run_dir, done.returncode, done.stdout
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_process_is_skipped_by_all_without_waiting(one_rank_fails_a_save):
+    run_dir, code, output = one_rank_fails_a_save
+    assert code == 0, output[-5000:]
+    spans = [checkpoint_spans(run_dir, rank) for rank in (0, 1)]
+    # rank 0 did not wait in Orbax's save barrier (300 s) for rank 1, which never entered it
+    assert spans[0][2] < 30 and spans[1][2] < 30, spans
+    logs = [RunDir(run_dir).log(rank).read_text().splitlines() for rank in (0, 1)]
+    skipped = [
+        [line for line in log if "at step 2 failed (skipped by every process" in line]
+        for log in logs
+    ]
+    assert [len(lines) for lines in skipped] == [1, 1], skipped
+    assert "another process could not start it" in skipped[0][0]  # rank 0 was ready
+    assert "No space left on device" in skipped[1][0]  # rank 1's own failure
+    assert not RunDir(run_dir).incidents_log.exists()  # no hang, no restart
+
+
+@pytest.mark.slow
+def test_both_processes_retry_the_skipped_save_together_and_it_commits(one_rank_fails_a_save):
+    run_dir, code, output = one_rank_fails_a_save
+    assert code == 0, output[-5000:]
+    saved = [sorted(checkpoint_spans(run_dir, rank)) for rank in (0, 1)]
+    assert saved[0] == saved[1], saved  # every save entered by both processes, at one step
+    retry = saved[0][1]  # the first save after the skipped one of step 2
+    assert 2 < retry < 12, saved
+    committed = committed_on_disk(RunDir(run_dir).checkpoints)
+    assert retry in committed or retry < min(committed), committed  # committed (maybe pruned)
+    assert 2 not in committed and committed[-1] == 12, committed
+
+
+# --- a worker killed in a save ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_save_killed_mid_write_leaves_nothing_behind_after_the_restart(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*SMALL_RUN, "checkpoint.every_steps=2", "checkpoint.max_to_keep=5"]
+    code, output = run_train(
+        run_dir, [*overrides, "train.steps=6"], MSJAX_FAULT="crash_in_save@step=4,rank=0"
+    )
+    assert code == 1, output[-4000:]  # the injected crash
+    checkpoints = RunDir(run_dir).checkpoints
+    left = unfinished_on_disk(checkpoints)
+    assert committed_on_disk(checkpoints) == [2] and left, (left, output[-4000:])
+
+    code, output = run_train(run_dir, [*overrides, "train.steps=6"])
+    assert code == 0, output[-4000:]
+    assert f"removed {len(left)} unfinished saves in {checkpoints}" in output, output[-4000:]
+    assert unfinished_on_disk(checkpoints) == []
+    assert committed_on_disk(checkpoints) == [2, 4, 6]
+
+
+# --- a save due by the clock that fails --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_failed_save_due_by_the_clock_is_retried_on_the_back_off_not_at_every_step(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SMALL_RUN,
+        "model.num_layers=2",
+        "train.steps=40",
+        "checkpoint.every_steps=0",
+        "checkpoint.every_minutes=0.02",
+        "observe.flight_recorder_events=4096",
+    ]
+    code, output = run_train(run_dir, overrides, MSJAX_FAULT="save_error@step=1,rank=0,times=3")
+    assert code == 0, output[-4000:]
+    begun = [  # the saves tried in the loop (the run's last one is not the back-off's)
+        event["t"]
+        for event in flight_events(run_dir, 0)
+        if event["event"] == "checkpoint_begin" and event["step"] < 40
+    ]
+    failed = [
+        line
+        for line in output.splitlines()
+        if line.startswith("warning: checkpoint save at step") and "injected save_error" in line
+    ]
+    assert len(failed) == 3 and len(begun) >= 3, (failed, begun)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(begun[:4])]
+    # retried 1 s, 2 s, 4 s after each failure, not at the next step because the clock still
+    # says a save is due
+    assert all(gap >= pause for gap, pause in zip(gaps, (1, 2, 4), strict=False)), gaps
+    assert 40 in committed_on_disk(RunDir(run_dir).checkpoints)
+
+
+def test_one_schedule_answers_save_now_and_while_saves_fail_only_its_back_off_does():
+    schedule = SaveSchedule(CheckpointConfig(every_steps=2, every_minutes=0.1 / 60))
+    assert schedule.due_by_steps(4) and not schedule.due_by_steps(3)
+    assert not schedule.due_by_clock()
+    time.sleep(0.15)
+    assert schedule.due_by_clock()
+    schedule.tried()
+    schedule.failed()
+    time.sleep(0.15)
+    # failing: neither the step count nor the clock brings the retry closer than its pause
+    assert not (schedule.due_by_steps(4) or schedule.due_by_clock() or schedule.retry_due())
+    time.sleep(0.9)
+    assert schedule.retry_due()
+    retried_s = schedule.tried()
+    schedule.in_flight = True  # the retry started; its outcome is not known yet
+    assert not schedule.retry_due() and schedule.failures == 1
+    schedule.committed(retried_s)
+    assert schedule.failures == 0 and schedule.due_by_steps(4) and not schedule.overdue()
