@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from small_runs import QUICK_RUN
 
 from msjax.launch.launches import read_launches
 from msjax.resilience.heartbeat import HeartbeatRecord
@@ -46,13 +47,7 @@ END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_O
 
 def train_args(run_dir: Path, cache_dir: Path, steps: int = STEPS) -> list[str]:
     return [
-        "model.num_layers=2",
-        "model.embed_dim=64",
-        "model.mlp_dim=128",
-        "data.seq_len=32",
-        "data.max_corpus_mib=1",
-        "train.global_batch=8",
-        "train.peak_tflops=0.5",
+        *QUICK_RUN,
         "train.eval_every=0",
         f"train.steps={steps}",
         f"checkpoint.every_steps={SAVE_EVERY}",

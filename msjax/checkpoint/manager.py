@@ -393,16 +393,7 @@ class Checkpointer:
         if not finalized:
             raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
         raw = self._read_with_retries(path, lambda: (path / "meta" / META_FILE).read_bytes())
-        problem = record_problem(raw)
-        if problem is not None:
-            raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
-        meta = json.loads(raw)
-        fingerprint_format = meta.get("fingerprint_format", 1)  # format 1 records had none
-        if fingerprint_format not in FINGERPRINT_FORMATS:
-            raise MsjaxError(
-                f"checkpoint {path} has fingerprint format {fingerprint_format}, newer than this "
-                f"msjax reads ({FINGERPRINT_FORMATS[-1]}); restore it with a newer msjax"
-            )
+        meta = checked_record(path, raw)
         # The item handler itself, not the manager: the manager's restore ends in a barrier of
         # all processes that one whose read failed would never reach.
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
@@ -606,6 +597,12 @@ def read_sealed_record(path: Path) -> dict[str, Any]:
         raw = (path / "meta" / META_FILE).read_bytes()
     except OSError as error:
         raise MsjaxError(f"checkpoint {path}: its record could not be read: {error}") from None
+    return checked_record(path, raw)
+
+
+def checked_record(path: Path, raw: bytes) -> dict[str, Any]:
+    """The record bytes of the step at path, parsed once its seal and fingerprint format are
+    checked; MsjaxError naming the step otherwise (evidence of damage, not a failed read)."""
     problem = record_problem(raw)
     if problem is not None:
         raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
