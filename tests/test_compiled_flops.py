@@ -6,15 +6,19 @@ Programs compile on the eight simulated devices, cached per process with the oth
 
 from __future__ import annotations
 
+import json
+
 import jax
 import pytest
 
 from msjax.config import load_config
 from msjax.observe.compiled_flops import compiled_flops
 from msjax.observe.flops import flops_per_step
+from msjax.plan import main as plan_main
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
 from msjax.planner.compute import estimate_compute
+from msjax.sweep import main as sweep_main
 
 # A step whose outer loop runs 3 times (XLA's annotation) around an inner loop whose trip count
 # only its condition says (i < 4), beside a dot in a fusion outside both loops and a
@@ -78,7 +82,7 @@ ENTRY %main (x: f32[8,32]) -> f32[8,16] {
   %w = f32[32,16]{1,0} constant({...})
   ROOT %out = f32[8,16]{1,0} fusion(%y, %w), kind=kOutput, calls=%fused_projection
 }
-"""
+"""  # noqa: E501 (HLO lines as XLA prints them)
 
 
 def test_dot_and_convolution_flops_multiply_through_nested_loops():
@@ -110,6 +114,9 @@ MESHES = {
     "pipe2-data2-tensor2-gpipe-m4": ("2,1,2,2", "pipeline.microbatches=4"),
     "pipe2-data2-tensor2-circular-m4": ("2,1,2,2", f"{CIRCULAR} pipeline.microbatches=4"),
     "pipe2-data2-tensor2-1f1b-m4": ("2,1,2,2", "pipeline.schedule=1f1b pipeline.microbatches=4"),
+    # one layer per stage: no layer scan, so XLA trims 1F1B's second forward
+    "pipe4-tensor2-1f1b-m8": ("1,1,4,2", "pipeline.schedule=1f1b pipeline.microbatches=8"),
+    "pipe2-fsdp2-tensor2-gpipe-m2": ("1,2,2,2", "pipeline.microbatches=2"),
 }
 
 
@@ -142,3 +149,28 @@ def test_full_remat_and_1f1b_recompute_what_the_plan_says():
     assert compiled_1f1b > 1.5 * compiled_gpipe
     # the head, once per device without a pipe, once per pipe rank with one (P = 2)
     assert gpipe.head_flops * 8 == pytest.approx(2 * straight_none.head_flops, rel=1e-9)
+
+
+def test_the_sweep_reports_compiled_over_model_flops_beside_the_plan(tmp_path, capsys):
+    argv = ["--config", "configs/tiny.yaml", "--meshes", "1,1,1", "--steps", "1"]
+    assert sweep_main([*argv, "--out", str(tmp_path), "train.global_batch=8"]) == 0
+    (record,) = map(json.loads, (tmp_path / "sweep.jsonl").read_text().splitlines())
+    planned, compiled_ratio = _planned_and_compiled("one-device", "none")
+    assert record["work_ratio"] == pytest.approx(compiled_ratio, rel=1e-9)
+    assert record["planned_work_ratio"] == pytest.approx(planned.ratio, rel=1e-9)
+    # float32 XLA attention computes every [seq, seq] score: more than the model's causal half
+    assert 1.05 < record["work_ratio"] < 1.10
+    assert f"compiled/model FLOPs {compiled_ratio:.3f} (plan {planned.ratio:.3f})" in (
+        capsys.readouterr().out
+    )
+
+
+def test_the_plans_xla_check_reports_compiled_over_model_flops(capsys):
+    argv = ["--config", "configs/tiny.yaml", "--devices", "1", "--xla", "train.global_batch=8"]
+    assert plan_main(argv) == 0
+    printed = capsys.readouterr().out
+    planned, compiled_ratio = _planned_and_compiled("one-device", "none")
+    assert f"compiled/model FLOPs {compiled_ratio:.3f} (plan {planned.ratio:.3f})" in printed
+    (row,) = [line for line in printed.splitlines() if line.strip().startswith("1,1,1")]
+    work, xla_work = (float(value) for value in row.split("|")[0].split()[-2:])
+    assert (work, xla_work) == (round(planned.ratio, 2), round(compiled_ratio, 2))
