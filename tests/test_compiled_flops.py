@@ -105,6 +105,20 @@ def test_a_batched_dot_counts_its_batch_dims_once():
     assert compiled_flops(text).total == 2 * (2 * 4 * 8 * 8) * 16
 
 
+def test_a_gpu_cublas_gemm_counts_as_the_dot_it_replaces():
+    gemm = (
+        "  %gemm = (f32[512,384]{1,0}, s8[4194304]{0}) custom-call(f32[512,128]{1,0} %x, "
+        'f32[128,384]{1,0} %w), custom_call_target="__cublas$gemm", backend_config={'
+        '"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{'
+        '"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],'
+        '"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}'
+    )
+    other = '  %norm = f32[512,128]{1,0} custom-call(%x), custom_call_target="rms_norm"'
+    text = f"ENTRY %main () -> f32[512,384] {{\n{gemm}\n{other}\n}}\n"
+    counted = compiled_flops(text)
+    assert (counted.total, counted.instructions) == (2 * 512 * 384 * 128, 1)
+
+
 CIRCULAR = "pipeline.schedule=circular pipeline.repeats=2"
 # name: (data,fsdp,tensor or data,fsdp,pipe,tensor, overrides) on configs/tiny.yaml (float32)
 MESHES = {

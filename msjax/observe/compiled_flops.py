@@ -2,6 +2,7 @@
 
 Read from partitioned HLO text as `msjax.observe.collectives` reads it: an instruction inside a
 `while` body counts once per trip (nested loops multiply), one inside a fusion once per run of it.
+A GPU's cuBLAS gemm custom calls count as the dots they replace; other kernels' work is not seen.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ _OPERAND = re.compile(
     r"(?:(?P<shape>[a-z]+\d*[\w]*\[[\d,]*\])(?:\{[^}]*\})?\s+)?%(?P<name>[\w.\-]+)"
 )
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+# XLA's GPU backend rewrites a dot into a cuBLAS call: (result, workspace) = custom-call(lhs, rhs,
+# ...), its dimension numbers in the backend config
+_GEMM_CALL = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+custom-call\((?P<operands>[^)]*)\)"
+    r".*custom_call_target=\"__cublas\$(?:gemm|lt\$matmul)"
+)
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[(?P<dims>[^\]]*)\]')
+_FIRST_ARRAY = re.compile(r"[a-z]+\d*(?:e\d+m\d+(?:fn)?)?\[[\d,]*\]")
 _DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>\w+)_(?P<rhs>\w+)->(?P<out>\w+)")
 
 
@@ -48,7 +57,7 @@ def instruction_flops(line: str, shapes: dict[str, str]) -> int:
     """
     match = _DOT_OR_CONVOLUTION.match(line)
     if not match:
-        return 0
+        return _gemm_call_flops(line, shapes)
     output = _dims(match["shape"])
     operands = _operand_dims(match["operands"], shapes)
     if output is None or len(operands) != 2 or None in operands:
@@ -64,6 +73,21 @@ def instruction_flops(line: str, shapes: dict[str, str]) -> int:
         out_features = rhs[labels["rhs"].index("o")] if labels else 1  # type: ignore[index]
         per_output = kernel // out_features
     return 2 * math.prod(output) * per_output
+
+
+def _gemm_call_flops(line: str, shapes: dict[str, str]) -> int:
+    """FLOPs of a cuBLAS gemm custom call, as of the dot it stands for (0 for other lines)."""
+    match = _GEMM_CALL.match(line)
+    if not match:
+        return 0
+    result = _FIRST_ARRAY.search(match["shape"])
+    operands = _operand_dims(match["operands"], shapes)
+    contracting = _GEMM_CONTRACTING.search(line)
+    if result is None or not operands or operands[0] is None or contracting is None:
+        raise ValueError(f"cannot read the shapes of {line.strip()[:200]}")
+    lhs = operands[0]
+    dims = [int(dim.strip().strip('"')) for dim in contracting["dims"].split(",") if dim.strip()]
+    return 2 * math.prod(_dims(result[0]) or []) * math.prod(lhs[dim] for dim in dims)
 
 
 @dataclass(frozen=True)
