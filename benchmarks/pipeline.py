@@ -1,6 +1,7 @@
-"""Pipeline schedules side by side on 8 simulated CPU devices: tokens/s and XLA's peak memory per
-device for pipe 1, 2 and 4 x schedule (gpipe, circular, 1f1b) x microbatches, beside the bubble
-formula, and 1f1b's memory against gpipe's at the same pipe size and microbatches.
+"""Pipeline schedules side by side on 8 simulated CPU devices: the compiled step's dot FLOPs over
+the model FLOPs (beside the planner's figure), tokens/s and XLA's peak memory per device for pipe
+1, 2 and 4 x schedule (gpipe, circular, 1f1b) x microbatches, beside the bubble formula, and
+1f1b's memory against gpipe's at the same pipe size and microbatches.
 
 Baseline: the same global batch on data 8 x pipe 1. Simulated devices share the host's cores,
 so the CPU times show partitioning overhead only (the bubble's idle stages still compute on
@@ -77,7 +78,11 @@ def main() -> None:
         base += ["model.num_layers=4"]  # 2 layers per stage at pipe 2
     print(f"{args.config}, global batch {args.global_batch}, {args.steps} timed steps per layout")
     print(
-        f"{'layout':<26} {'bubble':>7} {'tokens/s':>10} {'vs pipe 1':>9} "
+        "work: the compiled step's dot FLOPs (per device x devices) / model FLOPs; plan: the "
+        "planner's figure for it (msjax.planner.compute)"
+    )
+    print(
+        f"{'layout':<26} {'work':>5} {'plan':>5} {'bubble':>7} {'tokens/s':>10} {'vs pipe 1':>9} "
         f"{'XLA GiB/dev':>11} {'vs pipe 1':>9}"
     )
     baseline = None
@@ -91,7 +96,8 @@ def main() -> None:
         memory_of[(mesh.pipe, layout.microbatches, layout.schedule)] = memory
         baseline = baseline or (row.tokens_per_s, memory)
         print(
-            f"{label:<26} {bubble:>7.1%} {row.tokens_per_s:>10,.0f} "
+            f"{label:<26} {row.work_ratio:>5.2f} {row.planned_work_ratio:>5.2f} {bubble:>7.1%} "
+            f"{row.tokens_per_s:>10,.0f} "
             f"{row.tokens_per_s / baseline[0]:>9.2f} {memory / GIB:>11.3f} "
             f"{memory / baseline[1]:>9.2f}"
         )

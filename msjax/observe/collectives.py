@@ -85,12 +85,22 @@ class CollectiveOp:
     instruction: str  # its line of HLO: the device groups are read from it
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
-    """Every collective instruction of a program, with its executions per step."""
+@dataclass(frozen=True)
+class ProgramRuns:
+    """How often each computation of an HLO program runs per step, read from its call graph:
+    a `while` body once per trip (XLA's `known_trip_count`, else its condition's bound; nested
+    loops multiply), a fusion or call once per caller's run."""
+
+    runs: dict[str, int]  # computation -> executions per step
+    loop_runs: dict[str, int]  # of those, the executions inside a `while` body
+    lines: dict[str, list[str]]  # computation -> its instruction lines
+
+
+def program_runs(hlo_text: str) -> ProgramRuns:
+    """The executions per step of every computation in `hlo_text` (HLO as text)."""
     computation = None
     entry = None
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    found: dict[str, list[tuple[str, int, str]]] = defaultdict(list)  # computation -> ops
     # Before XLA annotates trip counts (an HLO dump taken mid-pipeline), a scan's loop count is
     # the constant its condition compares the counter against: `i < N` with i from 0.
     bounds: dict[str, list[int]] = defaultdict(list)
@@ -126,10 +136,6 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         if branches:
             for name in branches["names"].split(","):
                 calls[computation].append((name.strip().lstrip("%"), 1))
-        op = _INSTRUCTION.match(line)
-        if op:
-            size = _result_bytes(op["shape"], op["start"] is not None)
-            found[computation].append((op["op"], size, line))
 
     def loop_trips(marker: int) -> int:
         _, condition = unannotated[-marker - 1]
@@ -156,6 +162,20 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
 
     if entry is not None:
         visit(entry, 1)
+    return ProgramRuns(dict(runs), dict(loop_runs), dict(body_lines))
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+    """Every collective instruction of a program, with its executions per step."""
+    program = program_runs(hlo_text)
+    body_lines, runs, loop_runs = program.lines, program.runs, program.loop_runs
+    found: dict[str, list[tuple[str, int, str]]] = defaultdict(list)  # computation -> ops
+    for computation, lines in body_lines.items():
+        for line in lines:
+            op = _INSTRUCTION.match(line)
+            if op:
+                size = _result_bytes(op["shape"], op["start"] is not None)
+                found[computation].append((op["op"], size, line))
     ops = []
     flows: dict[str, DataFlow] = {}
     for name, collectives in found.items():

@@ -4,7 +4,8 @@ for an abstract mesh of any size, which needs no devices.
 A mesh of k devices is built on the first k local devices, so a smaller mesh (1,1,1 among eight)
 runs beside the full ones. The config is resolved for this host's backend, and compiles are cached
 per resolved (config, mesh): the sweep, the plan's XLA check and their tests compile each pair once
-per process. On CPU a bfloat16 step's collectives are counted as a GPU would send them.
+per process. On CPU a bfloat16 step's collectives are counted as a GPU would send them; the dot
+FLOPs are read from the optimised program.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from msjax.observe.collectives import (
     collective_ops,
     count_collectives,
 )
+from msjax.observe.compiled_flops import CompiledFlops, compiled_flops
 from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.parallel.mesh import MESH_AXES, build_mesh
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
@@ -55,6 +57,7 @@ class CompiledStep:
     collectives: dict[str, CollectiveStats]
     sent_by_axes: dict[str, float]  # ring bytes one device sends per step, by the axes crossed
     sent_by_axes_in_loops: dict[str, float]  # of those, what collectives inside loops send
+    flops: CompiledFlops  # dot and convolution FLOPs one device runs per step
 
     @property
     def collective_executions(self) -> int:
@@ -100,6 +103,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         collectives=count_collectives(ops),
         sent_by_axes=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape),
         sent_by_axes_in_loops=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape, True),
+        flops=compiled_flops(compiled.as_text()),  # the optimised program, as it runs
     )
 
 

@@ -4,12 +4,14 @@ predicted step, ranked; XLA's memory beside it on request; the choice and the ta
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from msjax.config import Config
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, valid_meshes
+from msjax.planner.compute import estimate_compute
 from msjax.planner.planning import (
     CommEstimate,
     MemoryEstimate,
@@ -25,14 +27,17 @@ HEADROOM = 0.9  # recommend meshes that leave 10% free: the model is held to 10%
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One candidate mesh: the model's memory and traffic, a predicted step, XLA's memory."""
+    """One candidate mesh: the model's memory, traffic and work, a predicted step, and XLA's
+    memory and work."""
 
     mesh: MeshShape
     memory: MemoryEstimate
     comm: CommEstimate
     prediction: StepPrediction
     fits: bool | None
+    work_ratio: float  # planned compiled FLOPs / model FLOPs (msjax.planner.compute)
     xla_total_bytes: int | None = None
+    xla_work_ratio: float | None = None  # the compiled step's dot FLOPs / model FLOPs
 
 
 def plan_rows(
@@ -48,20 +53,25 @@ def plan_rows(
         memory = estimate_memory(config, mesh, platform)
         fits = None if memory_gib is None else memory.total_bytes <= memory_gib * GIB
         prediction = predict_mesh_step(config, mesh, hardware)
-        rows.append(PlanRow(mesh, memory, estimate_communication(config, mesh), prediction, fits))
+        comm = estimate_communication(config, mesh)
+        work = estimate_compute(config, mesh, platform).ratio
+        rows.append(PlanRow(mesh, memory, comm, prediction, fits, work))
     return sorted(rows, key=lambda row: (row.fits is False, row.prediction.serial_s))
 
 
 def add_xla_memory(config: Config, rows: list[PlanRow], stream: Any) -> list[PlanRow]:
-    """Rows with XLA's per-device total from compiling each mesh here (simulated devices)."""
+    """Rows with XLA's per-device total and the compiled step's dot FLOPs over the model's,
+    from compiling each mesh here (simulated devices)."""
     checked = []
     for index, row in enumerate(rows, 1):
         step = compile_step(config, row.mesh)
         total = step.memory.total_bytes if step.memory else None
-        checked.append(PlanRow(row.mesh, row.memory, row.comm, row.prediction, row.fits, total))
+        work = step.flops.total * row.mesh.devices / row.prediction.model_flops
+        checked.append(dataclasses.replace(row, xla_total_bytes=total, xla_work_ratio=work))
         ratio = f"model/XLA {row.memory.total_bytes / total:.3f}" if total else "no analysis"
         print(
-            f"  [{index}/{len(rows)}] compiled {row.mesh} in {step.compile_s:.1f} s: {ratio}",
+            f"  [{index}/{len(rows)}] compiled {row.mesh} in {step.compile_s:.1f} s: {ratio}; "
+            f"compiled/model FLOPs {work:.3f} (plan {row.work_ratio:.3f})",
             file=stream,
             flush=True,
         )
@@ -118,7 +128,7 @@ def format_plan(rows: list[PlanRow], own: MeshShape | None, memory_gib: float | 
     header = (
         f"{mesh_title:>14} {'state':>8} {'grads':>8} {'activ.':>8} {'working':>8} "
         f"{'total':>8} {'fits':>4}"
-        + (f" {'XLA':>8} {'ratio':>6}" if with_xla else "")
+        + (f" {'XLA':>8} {'ratio':>6} {'work':>5} {'XLA':>5}" if with_xla else "")
         + f" | {'tensor':>8} {'fsdp':>8} {'pipe':>8} {'data':>8} | {'step s':>19} {'MFU %':>11}"
     )
     lines = [
@@ -128,6 +138,11 @@ def format_plan(rows: list[PlanRow], own: MeshShape | None, memory_gib: float | 
         *(_plan_line(row, own, scale, with_xla) for row in rows),
     ]
     notes = ["state: parameters + optimizer moments (float32)"]
+    if with_xla:
+        notes.append(
+            "ratio: model/XLA memory; work: compiled FLOPs / model FLOPs, planned and XLA's "
+            "(dots per device x devices, recomputation and pipeline bubbles included)"
+        )
     if own is not None:
         notes.append("*: the config's own mesh")
     if memory_gib is not None:
@@ -148,6 +163,7 @@ def _plan_line(row: PlanRow, own: MeshShape | None, scale: int, with_xla: bool) 
             if total
             else f" {'-':>8} {'-':>6}"
         )
+        xla += f" {row.work_ratio:>5.2f} {row.xla_work_ratio or 0:>5.2f}"
     sizes = [
         memory.state_bytes,
         memory.gradients_bytes,

@@ -1,7 +1,8 @@
 """`python -m msjax.sweep`: compile and run the train step on several meshes and compare them.
 
 For each mesh (data,fsdp,tensor): XLA's per-device memory, the collectives in the compiled step
-and their bytes, and the measured step time on synthetic tokens. A mesh of k devices runs on the
+and their bytes, its dot FLOPs over the model FLOPs (beside the planner's figure), and the
+measured step time on synthetic tokens. A mesh of k devices runs on the
 first k devices: k must be the device count or divide it (1,1,1 among eight is a baseline).
 """
 
@@ -24,9 +25,11 @@ import numpy as np
 from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.errors import ConfigError, MsjaxError
+from msjax.observe.flops import flops_per_step
 from msjax.parallel.mesh import configure_cpu_devices
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import MeshShape, config_for_mesh, parse_mesh, valid_meshes
+from msjax.planner.compute import estimate_compute
 from msjax.planner.planning import estimate_memory
 from msjax.resolve import RUNS_FOLDER, default_run_dir, mesh_device_count, resolve_model
 
@@ -74,6 +77,8 @@ class SweepRow:
     model_memory_bytes: int  # msjax.planner.planning's estimate, for comparison
     collectives: dict[str, dict[str, int]]
     fits: bool | None
+    work_ratio: float = 0.0  # the compiled step's dot FLOPs (all devices) / model FLOPs
+    planned_work_ratio: float = 0.0  # msjax.planner.compute's figure for it
     step_time_s: float | None = None
     tokens_per_s: float | None = None
     losses: list[float] = field(default_factory=list)
@@ -98,6 +103,8 @@ class SweepRow:
             "collective_executions": self.collective_executions,
             "collective_bytes": self.collective_bytes,
             "fits": self.fits,
+            "work_ratio": self.work_ratio,
+            "planned_work_ratio": self.planned_work_ratio,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "losses": self.losses,
@@ -164,6 +171,8 @@ def measure_mesh(config: Config, mesh: MeshShape, steps: int, memory_gib: float 
             for kind, s in step.collectives.items()
         },
         fits=fits,
+        work_ratio=step.flops.total * mesh.devices / flops_per_step(step.config),
+        planned_work_ratio=estimate_compute(config, mesh, jax.default_backend()).ratio,
     )
     if fits is False:
         return row
@@ -199,8 +208,8 @@ def sort_by_speed(rows: list[SweepRow]) -> list[SweepRow]:
 def format_table(rows: list[SweepRow], device_count: int, memory_gib: float | None) -> str:
     header = (
         f"{'mesh d,f,t':>11} {'devices':>7} {'XLA MiB/dev':>11} {'model MiB':>9} "
-        f"{'fits':>5} {'collectives':>11} {'coll MiB':>9} {'compile s':>9} {'step ms':>9} "
-        f"{'tokens/s':>10}"
+        f"{'fits':>5} {'collectives':>11} {'coll MiB':>9} {'work':>5} {'plan':>5} "
+        f"{'compile s':>9} {'step ms':>9} {'tokens/s':>10}"
     )
     lines = [header]
     for row in rows:
@@ -211,11 +220,15 @@ def format_table(rows: list[SweepRow], device_count: int, memory_gib: float | No
             f"{row.mesh!s:>11} {devices:>7} "
             f"{'?' if total is None else f'{total / MIB:.1f}':>11} "
             f"{row.model_memory_bytes / MIB:>9.1f} {fits:>5} {row.collective_executions:>11} "
-            f"{row.collective_bytes / MIB:>9.2f} {row.compile_s:>9.1f} "
+            f"{row.collective_bytes / MIB:>9.2f} {row.work_ratio:>5.2f} "
+            f"{row.planned_work_ratio:>5.2f} {row.compile_s:>9.1f} "
             f"{'-' if row.step_time_s is None else f'{1e3 * row.step_time_s:.1f}':>9} "
             f"{'not run' if row.tokens_per_s is None else f'{row.tokens_per_s:,.0f}':>10}"
         )
-    notes = ["collectives: executions per step (loop bodies once per layer); MiB of results"]
+    notes = [
+        "collectives: executions per step (loop bodies once per layer); MiB of results",
+        "work: compiled dot FLOPs / model FLOPs (plan: the planner's figure)",
+    ]
     if any(row.mesh.devices != device_count for row in rows):
         notes.append(f"*: a baseline on the first devices, not all {device_count}")
     if memory_gib is not None:
@@ -340,7 +353,8 @@ def run_sweep(args: argparse.Namespace, stream: Any = None) -> list[SweepRow]:
         print(
             f"[{index}/{len(meshes)}] {mesh}: compiled in {row.compile_s:.1f} s, "
             f"{_total(row) / MIB:.1f} MiB/device, {row.collective_executions} collectives "
-            f"({row.collective_bytes / MIB:.2f} MiB), {speed}",
+            f"({row.collective_bytes / MIB:.2f} MiB), compiled/model FLOPs "
+            f"{row.work_ratio:.3f} (plan {row.planned_work_ratio:.3f}), {speed}",
             file=stream,
             flush=True,
         )

@@ -1,0 +1,107 @@
+"""The planner's compute model: the matmul FLOPs one device runs per step on a mesh, as compiled,
+against the model FLOPs of `msjax.observe.flops` (which count no recomputation and no idle work).
+
+What the compiled step runs beyond the model FLOPs: the XLA attention's full [seq, seq] scores
+(the model counts the causal half), what `model.remat` recomputes, a pipeline's bubble iterations
+(stages compute on zeros), 1F1B's stage forward again inside its vjp, and the loss head on every
+pipe rank. `tests/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from msjax.config import Config
+from msjax.observe.flops import count_params, flops_per_step, mean_causal_context
+from msjax.parallel.pipeline import PipelineLayout
+from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
+from msjax.planner.planning import attention_is_fused
+
+
+@dataclass(frozen=True)
+class ComputeEstimate:
+    """Matmul FLOPs per step: the model's (all devices) and one device's as compiled."""
+
+    model_flops: float  # msjax.observe.flops.flops_per_step: all devices, no recomputation
+    layers_flops: float  # one device's decoder layers, recomputation and bubble included
+    head_flops: float  # one device's unembedding (the loss head), forward and backward
+    devices: int
+
+    @property
+    def device_flops(self) -> float:
+        return self.layers_flops + self.head_flops
+
+    @property
+    def ratio(self) -> float:
+        """Compiled FLOPs over model FLOPs: 1 when every device does only its share once."""
+        return self.device_flops * self.devices / self.model_flops
+
+
+def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
+    """Per token and layer: (the forward's matmul FLOPs, the attention's part of them, the part
+    that a recompute never needs: the layer's last projections, whose outputs the backward pass
+    does not read, so XLA drops them from a rematerialised forward)."""
+    model = config.model
+    layer_params = (count_params(model).matmul - model.vocab_size * model.embed_dim) / (
+        model.num_layers
+    )
+    seq = config.data.seq_len
+    # the XLA reference computes every [seq, seq] score and masks; kernels skip masked blocks
+    context = mean_causal_context(seq, model.attention_window) if attention_is_fused(model) else seq
+    attention = 4.0 * model.num_heads * model.resolved_head_dim * context  # scores and values
+    last = 2.0 * model.mlp_dim * model.embed_dim  # the MLP's down projection
+    if model.parallel_block:  # and the attention's output projection, added beside it
+        last += 2.0 * model.num_heads * model.resolved_head_dim * model.embed_dim
+    return 2.0 * layer_params + attention, attention, last
+
+
+def _layer_step_flops(config: Config, mesh: MeshShape) -> float:
+    """Per token and layer run: forward, backward (twice the forward) and recomputation."""
+    forward, attention, last = _layer_forward_flops(config)
+    remat = config.model.remat
+    if mesh.pipe > 1 and remat == "dots":
+        remat = "full"  # the pipeline's vmap gives every matmul a batch dimension
+    recompute = {"none": 0.0, "full": forward - last, "dots": attention}[remat]
+    if mesh.pipe > 1 and PipelineLayout.of(config).interleaves_backward:
+        # 1F1B runs the stage forward, then its vjp at the stashed input: a second forward,
+        # whose output nothing reads. With a layer scan in the stage it runs whole, and remat
+        # recomputes inside it as well; with one layer per stage (no scan) XLA drops its last
+        # projection, and that forward is the only recompute, whatever `model.remat` says.
+        if PipelineLayout.of(config).layers_per_stage == 1:
+            return 4.0 * forward - last
+        return 4.0 * forward + recompute
+    return 3.0 * forward + recompute
+
+
+def estimate_compute(
+    config: Config, mesh: MeshShape, platform: str = PLANNED_BACKEND
+) -> ComputeEstimate:
+    """One device's matmul FLOPs per step of `config` on `mesh` (ConfigError if it cannot run).
+
+    A device runs its replica's tokens (global_batch x seq / (data x fsdp)) through its tensor
+    share (1 / tensor) of every matmul. On a pipe mesh it runs a microbatch through its stage's
+    layers on every iteration of the schedule, bubble iterations included; the head runs on
+    every pipe rank, on the whole replica batch (GPipe, circular) or on one microbatch per
+    iteration (1F1B). `platform` decides the attention kernel, as in `estimate_memory`.
+
+    Not modelled: with fsdp beside pipe the partitioner may split the head's weight gradient
+    between pipe ranks (tiny, fsdp 2 x pipe 2 or 4: the compiled step does 1% less).
+    """
+    config = config_for_mesh(config, mesh, platform)
+    model = config.model
+    tokens = config.train.global_batch * config.data.seq_len / (mesh.data * mesh.fsdp)
+    layer_runs = float(model.num_layers)  # per token of the replica
+    head_runs = 1.0
+    if mesh.pipe > 1:
+        layout = PipelineLayout.of(config)
+        per_microbatch = layout.iterations / layout.microbatches
+        layer_runs = per_microbatch * layout.layers_per_stage
+        if layout.interleaves_backward:
+            head_runs = per_microbatch
+    head = 6.0 * model.vocab_size * model.embed_dim  # forward and backward, per token
+    return ComputeEstimate(
+        model_flops=flops_per_step(config),
+        layers_flops=tokens * layer_runs * _layer_step_flops(config, mesh) / mesh.tensor,
+        head_flops=tokens * head_runs * head / mesh.tensor,
+        devices=mesh.devices,
+    )
