@@ -1,0 +1,67 @@
+"""Hang deadlines under a real `python -m msjax.launch`: a hang in the first step after a save is
+judged by the step deadline, and a hang after many fast steps by what the job has measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from msjax.run_dir import RunDir
+from tests.small_runs import QUICK_RUN
+
+REPO = Path(__file__).resolve().parents[1]
+SAVE_EVERY = 4
+
+
+def launch(run_dir: Path, cache_dir: Path, fault: str, overrides: list[str]) -> list[dict]:
+    """A 2-process job that ends at its first fault (no restart); its incidents."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "msjax.launch",
+        "--nprocs=2",
+        "--devices-per-proc=1",
+        "--max-restarts=0",
+        f"--fault={fault}",
+        "--",
+        *QUICK_RUN,
+        "train.steps=400",
+        "train.eval_every=0",
+        f"checkpoint.every_steps={SAVE_EVERY}",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "resilience.heartbeat_every_s=0.05",
+        "resilience.stop_grace_s=2",
+        f"resilience.compile_cache_dir={cache_dir}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    path = RunDir(run_dir).incidents_log
+    assert path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+@pytest.mark.slow
+def test_hang_in_the_first_step_after_a_save_is_found_by_the_step_deadline(tmp_path, cache_dir):
+    step_deadline_s = 8.0
+    overrides = [
+        f"resilience.step_deadline_s={step_deadline_s}",
+        "resilience.checkpoint_deadline_s=90",
+    ]
+    incidents = launch(tmp_path / "run", cache_dir, f"hang@step={2 * SAVE_EVERY},rank=1", overrides)
+    incident = incidents[0]
+    assert (incident["cause"], incident["phase"]) == ("hang", "step"), incident
+    assert incident["detection_latency_s"] < 3 * step_deadline_s, incident
