@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,54 @@ def test_hang_in_the_first_step_after_a_save_is_found_by_the_step_deadline(tmp_p
     incident = incidents[0]
     assert (incident["cause"], incident["phase"]) == ("hang", "step"), incident
     assert incident["detection_latency_s"] < 3 * step_deadline_s, incident
+
+
+@pytest.mark.slow
+def test_hang_after_many_fast_steps_is_found_by_the_measured_step_deadline(tmp_path, cache_dir):
+    overrides = [
+        "resilience.step_deadline_s=120",
+        "resilience.checkpoint_deadline_s=120",
+        "resilience.measured_deadline_floor_s=3",
+        "resilience.measured_deadline_after_steps=20",
+    ]
+    incidents = launch(tmp_path / "run", cache_dir, "hang@step=45,rank=1", overrides)
+    incident = incidents[0]
+    assert (incident["cause"], incident["phase"]) == ("hang", "step"), incident
+    assert incident["detection_latency_s"] < 30, incident
+    assert "measured: max(3 s, 5 x the slowest step" in incident["detail"], incident
+
+
+def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path):
+    from msjax.config import ResilienceConfig
+    from msjax.launch.fault_detection import deadline_s
+    from msjax.resilience.heartbeat import Heartbeat, HeartbeatRecord
+
+    resilience = ResilienceConfig(
+        heartbeat_every_s=0.5,
+        measured_deadline_floor_s=2.0,
+        measured_deadline_after_steps=3,
+        measured_deadline_after_saves=2,
+    )
+    heartbeat = Heartbeat(tmp_path, 0, every_s=0.0)
+    heartbeat.beat("compile", 0)
+    heartbeat.beat("step", 1)
+    for step in range(2, 5):
+        time.sleep(0.01)
+        heartbeat.beat("step", step)
+    for _ in range(2):
+        heartbeat.beat("checkpoint", 4)
+        time.sleep(0.3)
+        heartbeat.beat("step")
+    heartbeat.beat("drain")
+    record = HeartbeatRecord.read(heartbeat.path)
+    assert record is not None and record.phase == "drain"
+    steps, slowest_step_s = record.timings["step"]
+    saves, slowest_save_s = record.timings["checkpoint"]
+    assert steps == 3 and 0.01 <= slowest_step_s < 0.2
+    assert saves == 2 and 0.3 <= slowest_save_s < 0.6
+    assert deadline_s(resilience, "step", [record]) == 2.0  # the floor
+    assert deadline_s(resilience, "checkpoint", [record]) == pytest.approx(5 * slowest_save_s + 0.5)
+    assert deadline_s(resilience, "drain", [record]) == resilience.checkpoint_deadline_s
+    assert deadline_s(resilience, "step", []) == resilience.step_deadline_s
+    fewer = ResilienceConfig(measured_deadline_after_steps=4)
+    assert deadline_s(fewer, "step", [record]) == fewer.step_deadline_s

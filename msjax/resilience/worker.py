@@ -69,7 +69,8 @@ class WorkerResilience(LoopEvents):
     """Heartbeat, fault injection and skipped steps of one rank, listening to the train loop.
 
     Heartbeat phases: `init` until the state is ready, `compile` through the first step, then
-    `step`, `eval` and `checkpoint` as the loop moves, `done` at the end. A step that begins
+    `step`, `eval` and `checkpoint` as the loop moves, `drain` while the last saves finish,
+    `done` at the end. A step that begins
     after an evaluation or a save is back in phase `step` (its hang is judged by the step
     deadline, not by the save's).
     """
@@ -135,7 +136,7 @@ class WorkerResilience(LoopEvents):
             self.faults.after_save_started(step)
 
     def saves_draining(self) -> None:
-        self.heartbeat.beat("checkpoint")
+        self.heartbeat.beat("drain")
 
     def run_end(self, final_step: int) -> None:
         self.heartbeat.beat("done", final_step)
