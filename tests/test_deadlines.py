@@ -81,6 +81,7 @@ def test_hang_after_many_fast_steps_is_found_by_the_measured_step_deadline(tmp_p
     assert (incident["cause"], incident["phase"]) == ("hang", "step"), incident
     assert incident["detection_latency_s"] < 30, incident
     assert "measured: max(3 s, 5 x the slowest step" in incident["detail"], incident
+    assert "ranks past their deadline: " in incident["detail"], incident
 
 
 def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path):
@@ -117,3 +118,49 @@ def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path)
     assert deadline_s(resilience, "step", []) == resilience.step_deadline_s
     fewer = ResilienceConfig(measured_deadline_after_steps=4)
     assert deadline_s(fewer, "step", [record]) == fewer.step_deadline_s
+
+
+@pytest.mark.slow
+def test_a_vote_past_its_deadline_names_the_process_that_did_not_vote(tmp_path):
+    """Two plain `msjax.train` processes (no supervisor); rank 1 hangs before step 5, so rank 0
+    waits in the per-step vote until its deadline (step + checkpoint + compile deadlines)."""
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    run_dir = tmp_path / "run"
+    args = [
+        *QUICK_RUN,
+        "train.steps=400",
+        "train.eval_every=0",
+        "checkpoint.every_steps=1000",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "resilience.step_deadline_s=3",
+        "resilience.checkpoint_deadline_s=3",
+        "resilience.compile_deadline_s=3",
+        f"run.dir={run_dir}",
+    ]
+    processes = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "JAX_NUM_CPU_DEVICES": "1",
+            "MSJAX_COORDINATOR": f"127.0.0.1:{port}",
+            "MSJAX_NUM_PROCESSES": "2",
+            "MSJAX_PROCESS_ID": str(rank),
+            "MSJAX_FAULT": "hang@step=5,rank=1",
+        }
+        command = [sys.executable, "-m", "msjax.train", *args]
+        processes.append(
+            subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        )
+    try:
+        _, stderr = processes[0].communicate(timeout=300)
+    finally:
+        for process in processes:
+            process.kill()
+    assert processes[0].returncode == 1, stderr[-3000:]
+    assert "vote decide round 5: no vote from rank(s) 1 within 9 s" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]

@@ -176,6 +176,7 @@ def hang_fault(attempt: Attempt, resilience: ResilienceConfig) -> Fault | None:
         detail += f" (deadline {configured_deadline_s(resilience, phase):g} s)"
     if stopped:
         detail += f"; the process is stopped (state {culprit.state()}, e.g. SIGSTOP)"
+    detail += "; ranks past their deadline: " + ", ".join(str(w.rank) for w in overdue)
     return Fault(
         "hang",
         culprit.rank,

@@ -382,6 +382,11 @@ class Supervisor:
         deadline = time.monotonic() + self.resilience.checkpoint_deadline_s
         for worker in attempt.workers:
             if not worker.wait(deadline - time.monotonic()):
+                self.say(
+                    f"rank {worker.rank} (pid {worker.pid}) did not save and stop within "
+                    f"resilience.checkpoint_deadline_s={self.resilience.checkpoint_deadline_s:g} "
+                    "s; SIGKILLed"
+                )
                 worker.signal(signal.SIGKILL)
                 worker.wait(10.0)
             worker.close()

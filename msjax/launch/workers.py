@@ -197,9 +197,17 @@ def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
         worker.signal(signal.SIGTERM)
         worker.signal(signal.SIGCONT)
     deadline = started + grace_s
+    killed = []
     for worker in workers:
         if not worker.wait(deadline - time.monotonic()):
             worker.signal(signal.SIGKILL)
+            killed.append(worker)
+    if killed:
+        names = ", ".join(f"{worker.rank} (pid {worker.pid})" for worker in killed)
+        print(
+            f"msjax.launch: rank(s) {names} did not stop within {grace_s:g} s; SIGKILLed",
+            file=sys.stderr,
+        )
     for worker in workers:
         if not worker.wait(10.0):
             print(

@@ -53,7 +53,10 @@ class Decider:
         self.checkpointer = checkpointer
         self.stop = stop
         self.saves = saves
-        self.vote = process_vote("decide")
+        # between two votes a peer may take a step, a save and an evaluation (which compiles)
+        r = config.resilience
+        timeout_s = r.step_deadline_s + r.checkpoint_deadline_s + r.compile_deadline_s
+        self.vote = process_vote("decide", timeout_s)
 
     def after_step(self, step: int) -> Decision:
         """The decision once the state has `step` updates; the run's last step is never saved
