@@ -81,24 +81,46 @@ class ProcessVote:
         self.rank = jax.process_index()
         self.processes = jax.process_count()
         self.secret = job_secret()
-        self.rounds = 0
+        self.rounds = 0  # rounds collected
+        self.cast_rounds = 0  # rounds this process has voted in
         self.timeout_s = timeout_s
 
     def agree(self, values: Sequence[int]) -> tuple[int, ...]:
         """The maximum over every process of each value, once every process has voted."""
         return tuple(max(column) for column in zip(*self.gather(values), strict=True))
 
+    def agree_behind(self, values: Sequence[int]) -> tuple[int, ...] | None:
+        """Cast values for this round and return the previous round's maximum over every
+        process (None in the first round): a vote one round behind. Every process cast that
+        round a step ago, so its keys are in and reading them does not wait for the slowest
+        process's current step; every process gets the same answer in the same round."""
+        self.cast(values)
+        if self.cast_rounds < 2:
+            return None
+        return tuple(max(column) for column in zip(*self.collect(), strict=True))
+
     def gather(self, values: Sequence[int]) -> list[tuple[int, ...]]:
-        """Every process's values, in rank order, once every process has voted.
+        """Every process's values, in rank order, once every process has voted."""
+        self.cast(values)
+        return self.collect()
+
+    def cast(self, values: Sequence[int]) -> None:
+        """This process's values for the next round, without waiting for anyone."""
+        own_key = f"{self.prefix}/{self.cast_rounds}/{self.rank}"
+        text = ",".join(str(int(v)) for v in values)
+        self.client.key_value_set(own_key, seal(own_key, text, self.secret))
+        self.cast_rounds += 1
+
+    def collect(self) -> list[tuple[int, ...]]:
+        """Every process's values of the oldest round this process cast and has not collected,
+        in rank order, once every process has cast it.
 
         Only the keys of ranks 0..processes-1 are read (anything else under the prefix is not
         a vote); a value without this job's seal raises ForgedValue; VoteTimeout names the
         ranks that had not voted when timeout_s had passed.
         """
+        assert self.rounds < self.cast_rounds, "collect a round only after casting it"
         round_key = f"{self.prefix}/{self.rounds}"
-        own_key = f"{round_key}/{self.rank}"
-        text = ",".join(str(int(v)) for v in values)
-        self.client.key_value_set(own_key, seal(own_key, text, self.secret))
         deadline = time.monotonic() + self.timeout_s
         votes = []
         for rank in range(self.processes):
@@ -116,10 +138,11 @@ class ProcessVote:
                     self.timeout_s,
                 ) from None
             votes.append(tuple(int(v) for v in unseal(key, sealed, self.secret).split(",")))
-        # Every process has voted this round, so every one has read the round before: this
-        # process's key there is no longer needed.
-        if self.rounds:
-            self.client.key_value_delete(f"{self.prefix}/{self.rounds - 1}/{self.rank}")
+        # Every process has cast this round, so every one has collected the round two before
+        # (a process casts round r only after collecting round r - 2, even one round behind):
+        # this process's key there is no longer needed.
+        if self.rounds >= 2:
+            self.client.key_value_delete(f"{self.prefix}/{self.rounds - 2}/{self.rank}")
         self.rounds += 1
         return votes
 

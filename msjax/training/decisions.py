@@ -3,7 +3,8 @@
 Every choice here changes what a process does next, so in a multi-process job all processes
 must make it for the same step. Step-count choices (eval every N, save every N) are the same on
 every process by construction; `agree` is where choices that one process can see alone (a stop
-signal, a wall-clock save, a save overdue) are made the same for all, by one vote per step.
+signal, a wall-clock save, a save overdue) are made the same for all, by one vote per step,
+decided one step behind: cast after step s, acted on by every process after step s + 1.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Decider:
         r = config.resilience
         timeout_s = r.step_deadline_s + r.checkpoint_deadline_s + r.compile_deadline_s
         self.vote = process_vote("decide", timeout_s)
+        self.save_voted = False  # this process's vote for a save is being decided
 
     def after_step(self, step: int) -> Decision:
         """The decision once the state has `step` updates; the run's last step is never saved
@@ -66,29 +68,46 @@ class Decider:
         local = Decision(
             step=step,
             evaluate=bool(self.eval_every) and step % self.eval_every == 0 and before_end,
-            save=(self.checkpointer.due_by_steps(step) or retry) and before_end,
+            save=self.checkpointer.due_by_steps(step) and before_end,
             stop_by=self.stop.received,
             saves_failing=self.saves is not None and self.saves.overdue(),
         )
-        return agree(local, self.checkpointer.due_by_clock() and before_end, self.vote)
+        clock_save = self.checkpointer.due_by_clock() and before_end
+        decision, self.save_voted = agree(
+            local, clock_save, self.vote, retry and before_end, self.save_voted
+        )
+        return decision
 
 
-def agree(local: Decision, clock_save: bool, vote: ProcessVote | None) -> Decision:
-    """The decision every process acts on for this step.
+def agree(
+    local: Decision,
+    clock_save: bool,
+    vote: ProcessVote | None,
+    retry: bool = False,
+    save_voted: bool = False,
+) -> tuple[Decision, bool]:
+    """The decision every process acts on for this step, and whether this process has just
+    voted for a save (it does not vote for it again while that vote is being decided).
 
-    One process: its own. Several: the step-count parts are identical everywhere already; a
-    stop signal, a save to retry or saves failing for too long, seen by any process, count for
-    all; a save that is due by the clock is process 0's call (each clock would decide at
-    another step).
+    One process: its own, at once. Several: the step-count parts (evaluate, a save every N
+    steps) are identical everywhere and act at once; a stop signal, a save to retry or saves
+    failing for too long, seen by any process, count for all; a save that is due by the clock
+    is process 0's call (each clock would decide at another step). Those are voted one step
+    behind (`ProcessVote.agree_behind`): cast now, acted on by every process at its next step.
     """
     if vote is None:
-        return dataclasses.replace(local, save=local.save or clock_save)
+        return dataclasses.replace(local, save=local.save or clock_save or retry), False
     import jax
 
-    clock_save = clock_save and jax.process_index() == 0
-    stop, save, failing = vote.agree(
-        [STOP_SIGNALS.index(local.stop_by), int(local.save or clock_save), int(local.saves_failing)]
+    mine = (retry or (clock_save and jax.process_index() == 0)) and not save_voted
+    agreed = vote.agree_behind(
+        [STOP_SIGNALS.index(local.stop_by), int(mine), int(local.saves_failing)]
     )
-    return dataclasses.replace(
-        local, save=bool(save), stop_by=STOP_SIGNALS[stop], saves_failing=bool(failing)
+    stop, save, failing = agreed if agreed is not None else (0, 0, 0)
+    decision = dataclasses.replace(
+        local,
+        save=local.save or bool(save),
+        stop_by=STOP_SIGNALS[stop],
+        saves_failing=bool(failing),
     )
+    return decision, mine
