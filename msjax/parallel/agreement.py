@@ -2,9 +2,11 @@
 process reads back their maximum, through jax.distributed's key-value store.
 
 Host-only: a vote never enters the devices' queue, so it cannot stall or reorder the dispatched
-steps and their collectives (benchmarks/agreement_overhead.py: +0.3 ms a step with 2 processes
-on one machine; a device all-reduce of the same vote cost about 7 ms a step there, and several
-in flight without a data dependency on the step deadlocked gloo).
+steps and their collectives (a device all-reduce of the same vote cost about 7 ms a step on one
+machine, and several in flight without a data dependency on the step deadlocked gloo). The
+per-step vote is read one round behind (`agree_behind`), so it does not wait for the slowest
+process's current step either (benchmarks/agreement_overhead.py). Every wait has a deadline,
+past which `VoteTimeout` names the ranks that did not vote.
 
 The key-value store is open to anyone who can reach its port (on one node: every local user),
 so a vote is read only from the keys of the job's own ranks, and with the job's secret
