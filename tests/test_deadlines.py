@@ -167,3 +167,30 @@ def test_votes_one_round_behind_agree_and_a_missing_voter_is_named(tmp_path):
     assert "vote test round 4: no vote from rank(s) 1 within 3 s" in output, output[-3000:]
     seconds = float(output.split("timeout after ")[1].split(" s")[0])
     assert 2.5 < seconds < 10, output[-3000:]
+
+
+IGNORES_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+    "print('ready', flush=True); time.sleep(600)"
+)
+
+
+def test_a_worker_that_does_not_stop_within_its_grace_is_named_and_killed(tmp_path, capfd):
+    from msjax.launch.workers import WorkerProcess, stop_workers
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    obeys = WorkerProcess(
+        0, [sys.executable, "-c", "import time; time.sleep(600)"], env, tmp_path / "0.log", 0, None
+    )
+    ignores = WorkerProcess(
+        1, [sys.executable, "-c", IGNORES_SIGTERM], env, tmp_path / "1.log", 0, None
+    )
+    deadline = time.monotonic() + 60
+    while "ready" not in (tmp_path / "1.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seconds, killed = stop_workers([obeys, ignores], grace_s=1.0)
+    assert killed == [1]
+    assert 1.0 <= seconds < 20
+    assert (obeys.exit_code, ignores.exit_code) == (-15, -9)
+    line = f"msjax.launch: rank(s) 1 (pid {ignores.pid}) did not stop within 1 s; SIGKILLed"
+    assert line in capfd.readouterr().err

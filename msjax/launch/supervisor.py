@@ -351,11 +351,13 @@ class Supervisor:
         for worker in attempt.workers:
             if worker.rank == fault.rank:
                 worker.signal(signal.SIGKILL)
-        stop_s = stop_workers(attempt.workers, self.resilience.stop_grace_s)
+        stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
         attempt.ended_unix_s = time.time()
         attempt.outcome = fault.cause
         diagnostics = str(incident.path.relative_to(self.run_dir.path))
-        self.incidents.open(incident_record(number, fault, attempt, stop_s, diagnostics, verdict))
+        record = incident_record(number, fault, attempt, stop_s, diagnostics, verdict)
+        record["killed_after_grace"] = killed  # ranks that did not stop on SIGTERM in time
+        self.incidents.open(record)
         return number
 
     def _give_up(self, fault: Fault, reason: str, code: int) -> int:

@@ -188,10 +188,11 @@ class WorkerProcess:
         return "\n".join(text.splitlines()[-lines:]) + "\n"
 
 
-def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
+def stop_workers(workers: list[WorkerProcess], grace_s: float) -> tuple[float, list[int]]:
     """SIGTERM every live worker's group (SIGCONT too, so a stopped one can act on it), SIGKILL
-    those still alive after grace_s, then end what is left of each group and close its pipe;
-    returns the seconds it took. Workers that have all exited already are only cleaned up."""
+    those still alive after grace_s (named in one line), then end what is left of each group
+    and close its pipe; returns the seconds it took and the ranks SIGKILLed after the grace.
+    Workers that have all exited already are only cleaned up."""
     started = time.monotonic()
     for worker in workers:
         worker.signal(signal.SIGTERM)
@@ -214,4 +215,4 @@ def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
                 f"msjax.launch: rank {worker.rank} (pid {worker.pid}) did not die", file=sys.stderr
             )
         worker.close()
-    return time.monotonic() - started
+    return time.monotonic() - started, [worker.rank for worker in killed]
