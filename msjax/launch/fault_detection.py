@@ -64,8 +64,9 @@ def measured_deadline(
         return None
     what = "step" if phase == "step" else "save"
     rule = (
-        f"measured: max({floor_s:g} s, {factor:g} x the slowest {what} {slowest_s:.3g} s of "
-        f"{count}+ + heartbeat {resilience.heartbeat_every_s:g} s), configured {configured_s:g} s"
+        f"measured: max({floor_s:g} s, {factor:g} x the slowest {what} {slowest_s:.3g} s + "
+        f"heartbeat {resilience.heartbeat_every_s:g} s) over {count} {what}s timed, "
+        f"configured {configured_s:g} s"
     )
     return measured_s, rule
 
