@@ -219,7 +219,7 @@ class ResilienceConfig:
     restore_deadline_s: float = 900.0
     checkpoint_deadline_s: float = 600.0  # a save, and waiting for saves in flight
     # Measured deadlines: once every rank has timed measured_deadline_after_steps steps (or
-    # measured_deadline_after_saves saves) in an attempt, that phase's deadline becomes
+    # measured_deadline_after_saves saves) over the job's attempts, that phase's deadline becomes
     # max(floor_s, factor x the slowest one + heartbeat_every_s), never more than the configured
     # deadline above. measured_deadline_factor=0: the configured deadlines only.
     measured_deadline_factor: float = 5.0

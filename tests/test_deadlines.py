@@ -19,8 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 SAVE_EVERY = 4
 
 
-def launch(run_dir: Path, cache_dir: Path, fault: str, overrides: list[str]) -> list[dict]:
-    """A 2-process job that ends at its first fault (no restart); its incidents."""
+def launch(
+    run_dir: Path, cache_dir: Path, fault: str, overrides: list[str], max_restarts: int = 0
+) -> list[dict]:
+    """A 2-process job that ends at its first fault (or after max_restarts); its incidents."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable,
@@ -28,7 +30,7 @@ def launch(run_dir: Path, cache_dir: Path, fault: str, overrides: list[str]) -> 
         "msjax.launch",
         "--nprocs=2",
         "--devices-per-proc=1",
-        "--max-restarts=0",
+        f"--max-restarts={max_restarts}",
         f"--fault={fault}",
         "--",
         *QUICK_RUN,
@@ -76,12 +78,17 @@ def test_hang_after_many_fast_steps_is_found_by_the_measured_step_deadline(tmp_p
         "resilience.measured_deadline_floor_s=3",
         "resilience.measured_deadline_after_steps=20",
     ]
-    incidents = launch(tmp_path / "run", cache_dir, "hang@step=45,rank=1", overrides)
-    incident = incidents[0]
-    assert (incident["cause"], incident["phase"]) == ("hang", "step"), incident
-    assert incident["detection_latency_s"] < 30, incident
-    assert "measured: max(3 s, 5 x the slowest step" in incident["detail"], incident
-    assert "ranks past their deadline: " in incident["detail"], incident
+    # the second hang comes 3 steps into the restart (resumed at checkpoint 44): the steps the
+    # first attempt timed count for it
+    faults = "hang@step=45,rank=1;hang@step=47,rank=0"
+    incidents = launch(tmp_path / "run", cache_dir, faults, overrides, max_restarts=1)
+    assert len(incidents) == 2, incidents
+    for incident in incidents:
+        assert (incident["cause"], incident["phase"]) == ("hang", "step"), incident
+        assert incident["detection_latency_s"] < 30, incident
+        assert "measured: max(3 s, 5 x the slowest step" in incident["detail"], incident
+        assert "ranks past their deadline: " in incident["detail"], incident
+    assert incidents[0]["resumed_from_step"] == 44
 
 
 def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path):
