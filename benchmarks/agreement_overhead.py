@@ -1,5 +1,7 @@
 """The cost of agreeing on each step's decisions: a 2-process jax.distributed job on 127.0.0.1 runs
-the same sharded step loop without and with one `ProcessVote.agree` per step (side by side).
+the same sharded step loop without a vote, with one `ProcessVote.agree` per step (decided in the
+step, as msjax did before) and with one `ProcessVote.agree_behind` per step (decided one step
+behind, as msjax.training.decisions does now), interleaved.
 
     python benchmarks/agreement_overhead.py            # starts both processes itself
     python benchmarks/agreement_overhead.py --smoke    # 10 steps a measurement: seconds
@@ -40,9 +42,9 @@ def worker(rank: int, port: int, steps: int) -> None:
         donate_argnums=0,
     )
     x = jax.make_array_from_process_local_data(rows, np.full((256, 512), 0.01, np.float32))
-    vote = ProcessVote("benchmark")
-    timings = {}
-    for label in ("without", "with", "without ", "with "):  # twice each, interleaved
+    votes = {"in step": ProcessVote("benchmark"), "behind": ProcessVote("benchmark_behind")}
+    timings: dict[str, list[float]] = {"without": [], "in step": [], "behind": []}
+    for label in ("without", "in step", "behind") * 2:  # twice each, interleaved
         x, metric = step(x)
         previous = metric
         started = time.perf_counter()
@@ -50,15 +52,18 @@ def worker(rank: int, port: int, steps: int) -> None:
             x, metric = step(x)
             float(np.asarray(previous.addressable_data(0)))  # read step i-1 as the loop does
             previous = metric
-            if label.strip() == "with":
-                vote.agree([0, int(i % 50 == 0), 0])
-        timings[label] = (time.perf_counter() - started) / steps * 1e3
+            if label == "in step":
+                votes[label].agree([0, int(i % 50 == 0), 0])
+            elif label == "behind":
+                votes[label].agree_behind([0, int(i % 50 == 0), 0])
+        timings[label].append((time.perf_counter() - started) / steps * 1e3)
     if rank == 0:
-        base = (timings["without"] + timings["without "]) / 2
-        voted = (timings["with"] + timings["with "]) / 2
+        base, in_step, behind = (sum(timings[k]) / 2 for k in ("without", "in step", "behind"))
         print(
-            f"agreement: {base:.2f} ms/step without, {voted:.2f} ms/step with one vote per step "
-            f"(+{voted - base:.2f} ms, ratio {voted / base:.3f}) over {steps} steps, 2 processes"
+            f"agreement: {base:.2f} ms/step without, {in_step:.2f} ms/step with one vote per "
+            f"step decided in the step (ratio {in_step / base:.3f}), {behind:.2f} ms/step "
+            f"decided one step behind (+{behind - base:.2f} ms, ratio {behind / base:.3f}) "
+            f"over {steps} steps, 2 processes"
         )
 
 

@@ -218,6 +218,14 @@ class ResilienceConfig:
     data_deadline_s: float = 600.0
     restore_deadline_s: float = 900.0
     checkpoint_deadline_s: float = 600.0  # a save, and waiting for saves in flight
+    # Measured deadlines: once every rank has timed measured_deadline_after_steps steps (or
+    # measured_deadline_after_saves saves) over the job's attempts, that phase's deadline becomes
+    # max(floor_s, factor x the slowest one + heartbeat_every_s), never more than the configured
+    # deadline above. measured_deadline_factor=0: the configured deadlines only.
+    measured_deadline_factor: float = 5.0
+    measured_deadline_floor_s: float = 10.0
+    measured_deadline_after_steps: int = 20
+    measured_deadline_after_saves: int = 3
     on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
     max_restarts: int = 10  # restarts of the whole job before the supervisor gives up
     # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8

@@ -260,6 +260,22 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
                 f"resilience.heartbeat_every_s={resilience.heartbeat_every_s} must be shorter "
                 f"than resilience.{key}={getattr(resilience, key)} (and every phase deadline)"
             )
+    if not (
+        math.isfinite(resilience.measured_deadline_factor)
+        and (resilience.measured_deadline_factor == 0 or resilience.measured_deadline_factor >= 1)
+    ):
+        raise ConfigError(
+            f"resilience.measured_deadline_factor={resilience.measured_deadline_factor} must be "
+            "0 (configured deadlines only) or at least 1"
+        )
+    if not resilience.measured_deadline_floor_s > 0:
+        raise ConfigError(
+            f"resilience.measured_deadline_floor_s={resilience.measured_deadline_floor_s} "
+            "must be positive"
+        )
+    for key in ("measured_deadline_after_steps", "measured_deadline_after_saves"):
+        if getattr(resilience, key) < 1:
+            raise ConfigError(f"resilience.{key}={getattr(resilience, key)} must be at least 1")
     if resilience.restart_backoff_s < 0:
         raise ConfigError(
             f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"

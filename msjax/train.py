@@ -22,6 +22,7 @@ from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
 from msjax.errors import MsjaxError
+from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
@@ -88,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         leave_job_now(exit_codes.SAVES_FAILED, "checkpoint saves kept failing")
         return exit_codes.SAVES_FAILED
     except WriteFailed as error:  # the run record on a full disk: one line, and retryable
+        print(f"msjax.train: {error}", file=sys.stderr)
+        leave_job_now(exit_codes.CRASHED, str(error))
+        return exit_codes.CRASHED
+    except VoteTimeout as error:  # a peer that never voted: named, and retryable
         print(f"msjax.train: {error}", file=sys.stderr)
         leave_job_now(exit_codes.CRASHED, str(error))
         return exit_codes.CRASHED

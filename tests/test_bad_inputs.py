@@ -159,6 +159,17 @@ CASES: list[tuple[str, list[str], str]] = [
         ["mesh.tensor=1", "mesh.pipe=2", "train.grad_accum_steps=4", "pipeline.microbatches=2"],
         "/ train.grad_accum_steps = 1) is not divisible by pipeline.microbatches=2",
     ),
+    # measured hang deadlines
+    (
+        "msjax.launch",
+        ["--", "resilience.measured_deadline_factor=0.5"],
+        "measured_deadline_factor=0.5 must be 0 (configured deadlines only) or at least 1",
+    ),
+    (
+        "msjax.train",
+        ["resilience.measured_deadline_after_steps=0"],
+        "resilience.measured_deadline_after_steps=0 must be at least 1",
+    ),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

@@ -70,6 +70,8 @@ def check_agreement_overhead(out: str, _: Path) -> None:
     without = number(r"agreement: {N} ms/step without", out)
     voted = number(r"{N} ms/step with one vote", out)
     assert_ratio(number(r"ratio {N}\)", out), voted, without, 3, 2)
+    behind = number(r"{N} ms/step decided one step behind", out)
+    assert_ratio(number(r"ms, ratio {N}\) over", out), behind, without, 3, 2)
     assert "over 10 steps, 2 processes" in out  # the smoke form's steps, not the full 200
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from msjax.config import ResilienceConfig
@@ -14,6 +15,7 @@ from msjax.launch.attempt import Attempt
 from msjax.launch.workers import LOG_HEADER, WorkerProcess, describe_exit
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import read_firings
+from msjax.resilience.heartbeat import TIMED_PHASES, HeartbeatRecord
 from msjax.run_dir import RunDir
 
 
@@ -30,11 +32,71 @@ class Fault:
     nonfinite_step: int | None = None
 
 
-def deadline_s(resilience: ResilienceConfig, phase: str) -> float:
-    """How long a rank may go without progress in phase before it counts as hung."""
+Timings = dict[str, tuple[int, float]]  # phase: (how many timed on every rank, the slowest s)
+
+
+def timings_of(heartbeats: Collection[HeartbeatRecord], earlier: Timings | None = None) -> Timings:
+    """What every rank's heartbeat has timed (the fewest timed on any rank, the slowest on
+    any), added to what the job's earlier attempts timed."""
+    timed = dict(earlier or {})
+    for phase in TIMED_PHASES:
+        ranks = [record.timings.get(phase, (0, 0.0)) for record in heartbeats]
+        count = min((int(timing[0]) for timing in ranks), default=0)
+        slowest = max((float(timing[1]) for timing in ranks), default=0.0)
+        before = timed.get(phase, (0, 0.0))
+        timed[phase] = (before[0] + count, max(before[1], slowest))
+    return timed
+
+
+def deadline_s(
+    resilience: ResilienceConfig,
+    phase: str,
+    heartbeats: Collection[HeartbeatRecord] = (),
+    earlier: Timings | None = None,
+) -> float:
+    """How long a rank may go without progress in phase before it counts as hung: the
+    configured deadline, or less once the job has measured that phase (measured_deadline)."""
+    measured = measured_deadline(resilience, phase, heartbeats, earlier)
+    return measured[0] if measured is not None else configured_deadline_s(resilience, phase)
+
+
+def measured_deadline(
+    resilience: ResilienceConfig,
+    phase: str,
+    heartbeats: Collection[HeartbeatRecord],
+    earlier: Timings | None = None,
+) -> tuple[float, str] | None:
+    """The deadline of a step or save phase from what every rank's heartbeat has timed in this
+    attempt and the job's earlier ones (earlier), with the rule it came from; None until each
+    rank has timed enough of them."""
+    enough = {
+        "step": resilience.measured_deadline_after_steps,
+        "checkpoint": resilience.measured_deadline_after_saves,
+    }
+    if phase not in enough or not resilience.measured_deadline_factor:
+        return None
+    count, slowest_s = timings_of(heartbeats, earlier)[phase]
+    if count < enough[phase]:
+        return None
+    factor, floor_s = resilience.measured_deadline_factor, resilience.measured_deadline_floor_s
+    measured_s = max(floor_s, factor * slowest_s + resilience.heartbeat_every_s)
+    configured_s = configured_deadline_s(resilience, phase)
+    if measured_s >= configured_s:
+        return None
+    what = "step" if phase == "step" else "save"
+    rule = (
+        f"measured: max({floor_s:g} s, {factor:g} x the slowest {what} {slowest_s:.3g} s + "
+        f"heartbeat {resilience.heartbeat_every_s:g} s) over {count} {what}s timed, "
+        f"configured {configured_s:g} s"
+    )
+    return measured_s, rule
+
+
+def configured_deadline_s(resilience: ResilienceConfig, phase: str) -> float:
+    """The phase's deadline as configured (resilience.*_deadline_s)."""
     if phase == "step":
         return resilience.step_deadline_s
-    if phase in ("checkpoint", "done", "nonfinite"):
+    if phase in ("checkpoint", "drain", "done", "nonfinite"):
         return resilience.checkpoint_deadline_s
     startup = {
         "init": resilience.init_deadline_s,  # from spawn: joining the job, building the program
@@ -110,16 +172,19 @@ def nonfinite_fault(attempt: Attempt) -> Fault | None:
     return None
 
 
-def hang_fault(attempt: Attempt, resilience: ResilienceConfig) -> Fault | None:
+def hang_fault(
+    attempt: Attempt, resilience: ResilienceConfig, earlier: Timings | None = None
+) -> Fault | None:
     """A live rank past its phase's deadline without progress; the fault names the rank that
     stopped first: a SIGSTOPped one, else the one longest without progress."""
     now = time.monotonic()
     live = [w for w in attempt.workers if w.alive]
+    heartbeats = list(attempt.heartbeats.values())
     overdue = [
         worker
         for worker in live
         if now - attempt.progress_at[worker.rank]
-        > deadline_s(resilience, _phase(attempt, worker.rank))
+        > deadline_s(resilience, _phase(attempt, worker.rank), heartbeats, earlier)
     ]
     if not overdue:
         return None
@@ -128,9 +193,14 @@ def hang_fault(attempt: Attempt, resilience: ResilienceConfig) -> Fault | None:
     phase = _phase(attempt, culprit.rank)
     waited_s = now - attempt.progress_at[culprit.rank]
     detail = f"no progress in phase {phase} for {waited_s:.1f} s"
-    detail += f" (deadline {deadline_s(resilience, phase):g} s)"
+    measured = measured_deadline(resilience, phase, heartbeats, earlier)
+    if measured is not None:
+        detail += f" (deadline {measured[0]:.3g} s, {measured[1]})"
+    else:
+        detail += f" (deadline {configured_deadline_s(resilience, phase):g} s)"
     if stopped:
         detail += f"; the process is stopped (state {culprit.state()}, e.g. SIGSTOP)"
+    detail += "; ranks past their deadline: " + ", ".join(str(w.rank) for w in overdue)
     return Fault(
         "hang",
         culprit.rank,

@@ -22,11 +22,13 @@ from msjax.distributed import worker_env
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
     Fault,
+    Timings,
     early_exit_fault,
     exit_fault,
     hang_fault,
     nonfinite_fault,
     start_up_failure,
+    timings_of,
     use_injection_time,
 )
 from msjax.launch.incidents import (
@@ -108,6 +110,7 @@ class Supervisor:
         self.keeps_record = layout.node_rank == 0
         self.context = scheduler_context()
         self.earlier_launches = read_launches(self.run_dir) if self.keeps_record else []
+        self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -151,6 +154,8 @@ class Supervisor:
         while True:
             attempt = self._spawn(len(self.attempts))
             fault = self._watch(attempt)
+            # what this attempt timed shortens the next one's deadlines from its first step on
+            self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:
                 return self._stop_on_request(attempt)
             if fault is None:
@@ -325,7 +330,9 @@ class Supervisor:
                     return None
                 return early_exit_fault(attempt, now_unix_s)
             else:
-                fault = nonfinite_fault(attempt) or hang_fault(attempt, self.resilience)
+                fault = nonfinite_fault(attempt) or hang_fault(
+                    attempt, self.resilience, self.timed_before
+                )
             if fault is not None:
                 use_injection_time(fault, attempt, self.run_dir)
                 return fault
@@ -351,11 +358,13 @@ class Supervisor:
         for worker in attempt.workers:
             if worker.rank == fault.rank:
                 worker.signal(signal.SIGKILL)
-        stop_s = stop_workers(attempt.workers, self.resilience.stop_grace_s)
+        stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
         attempt.ended_unix_s = time.time()
         attempt.outcome = fault.cause
         diagnostics = str(incident.path.relative_to(self.run_dir.path))
-        self.incidents.open(incident_record(number, fault, attempt, stop_s, diagnostics, verdict))
+        record = incident_record(number, fault, attempt, stop_s, diagnostics, verdict)
+        record["killed_after_grace"] = killed  # ranks that did not stop on SIGTERM in time
+        self.incidents.open(record)
         return number
 
     def _give_up(self, fault: Fault, reason: str, code: int) -> int:
@@ -382,6 +391,11 @@ class Supervisor:
         deadline = time.monotonic() + self.resilience.checkpoint_deadline_s
         for worker in attempt.workers:
             if not worker.wait(deadline - time.monotonic()):
+                self.say(
+                    f"rank {worker.rank} (pid {worker.pid}) did not save and stop within "
+                    f"resilience.checkpoint_deadline_s={self.resilience.checkpoint_deadline_s:g} "
+                    "s; SIGKILLed"
+                )
                 worker.signal(signal.SIGKILL)
                 worker.wait(10.0)
             worker.close()

@@ -188,22 +188,31 @@ class WorkerProcess:
         return "\n".join(text.splitlines()[-lines:]) + "\n"
 
 
-def stop_workers(workers: list[WorkerProcess], grace_s: float) -> float:
+def stop_workers(workers: list[WorkerProcess], grace_s: float) -> tuple[float, list[int]]:
     """SIGTERM every live worker's group (SIGCONT too, so a stopped one can act on it), SIGKILL
-    those still alive after grace_s, then end what is left of each group and close its pipe;
-    returns the seconds it took. Workers that have all exited already are only cleaned up."""
+    those still alive after grace_s (named in one line), then end what is left of each group
+    and close its pipe; returns the seconds it took and the ranks SIGKILLed after the grace.
+    Workers that have all exited already are only cleaned up."""
     started = time.monotonic()
     for worker in workers:
         worker.signal(signal.SIGTERM)
         worker.signal(signal.SIGCONT)
     deadline = started + grace_s
+    killed = []
     for worker in workers:
         if not worker.wait(deadline - time.monotonic()):
             worker.signal(signal.SIGKILL)
+            killed.append(worker)
+    if killed:
+        names = ", ".join(f"{worker.rank} (pid {worker.pid})" for worker in killed)
+        print(
+            f"msjax.launch: rank(s) {names} did not stop within {grace_s:g} s; SIGKILLed",
+            file=sys.stderr,
+        )
     for worker in workers:
         if not worker.wait(10.0):
             print(
                 f"msjax.launch: rank {worker.rank} (pid {worker.pid}) did not die", file=sys.stderr
             )
         worker.close()
-    return time.monotonic() - started
+    return time.monotonic() - started, [worker.rank for worker in killed]

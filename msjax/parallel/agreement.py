@@ -2,9 +2,11 @@
 process reads back their maximum, through jax.distributed's key-value store.
 
 Host-only: a vote never enters the devices' queue, so it cannot stall or reorder the dispatched
-steps and their collectives (benchmarks/agreement_overhead.py: +0.3 ms a step with 2 processes
-on one machine; a device all-reduce of the same vote cost about 7 ms a step there, and several
-in flight without a data dependency on the step deadlocked gloo).
+steps and their collectives (a device all-reduce of the same vote cost about 7 ms a step on one
+machine, and several in flight without a data dependency on the step deadlocked gloo). The
+per-step vote is read one round behind (`agree_behind`), so it does not wait for the slowest
+process's current step either (benchmarks/agreement_overhead.py). Every wait has a deadline,
+past which `VoteTimeout` names the ranks that did not vote.
 
 The key-value store is open to anyone who can reach its port (on one node: every local user),
 so a vote is read only from the keys of the job's own ranks, and with the job's secret
@@ -19,10 +21,21 @@ import os
 import time
 from collections.abc import Sequence
 
-VOTE_TIMEOUT_MS = 30 * 60 * 1000  # a peer that never votes is a hang: the supervisor's to judge
+VOTE_TIMEOUT_S = 30 * 60.0  # a peer that never votes is a hang: the supervisor's to judge first
 JOB_SECRET = "MSJAX_JOB_SECRET"  # the job's key for sealing what it writes to the store
 _SEAL_SEPARATOR = ";"
 _votes_made: dict[str, int] = {}  # ProcessVotes made by this process, per name
+
+
+class VoteTimeout(Exception):
+    """Some processes did not vote within the vote's deadline; the message names them."""
+
+    def __init__(self, name: str, round_number: int, missing: list[int], waited_s: float):
+        ranks = ", ".join(str(rank) for rank in missing) or "none (they voted as it ended)"
+        super().__init__(
+            f"vote {name} round {round_number}: no vote from rank(s) {ranks} within {waited_s:g} s"
+        )
+        self.missing = missing
 
 
 class ForgedValue(Exception):
@@ -59,7 +72,7 @@ class ProcessVote:
     """Rounds of votes named `name`; every process must cast the same rounds in the same order
     (and make its votes of one name in the same order: the n-th of a name has keys of its own)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, timeout_s: float = VOTE_TIMEOUT_S):
         import jax
         from jax._src.distributed import global_state
 
@@ -70,42 +83,87 @@ class ProcessVote:
         self.rank = jax.process_index()
         self.processes = jax.process_count()
         self.secret = job_secret()
-        self.rounds = 0
+        self.rounds = 0  # rounds collected
+        self.cast_rounds = 0  # rounds this process has voted in
+        self.timeout_s = timeout_s
 
     def agree(self, values: Sequence[int]) -> tuple[int, ...]:
         """The maximum over every process of each value, once every process has voted."""
         return tuple(max(column) for column in zip(*self.gather(values), strict=True))
 
-    def gather(self, values: Sequence[int]) -> list[tuple[int, ...]]:
-        """Every process's values, in rank order, once every process has voted.
+    def agree_behind(self, values: Sequence[int]) -> tuple[int, ...] | None:
+        """Cast values for this round and return the previous round's maximum over every
+        process (None in the first round): a vote one round behind. Every process cast that
+        round a step ago, so its keys are in and reading them does not wait for the slowest
+        process's current step; every process gets the same answer in the same round."""
+        self.cast(values)
+        if self.cast_rounds < 2:
+            return None
+        return tuple(max(column) for column in zip(*self.collect(), strict=True))
 
-        Only the keys of ranks 0..processes-1 are read (anything else under the prefix is not
-        a vote); a value without this job's seal raises ForgedValue.
-        """
-        round_key = f"{self.prefix}/{self.rounds}"
-        own_key = f"{round_key}/{self.rank}"
+    def gather(self, values: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every process's values, in rank order, once every process has voted."""
+        self.cast(values)
+        return self.collect()
+
+    def cast(self, values: Sequence[int]) -> None:
+        """This process's values for the next round, without waiting for anyone."""
+        own_key = f"{self.prefix}/{self.cast_rounds}/{self.rank}"
         text = ",".join(str(int(v)) for v in values)
         self.client.key_value_set(own_key, seal(own_key, text, self.secret))
-        deadline = time.monotonic() + VOTE_TIMEOUT_MS / 1000
+        self.cast_rounds += 1
+
+    def collect(self) -> list[tuple[int, ...]]:
+        """Every process's values of the oldest round this process cast and has not collected,
+        in rank order, once every process has cast it.
+
+        Only the keys of ranks 0..processes-1 are read (anything else under the prefix is not
+        a vote); a value without this job's seal raises ForgedValue; VoteTimeout names the
+        ranks that had not voted when timeout_s had passed.
+        """
+        assert self.rounds < self.cast_rounds, "collect a round only after casting it"
+        round_key = f"{self.prefix}/{self.rounds}"
+        deadline = time.monotonic() + self.timeout_s
         votes = []
         for rank in range(self.processes):
             key = f"{round_key}/{rank}"
             wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-            sealed = self.client.blocking_key_value_get(key, wait_ms)
+            try:
+                sealed = self.client.blocking_key_value_get(key, wait_ms)
+            except Exception as error:  # jax's runtime error: the wait's end, or no service
+                if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() < deadline:
+                    raise
+                raise VoteTimeout(
+                    self.prefix.removeprefix("msjax/vote/"),
+                    self.rounds,
+                    self._missing(round_key),
+                    self.timeout_s,
+                ) from None
             votes.append(tuple(int(v) for v in unseal(key, sealed, self.secret).split(",")))
-        # Every process has voted this round, so every one has read the round before: this
-        # process's key there is no longer needed.
-        if self.rounds:
-            self.client.key_value_delete(f"{self.prefix}/{self.rounds - 1}/{self.rank}")
+        # Every process has cast this round, so every one has collected the round two before
+        # (a process casts round r only after collecting round r - 2, even one round behind):
+        # this process's key there is no longer needed.
+        if self.rounds >= 2:
+            self.client.key_value_delete(f"{self.prefix}/{self.rounds - 2}/{self.rank}")
         self.rounds += 1
         return votes
 
+    def _missing(self, round_key: str) -> list[int]:
+        """The ranks with no key in this round (as the store holds it now)."""
+        try:
+            present = {
+                key.rpartition("/")[2] for key, _ in self.client.key_value_dir_get(round_key)
+            }
+        except Exception:  # the store itself cannot answer: every peer is unaccounted for
+            present = {str(self.rank)}
+        return [rank for rank in range(self.processes) if str(rank) not in present]
 
-def process_vote(name: str) -> ProcessVote | None:
+
+def process_vote(name: str, timeout_s: float = VOTE_TIMEOUT_S) -> ProcessVote | None:
     """A vote across the job's processes, or None in a one-process run (its view is the job's)."""
     import jax
 
-    return ProcessVote(name) if jax.process_count() > 1 else None
+    return ProcessVote(name, timeout_s) if jax.process_count() > 1 else None
 
 
 def agree_any(vote: ProcessVote | None, mine: bool) -> bool:

@@ -1,7 +1,8 @@
 """Worker heartbeats: RUN_DIR/heartbeats/rank<r>.json, rewritten atomically from the train loop.
 
-A heartbeat says what a rank is doing (phase), how far it got (step: updates completed) and when
-it last moved. The supervisor judges progress from them; nothing here runs in jitted code.
+A heartbeat says what a rank is doing (phase), how far it got (step: updates completed), when it
+last moved, and how long its steps and saves have taken (timings). The supervisor judges progress
+and derives its deadlines from them; nothing here runs in jitted code.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -20,8 +21,12 @@ from msjax.run_dir import RunDir
 from msjax.writable import open_no_follow, read_no_follow, rewrite_best_effort, warn_write_dropped
 
 Phase = Literal[
-    "init", "data", "restore", "compile", "step", "checkpoint", "eval", "nonfinite", "done"
+    "init", "data", "restore", "compile", "step", "checkpoint", "drain", "eval", "nonfinite", "done"
 ]
+# checkpoint: a save being started (its blocking part); drain: waiting for saves in flight at the
+# end. The phases a heartbeat times: how many of each it has seen and the slowest one, in seconds
+# (a step: the time per update between two beats of phase step; a save: a checkpoint phase)
+TIMED_PHASES = ("step", "checkpoint")
 # before the state is ready: the step a heartbeat of these phases carries means nothing yet
 STARTUP_PHASES = ("init", "data", "restore")
 
@@ -39,6 +44,7 @@ class HeartbeatRecord:
     phase_started_unix_s: float
     unix_s: float  # when it was written
     progress: int = 0  # work done within the phase (tokens written while tokenizing)
+    timings: dict[str, list[float]] = field(default_factory=dict)  # phase: [count, slowest_s]
 
     @classmethod
     def read(cls, path: Path) -> HeartbeatRecord | None:
@@ -67,21 +73,33 @@ class Heartbeat:
         self.progress = 0
         self._phase_started = time.time()
         self._written_at = -float("inf")
+        self.timings: dict[str, list[float]] = {}  # TIMED_PHASES: [count, slowest_s]
         self._stacks_file: IO[str] | None = None
 
     def beat(self, phase: Phase, step: int | None = None, progress: int = 0) -> None:
         """Record phase, step and progress within the phase; writes now if the phase changed
         or every_s has passed."""
         now = time.time()
+        if phase == "step" == self.phase and step is not None and step > self.step:
+            self._time("step", (now - self._step_moved_at) / (step - self.step))
+            self._step_moved_at = now
         if step is not None:
             self.step = step
         self.progress = progress
         if phase != self.phase:
+            if self.phase == "checkpoint":
+                self._time("checkpoint", now - self._phase_started)
+            if phase == "step":
+                self._step_moved_at = now
             self.phase = phase
             self._phase_started = now
         elif now - self._written_at < self.every_s:
             return
         self._write(now)
+
+    def _time(self, phase: str, seconds: float) -> None:
+        count, slowest = self.timings.get(phase, (0, 0.0))
+        self.timings[phase] = [count + 1, max(slowest, seconds)]
 
     def _write(self, now: float) -> None:
         record: dict[str, Any] = {
@@ -94,6 +112,7 @@ class Heartbeat:
             "phase_started_unix_s": self._phase_started,
             "unix_s": now,
             "progress": self.progress,
+            "timings": self.timings,
         }
         # readers see the old or the new heartbeat (on a full disk, one rewritten in place, which
         # a reader may catch torn and skip); a write that cannot land is dropped with one warning

@@ -69,7 +69,10 @@ class WorkerResilience(LoopEvents):
     """Heartbeat, fault injection and skipped steps of one rank, listening to the train loop.
 
     Heartbeat phases: `init` until the state is ready, `compile` through the first step, then
-    `step`, `eval` and `checkpoint` as the loop moves, `done` at the end.
+    `step`, `eval` and `checkpoint` as the loop moves, `drain` while the last saves finish,
+    `done` at the end. A step that begins
+    after an evaluation or a save is back in phase `step` (its hang is judged by the step
+    deadline, not by the save's).
     """
 
     def __init__(
@@ -108,6 +111,8 @@ class WorkerResilience(LoopEvents):
         self.heartbeat.beat("compile", start_step)
 
     def step_begin(self, step: int) -> None:
+        if self.heartbeat.phase in ("checkpoint", "eval"):
+            self.heartbeat.beat("step")  # the save (or evaluation) is behind: a step again
         self.faults.before_step(step, self.wait_for_saves)
 
     def step_end(self, record: StepRecord) -> None:
@@ -131,7 +136,7 @@ class WorkerResilience(LoopEvents):
             self.faults.after_save_started(step)
 
     def saves_draining(self) -> None:
-        self.heartbeat.beat("checkpoint")
+        self.heartbeat.beat("drain")
 
     def run_end(self, final_step: int) -> None:
         self.heartbeat.beat("done", final_step)

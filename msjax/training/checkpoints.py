@@ -190,6 +190,9 @@ def check_same_corpus(
     return [*earlier, {"at_step": start.step, "changes": changes}]
 
 
+NOT_FINISHED = -1  # the save in flight, as a process reports it: none, or still being written
+
+
 class CheckpointSaves:
     """Saves of the train state with the run's config and data position, entered by every
     process together, and counted good only once committed.
@@ -236,15 +239,16 @@ class CheckpointSaves:
     def directory(self) -> Path:
         return self.checkpointer.directory
 
-    def view_of_save_in_flight(self) -> tuple[bool, bool]:
-        """This process's view of the save started last and not counted yet: (still being
-        written, failed here). Never blocks; `settle` counts what every process saw."""
-        if not self.schedule.in_flight:
-            return False, False
-        if self.checkpointer.save_in_flight():
-            return True, False
+    def view_of_save_in_flight(self) -> tuple[int, bool]:
+        """This process's view of the save started last and not counted yet: (its step once
+        finished here, else NOT_FINISHED; failed here). Never blocks; `settle` counts what every
+        process saw."""
+        if not self.schedule.in_flight or self.checkpointer.save_in_flight():
+            return NOT_FINISHED, False
         outcome = self.checkpointer.save_outcome()  # finished here: no wait
-        return False, outcome is not None and outcome.problem is not None
+        if outcome is None or self.last_saved_step is None:
+            return NOT_FINISHED, False
+        return self.last_saved_step, outcome.problem is not None
 
     def settle(self, failed_anywhere: bool) -> None:
         """Count the save in flight, finished on every process, as committed or failed (every

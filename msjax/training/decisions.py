@@ -3,8 +3,9 @@
 Every choice here changes what a process does next, so in a multi-process job all processes
 must make it for the same step. Step-count choices (eval every N, save every N) are the same on
 every process by construction; `agree` is where choices that one process can see alone (a stop
-signal, a wall-clock save, a save overdue, a save finished or failed in the background) are made
-the same for all, by one vote per step.
+signal, a wall-clock save, a save to retry, saves overdue, a save finished or failed in the
+background) are made the same for all, by one vote per step, decided one step behind: cast
+after step s, acted on by every process after step s + 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from msjax.config import Config
 from msjax.parallel.agreement import ProcessVote, process_vote
-from msjax.training.checkpoints import CheckpointSaves
+from msjax.training.checkpoints import NOT_FINISHED, CheckpointSaves
 from msjax.training.save_schedule import SaveSchedule
 from msjax.training.stop_signal import StopSignal
 
@@ -30,8 +31,9 @@ class Decision:
     save: bool = False
     stop_by: str | None = None  # the signal that asked the run to stop
     saves_failing: bool = False  # saves kept failing past checkpoint.max_unsaved_minutes
-    save_writing: bool = False  # the save in flight is still being written (on some process)
-    save_failed: bool = False  # the save in flight finished and failed (on some process)
+    # the step of the save in flight once it has finished on every process, else NOT_FINISHED
+    save_finished: int = NOT_FINISHED
+    save_failed: bool = False  # that save failed (on some process)
 
     @property
     def needs_result(self) -> bool:
@@ -57,57 +59,81 @@ class Decider:
         self.schedule = schedule
         self.stop = stop
         self.saves = saves
-        self.vote = process_vote("decide")
+        # between two votes a peer may take a step, a save and an evaluation (which compiles)
+        r = config.resilience
+        timeout_s = r.step_deadline_s + r.checkpoint_deadline_s + r.compile_deadline_s
+        self.vote = process_vote("decide", timeout_s)
+        self.save_voted = False  # this process's vote for a save is being decided
 
     def after_step(self, step: int) -> Decision:
         """The decision once the state has `step` updates; the run's last step is never saved
         or evaluated here (the end of the run does both)."""
         before_end = step < self.total_steps
-        writing, failed = (
-            (False, False) if self.saves is None else self.saves.view_of_save_in_flight()
+        finished, failed = (
+            (NOT_FINISHED, False) if self.saves is None else self.saves.view_of_save_in_flight()
         )
         local = Decision(
             step=step,
             evaluate=bool(self.eval_every) and step % self.eval_every == 0 and before_end,
-            save=(self.schedule.due_by_steps(step) or self.schedule.retry_due()) and before_end,
+            save=self.schedule.due_by_steps(step) and before_end,
             stop_by=self.stop.received,
             saves_failing=self.schedule.overdue(),
-            save_writing=writing,
+            save_finished=finished,
             save_failed=failed,
         )
-        decision = agree(local, self.schedule.due_by_clock() and before_end, self.vote)
-        if self.saves is not None and self.schedule.in_flight and not decision.save_writing:
+        clock_save = self.schedule.due_by_clock() and before_end
+        retry = self.schedule.retry_due() and before_end
+        decision, self.save_voted = agree(local, clock_save, self.vote, retry, self.save_voted)
+        if (
+            self.saves is not None
+            and self.schedule.in_flight
+            and decision.save_finished == self.saves.last_saved_step
+        ):
             self.saves.settle(decision.save_failed)  # finished everywhere: counted by all now
         return decision
 
 
-def agree(local: Decision, clock_save: bool, vote: ProcessVote | None) -> Decision:
-    """The decision every process acts on for this step.
+def agree(
+    local: Decision,
+    clock_save: bool,
+    vote: ProcessVote | None,
+    retry: bool = False,
+    save_voted: bool = False,
+) -> tuple[Decision, bool]:
+    """The decision every process acts on for this step, and whether this process has just
+    voted for a save (it does not vote for it again while that vote is being decided).
 
-    One process: its own. Several: the step-count parts are identical everywhere already; a
-    stop signal, a save to retry, saves failing for too long, a save still being written or
-    failed, seen by any process, count for all; a save that is due by the clock is process 0's
-    call (each clock would decide at another step).
+    One process: its own, at once. Several: the step-count parts (evaluate, a save every N
+    steps) are identical everywhere and act at once; a stop signal, a save to retry, saves
+    failing for too long, a save still being written or failed, seen by any process, count for
+    all; a save that is due by the clock is process 0's call (each clock would decide at
+    another step). Those are voted one step behind (`ProcessVote.agree_behind`): cast now,
+    acted on by every process at its next step. A save in flight counts as finished only when
+    every process reported the same save finished (the least reported step is its step).
     """
     if vote is None:
-        return dataclasses.replace(local, save=local.save or clock_save)
+        return dataclasses.replace(local, save=local.save or clock_save or retry), False
     import jax
 
-    clock_save = clock_save and jax.process_index() == 0
-    stop, save, failing, writing, failed = vote.agree(
+    mine = (retry or (clock_save and jax.process_index() == 0)) and not save_voted
+    agreed = vote.agree_behind(
         [
             STOP_SIGNALS.index(local.stop_by),
-            int(local.save or clock_save),
+            int(mine),
             int(local.saves_failing),
-            int(local.save_writing),
+            -local.save_finished,  # the maximum of these is minus the least finished step
             int(local.save_failed),
         ]
     )
-    return dataclasses.replace(
+    stop, save, failing, least_finished, failed = (
+        agreed if agreed is not None else (0, 0, 0, -NOT_FINISHED, 0)
+    )
+    decision = dataclasses.replace(
         local,
-        save=bool(save),
+        save=local.save or bool(save),
         stop_by=STOP_SIGNALS[stop],
         saves_failing=bool(failing),
-        save_writing=bool(writing),
+        save_finished=-least_finished,
         save_failed=bool(failed),
     )
+    return decision, mine
