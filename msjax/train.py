@@ -26,7 +26,10 @@ from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
-from msjax.training.stop_signal import remember_stop_signals_from_start
+from msjax.training.stop_signal import (
+    forget_stop_signals_from_start,
+    remember_stop_signals_from_start,
+)
 from msjax.writable import WriteFailed
 
 if TYPE_CHECKING:
@@ -115,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"msjax.train: stopping: a peer ended the job with exit code {code}", file=sys.stderr)
         leave_job_now(code)
         raise
+    finally:
+        forget_stop_signals_from_start()  # main called by a process that goes on (a test)
     return 0
 
 

@@ -60,9 +60,8 @@ class Heartbeat:
     """Writes rank's heartbeat on every phase change and at most every `every_s` within a phase."""
 
     def __init__(self, run_dir: Path, rank: int, every_s: float, attempt: int = 0):
-        self.path = RunDir(run_dir).heartbeat(rank)
-        with contextlib.suppress(OSError):  # a full disk: the beats warn once, the loop goes on
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = RunDir(run_dir).heartbeat(rank)  # its folder is made at the first write:
+        # a run refused while its data is read leaves no run dir behind
         self.rank = rank
         self.every_s = every_s
         self.attempt = attempt
@@ -97,6 +96,10 @@ class Heartbeat:
             return
         self._write(now)
 
+    def _make_folder(self) -> None:
+        with contextlib.suppress(OSError):  # a full disk: the beats warn once, the loop goes on
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
     def _time(self, phase: str, seconds: float) -> None:
         count, slowest = self.timings.get(phase, (0, 0.0))
         self.timings[phase] = [count + 1, max(slowest, seconds)]
@@ -116,6 +119,7 @@ class Heartbeat:
         }
         # readers see the old or the new heartbeat (on a full disk, one rewritten in place, which
         # a reader may catch torn and skip); a write that cannot land is dropped with one warning
+        self._make_folder()
         rewrite_best_effort(self.path, json.dumps(record))
         self._written_at = now
 
@@ -124,6 +128,7 @@ class Heartbeat:
         works while the main thread is blocked in a collective). The file is opened without
         following a link; one that cannot be opened leaves SIGUSR1 as it was, with one warning."""
         path = RunDir(run_dir).stacks(self.rank)
+        self._make_folder()
         try:
             # appended: the supervisor empties it before each request, and the dump lands at its
             # start rather than at this descriptor's old offset

@@ -14,6 +14,7 @@ from typing import Any
 DEFAULT_GRACE_S = 600.0  # resilience.checkpoint_deadline_s's default
 STOP_SIGNUMS = (signal.SIGTERM, signal.SIGINT)
 _early: tuple[str, float] | None = None  # the first stop signal before the loop's StopSignal
+_before_early: dict[int, Any] = {}  # the handlers remember_stop_signals_from_start replaced
 
 
 def _remember_early(signum: int, frame: Any) -> None:
@@ -30,7 +31,21 @@ def remember_stop_signals_from_start() -> None:
     that preempts a job just started still gets its checkpoint and a clean exit)."""
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNUMS:
-            signal.signal(signum, _remember_early)
+            previous = signal.signal(signum, _remember_early)
+            if previous is not _remember_early:
+                _before_early[signum] = previous
+
+
+def forget_stop_signals_from_start() -> None:
+    """Put back the handlers remember_stop_signals_from_start replaced (msjax.train's main
+    called in a process that goes on, such as a test)."""
+    global _early
+    if threading.current_thread() is threading.main_thread():
+        for signum, handler in _before_early.items():
+            if signal.getsignal(signum) is _remember_early:
+                signal.signal(signum, handler)
+    _before_early.clear()
+    _early = None
 
 
 class StopSignal:
@@ -51,7 +66,10 @@ class StopSignal:
         global _early
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNUMS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                previous = signal.signal(signum, self._handle)
+                if previous is _remember_early:  # put back what was there before it, at the end
+                    previous = _before_early.get(signum, signal.SIG_DFL)
+                self._previous[signum] = previous
         if _early is not None:  # received while starting up
             self.received, self._first_at = _early
             self._signals_seen.add(self.received)
