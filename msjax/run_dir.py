@@ -142,6 +142,17 @@ class RunDir:
     def faults(self) -> Path:
         return self.path / "faults.jsonl"
 
+    # Self-checks (msjax.doctor): each check's verdict, and what each rank measured for it.
+    @property
+    def health(self) -> Path:
+        return self.path / "health"
+
+    def health_verdict(self, number: int) -> Path:
+        return self.health / f"{number}.json"
+
+    def health_rank(self, number: int, rank: int) -> Path:
+        return self.health / str(number) / f"rank{rank}.json"
+
     # What each rank leaves behind, and what the supervisor collects after a fault.
     @property
     def heartbeats(self) -> Path:
