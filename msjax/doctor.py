@@ -36,7 +36,7 @@ from msjax.run_dir import RunDir, write_text_atomically
 from msjax.writable import AppendLog
 
 DOCTOR_BUDGET_S = 120.0  # python -m msjax.doctor when resilience.check_budget_s is 0
-COLLECTIVE_SHARE = 0.25  # each wait in the collective check: this share of the budget
+COLLECTIVE_SHARE = 0.25  # each wait on peers in the collective check: this share of the budget
 END_GRACE_S = 5.0  # for ranks that reported everything to exit by themselves
 POLL_S = 0.1
 CAUSE = "self_check_failed"
@@ -96,8 +96,10 @@ def run_self_checks(
         str(job_config),
         "--number",
         str(number),
-        "--collective-deadline-s",
+        "--wait-s",
         f"{COLLECTIVE_SHARE * budget_s:g}",
+        "--end-unix-s",
+        f"{time.time() + budget_s:.3f}",
     ]
     started = time.monotonic()
     workers = []

@@ -65,11 +65,11 @@ def as_records(failures: list[Failure]) -> list[dict[str, Any]]:
 
 def _no_answer(report: dict[str, Any] | None, budget_s: float) -> str:
     if report is None:
-        return f"no answer within {budget_s:g} s (it never reported)"
+        return f"no answer: it never reported (budget {budget_s:g} s)"
     phase = report.get("phase", "?")
     if "exited" in report:  # the doctor notes how a rank that did not finish ended
         return f"{report['exited']} in phase {phase}, before its checks were done"
-    return f"no answer within {budget_s:g} s (last seen in phase {phase})"
+    return f"did not finish its checks: last seen in phase {phase} (budget {budget_s:g} s)"
 
 
 def _local(rank: int, report: dict[str, Any], bounds: Bounds) -> list[Failure]:

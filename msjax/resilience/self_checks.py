@@ -7,12 +7,14 @@ they are measured; msjax.resilience.health judges them against the bounds and th
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,20 @@ NORM_EPS = 1e-6
 TIMED_RUNS = 5  # the speed figure is the fastest of these (the least disturbed by other work)
 DISK_CHECK_BYTES = 16 * 2**20
 ALL_REDUCE_RUNS = 3
+REPORT_MARGIN_S = 3.0  # a wait on peers ends this long before the doctor's deadline, to report
+AFTER_TIMEOUT_SHARE = 0.5  # the vote naming who is gone, after a collective that did not end
+
+
+@dataclass(frozen=True)
+class Waits:
+    """How long one wait on peers may last: wait_s, and never past the doctor's deadline."""
+
+    wait_s: float
+    end_unix_s: float
+
+    def timeout_s(self, share: float = 1.0) -> float:
+        left_s = self.end_unix_s - REPORT_MARGIN_S - time.time()
+        return max(min(self.wait_s * share, left_s), 0.5)
 
 
 def known_answer_inputs() -> dict[str, np.ndarray]:
@@ -159,7 +175,7 @@ def bounded(work: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
     return (bool(outcome), outcome[0] if outcome else None)
 
 
-def check_collectives(mesh_config: Any, timeout_s: float) -> list[dict[str, Any]]:
+def check_collectives(mesh_config: Any, waits: Waits) -> list[dict[str, Any]]:
     """Per mesh axis of size > 1: every process arrives (a vote with a deadline), then an
     all-reduce of known values (each device its place in the mesh + 1) over that axis, checked
     on each local device and timed. The first axis that fails ends the check."""
@@ -183,7 +199,7 @@ def check_collectives(mesh_config: Any, timeout_s: float) -> list[dict[str, Any]
         results.append(entry)
         started = time.monotonic()
         try:
-            vote = process_vote(f"health.arrive.{axis}", timeout_s)
+            vote = process_vote(f"health.arrive.{axis}", waits.timeout_s())
             if vote is not None:
                 vote.gather([1])
         except VoteTimeout as timeout:
@@ -197,10 +213,12 @@ def check_collectives(mesh_config: Any, timeout_s: float) -> list[dict[str, Any]
                 out_specs=P(*MESH_AXES),
             )
         )
-        done, outcome = bounded(lambda program=program: _timed(program, placed), timeout_s)
+        done, outcome = bounded(functools.partial(_timed, program, placed), waits.timeout_s())
         if not done:
             entry.update(ok=False, timed_out=True, waited_s=time.monotonic() - started)
-            entry["missing"] = _who_is_missing(f"health.alive.{axis}", timeout_s)
+            entry["missing"] = _who_is_missing(
+                f"health.alive.{axis}", waits.timeout_s(AFTER_TIMEOUT_SHARE)
+            )
             return results
         seconds, summed = outcome
         expected = np.broadcast_to(values.sum(axis=position, keepdims=True), values.shape)
@@ -281,7 +299,7 @@ def local_failures(figures: dict[str, Any], tolerance: float) -> list[str]:
     return failed
 
 
-def run_checks(config_path: Path, number: int, collective_deadline_s: float) -> int:
+def run_checks(config_path: Path, number: int, waits: Waits) -> int:
     """Every check of this process, its figures written as they come; exit code 0 or 10."""
     import jax
 
@@ -304,13 +322,13 @@ def run_checks(config_path: Path, number: int, collective_deadline_s: float) -> 
     report.update(phase="disk", memory=check_host_memory())
     report.update(phase="collectives", disk=check_disk(run_dir.health, rank))
     mesh = check_device_count(config, jax.device_count()).mesh
-    collectives = check_collectives(mesh, collective_deadline_s)
+    collectives = check_collectives(mesh, waits)
     missing = sorted({rank for entry in collectives for rank in entry.get("missing", [])})
     report.update(phase="end", collectives=collectives, missing=missing)
     failed = local_failures(report.figures, KNOWN_ANSWER_TOLERANCE)
     report.update(phase="done", local_failures=failed)
     if not missing:  # every peer answers: end together, so none outlives the coordinator
-        _who_is_missing("health.end", collective_deadline_s)
+        _who_is_missing("health.end", waits.timeout_s(AFTER_TIMEOUT_SHARE))
     print(f"msjax.self_checks: rank {rank}: {', '.join(failed) or 'passed'}", flush=True)
     return exit_codes.SELF_CHECK_FAILED if failed else exit_codes.OK
 
@@ -319,9 +337,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m msjax.resilience.self_checks")
     parser.add_argument("--config", type=Path, required=True, help="the job's resolved config")
     parser.add_argument("--number", type=int, required=True, help="RUN_DIR/health/NUMBER")
-    parser.add_argument("--collective-deadline-s", type=float, required=True)
+    parser.add_argument("--wait-s", type=float, required=True, help="each wait on peers")
+    parser.add_argument("--end-unix-s", type=float, required=True, help="the doctor's deadline")
     args = parser.parse_args(argv)
-    code = run_checks(args.config, args.number, args.collective_deadline_s)
+    code = run_checks(args.config, args.number, Waits(args.wait_s, args.end_unix_s))
     # A peer may be stuck in a collective or gone; jax.distributed's shutdown would wait for it.
     os._exit(code)
 
