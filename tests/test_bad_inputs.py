@@ -170,6 +170,12 @@ CASES: list[tuple[str, list[str], str]] = [
         ["resilience.measured_deadline_after_steps=0"],
         "resilience.measured_deadline_after_steps=0 must be at least 1",
     ),
+    # self-checks (msjax.doctor, resilience.check_budget_s)
+    ("msjax.doctor", ["--nprocs", "0"], "--nprocs=0 must be at least 1"),
+    ("msjax.doctor", ["--fault", "corrupt_compute@rank=x"], "needs a number"),
+    ("msjax.doctor", ["--nprocs", "2", "--devices-per-proc", "2"], "has 8 devices but 4"),
+    ("msjax.doctor", ["--", "resilience.check_budget_s=-1"], "check_budget_s=-1.0 must be >= 0"),
+    ("msjax.train", ["resilience.slow_device_factor=1"], "slow_device_factor=1.0 must be a"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {
@@ -357,6 +363,7 @@ def test_the_table_covers_every_command() -> None:
     commands = {command for command, _, _ in CASES}
     commands |= {module.replace("planner.", "") for module in IN_ONE_INTERPRETER}
     assert commands == {f"msjax.{name}" for name in (
-        "train", "launch", "checkpoint", "report", "flops", "plan", "sweep", "generate", "hf"
+        "train", "launch", "checkpoint", "report", "flops", "plan", "sweep", "generate", "hf",
+        "doctor",
     )}  # fmt: skip
     assert len(CASES) + sum(map(len, IN_ONE_INTERPRETER.values())) >= 25
