@@ -22,6 +22,7 @@ from msjax.distributed import worker_env
 from msjax.errors import MsjaxError
 from msjax.launch.workers import WorkerProcess, describe_exit, stop_workers
 from msjax.resilience import exit_codes
+from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.health import (
     Bounds,
@@ -33,13 +34,11 @@ from msjax.resilience.health import (
     median_device_s,
 )
 from msjax.run_dir import RunDir, write_text_atomically
-from msjax.writable import AppendLog
 
 DOCTOR_BUDGET_S = 120.0  # python -m msjax.doctor when resilience.check_budget_s is 0
 COLLECTIVE_SHARE = 0.25  # each wait on peers in the collective check: this share of the budget
 END_GRACE_S = 5.0  # for ranks that reported everything to exit by themselves
 POLL_S = 0.1
-CAUSE = "self_check_failed"
 
 
 @dataclass(frozen=True)
@@ -219,36 +218,39 @@ def _summary(
     return "; ".join(parts)
 
 
-def self_check_incident(number: int, health: HealthRound, attempt: int) -> dict[str, Any]:
-    """A failed self-check as an incident record (RUN_DIR/incidents.jsonl)."""
+def detail(health: HealthRound) -> str:
+    """A failed round in one line: each failure, and where the verdict is."""
+    failures = "; ".join(failure.line() for failure in health.failures)
+    return f"{failures} ({health.path.parent.name}/{health.path.name})"
+
+
+def _record_incident(run_dir: RunDir, health: HealthRound) -> None:
+    """A failed round of the doctor's own as an incident in RUN_DIR/incidents.jsonl."""
+    from msjax.launch.incidents import Incident, IncidentLog
+
+    log = IncidentLog(run_dir, say=lambda text: None)
     now = time.time()
-    return {
-        "incident": number,
-        "cause": CAUSE,
-        "rank": health.failed_ranks[0],
-        "ranks": health.failed_ranks,
-        "detail": "; ".join(failure.line() for failure in health.failures),
-        "attempt": attempt,
-        "phase": "self_check",
-        "step": None,
-        "health": str(health.path.relative_to(health.path.parent.parent)),
-        "fault_unix_s": now - health.wall_s,
-        "detected_unix_s": now,
-        "detection_latency_s": round(health.wall_s, 3),
-        "action": "stop",
-        "stop_reason": "a self-check failed",
-        "steps_lost": 0,
-    }
-
-
-def _append_incident(run_dir: RunDir, health: HealthRound, attempt: int) -> None:
-    try:
-        count = sum(1 for line in run_dir.incidents_log.read_text().splitlines() if line.strip())
-    except FileNotFoundError:
-        count = 0
-    log = AppendLog(run_dir.incidents_log)
-    log.write(json.dumps(self_check_incident(count + 1, health, attempt)) + "\n")
-    log.close()
+    log.open(
+        Incident(
+            incident=log.next_number(),
+            cause=SELF_CHECK_FAILED.cause,
+            rank=health.failed_ranks[0],
+            detail=detail(health),
+            attempt=0,
+            phase="self_check",
+            step=0,
+            fault_unix_s=now - health.wall_s,
+            fault_time_from="the self-checks' start",
+            detected_unix_s=now,
+            detection_latency_s=round(health.wall_s, 3),
+            stop_s=0.0,
+            diagnostics=str(health.path.relative_to(run_dir.path)),
+            flight_recorder=None,
+            action="stop",
+            stop_reason="msjax.doctor: a self-check failed",
+        )
+    )
+    log.write()
 
 
 def report_lines(health: HealthRound) -> list[str]:
@@ -315,10 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, range(args.nprocs), args.nprocs, devices, coordinator, faults=args.fault
     )
     if not health.passed:
-        _append_incident(run_dir, health, attempt=0)
+        _record_incident(run_dir, health)
     for line in report_lines(health):
         print(f"msjax.doctor: {line}", flush=True)
-    return exit_codes.OK if health.passed else exit_codes.SELF_CHECK_FAILED
+    return exit_codes.OK if health.passed else SELF_CHECK_FAILED.exit_code
 
 
 if __name__ == "__main__":
