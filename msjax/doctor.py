@@ -128,6 +128,7 @@ def run_self_checks(
         "summary": summary,
         "wall_s": round(wall_s, 3),
         "unix_s": time.time(),
+        "spawned_unix_s": min(worker.spawned_unix_s for worker in workers),
         "bounds": asdict(bounds),
         "majority_fingerprint": majority_fingerprint(_done(reports)),
         "median_device_s": median_device_s(_done(reports)),

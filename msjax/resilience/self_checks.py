@@ -268,12 +268,14 @@ class RankReport:
 
     def __init__(self, path: Path, rank: int, attempt: int):
         self.path = path
+        started = time.time()  # joined the job, imports done
         self.figures: dict[str, Any] = {
             "rank": rank,
             "attempt": attempt,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "started_unix_s": time.time(),
+            "started_unix_s": started,
+            "unix_s": started,
             "phase": "start",
         }
 
@@ -282,7 +284,11 @@ class RankReport:
 
         from msjax.writable import write_text_atomically
 
-        self.figures.update(figures, unix_s=time.time())
+        now = time.time()
+        if figures.get("phase", self.figures["phase"]) != self.figures["phase"]:
+            phases_s = self.figures.setdefault("phases_s", {})  # seconds each phase took
+            phases_s[self.figures["phase"]] = round(now - self.figures.get("unix_s", now), 4)
+        self.figures.update(figures, unix_s=now)
         write_text_atomically(self.path, json.dumps(self.figures, indent=1), durable=False)
 
 
