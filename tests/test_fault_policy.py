@@ -53,6 +53,7 @@ def test_each_worker_exit_code_belongs_to_one_kind():
     assert kind_of_exit(exit_codes.SAVES_FAILED) is fault_kinds.SAVES_FAILED
     assert kind_of_exit(exit_codes.SELF_CHECK_FAILED).cause == "self_check_failed"
     assert kind_of_exit(exit_codes.SILENT_CORRUPTION).action == fault_kinds.MARK_SLOT_BAD
+    assert kind_of_exit(exit_codes.BAD_NODE).action == fault_kinds.MARK_SLOT_BAD
     assert kind_of_exit(-9) is fault_kinds.CRASH  # a signal
     assert kind_of_exit(99) is fault_kinds.CRASH  # a code no kind has
     assert {kind.action for kind in KINDS} <= set(fault_kinds.ACTIONS)

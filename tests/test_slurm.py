@@ -218,6 +218,7 @@ class Runs:
     hand_output: str
     timelines: dict[str, Timeline]
     wall_s: dict[str, float]
+    bad_node_file: Path  # names the node the bad-node job's fault stayed with
 
 
 def drive_faults(job: Job, timeline: Timeline) -> Callable[[], None]:
@@ -270,6 +271,37 @@ def drive_time_limit(job: Job, timeline: Timeline) -> Callable[[], None]:
     return step
 
 
+BAD_NODE_STEPS = 40
+BAD_NODE_CRASH_AT = 3
+
+
+def submit_bad_node_job(base: Path, env: dict[str, str], cache: Path) -> tuple[Job, Path]:
+    """A 2-node job whose node rank 1 crashes at every start, on that node only: the fault
+    stays with the first node that runs rank 1 (a broken machine), through MSJAX_PYTHON, a
+    wrapper that sets MSJAX_FAULT there. Returns the job and the file naming that node."""
+    bad_file = base / "bad-node"
+    wrapper = base / "python-on-a-broken-node"
+    wrapper.write_text(
+        "#!/bin/bash\n"
+        f'bad_file="{bad_file}"\n'
+        'if [ "${SLURM_NODEID:-}" = 1 ] && [ -n "${SLURM_STEP_ID:-}" ] && [ ! -e "$bad_file" ]; '
+        'then echo "$SLURMD_NODENAME" > "$bad_file"; fi\n'
+        'if [ -n "${SLURM_STEP_ID:-}" ] && '
+        '[ "$(cat "$bad_file" 2>/dev/null)" = "$SLURMD_NODENAME" ]; '
+        f'then export MSJAX_FAULT="crash@step={BAD_NODE_CRASH_AT},rank=1,times=99"; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    args = [
+        "--devices-per-proc",
+        "1",
+        "--",
+        *train_args(base / "bad_node", cache, steps=BAD_NODE_STEPS),
+        "resilience.max_faults_per_slot=2",
+    ]
+    return Job.submit("bad_node", base, {**env, "MSJAX_PYTHON": str(wrapper)}, args), bad_file
+
+
 def free_port() -> int:
     import portpicker
 
@@ -309,6 +341,7 @@ def runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
             ],
             [f"--time={TIME_LIMIT_MIN}", f"--signal=TERM@{TIME_LIMIT_SIGNAL_S}"],
         )
+        jobs["bad_node"], bad_node_file = submit_bad_node_job(base, slurm_env, cache)
         # the same job as "clean" launched by hand, without Slurm
         hand = base / "hand"
         coordinator = f"127.0.0.1:{free_port()}"
@@ -356,6 +389,7 @@ def runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
             hand_output=hand_log.read_text(),
             timelines=timelines,
             wall_s={name: job.ended_s - started_s for name, job in jobs.items()},
+            bad_node_file=bad_node_file,
         )
     finally:
         for job in jobs.values():
@@ -587,63 +621,10 @@ def test_sbatch_script_requeues_the_job_without_a_node_whose_launcher_exits_bad_
     assert not [call for call in calls if "ExcNodeList" in call]
 
 
-BAD_NODE_STEPS = 40
-BAD_NODE_CRASH_AT = 3
-
-
-@dataclass
-class BadNodeRun:
-    job: Job
-    bad_node: str  # the node the fault stayed with
-    wall_s: float
-
-
-@pytest.fixture(scope="module")
-def bad_node_run(
-    slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[BadNodeRun]:
-    """A 2-node job whose node rank 1 crashes at every start, on that node only: the fault
-    stays with the first node that runs rank 1 (a broken machine), through MSJAX_PYTHON, a
-    wrapper that sets MSJAX_FAULT there."""
-    base = tmp_path_factory.mktemp("slurm-bad-node")
-    bad_file = base / "bad-node"
-    wrapper = base / "python-on-a-broken-node"
-    wrapper.write_text(
-        "#!/bin/bash\n"
-        f'bad_file="{bad_file}"\n'
-        'if [ "${SLURM_NODEID:-}" = 1 ] && [ -n "${SLURM_STEP_ID:-}" ] && [ ! -e "$bad_file" ]; '
-        'then echo "$SLURMD_NODENAME" > "$bad_file"; fi\n'
-        'if [ -n "${SLURM_STEP_ID:-}" ] && '
-        '[ "$(cat "$bad_file" 2>/dev/null)" = "$SLURMD_NODENAME" ]; '
-        f'then export MSJAX_FAULT="crash@step={BAD_NODE_CRASH_AT},rank=1,times=99"; fi\n'
-        f'exec {sys.executable} "$@"\n'
-    )
-    wrapper.chmod(0o755)
-    env = {**slurm_env, "MSJAX_PYTHON": str(wrapper)}
-    args = [
-        "--devices-per-proc",
-        "1",
-        "--",
-        *train_args(base / "bad_node", base / "compile-cache", steps=BAD_NODE_STEPS),
-        "resilience.max_faults_per_slot=2",
-    ]
-    started_s = time.monotonic()
-    job = Job.submit("bad_node", base, env, args)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        while not job.poll():
-            if time.monotonic() > deadline:
-                pytest.fail(f"the bad-node job did not end within {DEADLINE_S} s: {job.output}")
-            time.sleep(1.0)
-        yield BadNodeRun(job, bad_file.read_text().strip(), job.ended_s - started_s)
-    finally:
-        job.cancel()
-
-
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_a_bad_node_is_excluded_by_requeue_and_the_job_finishes_on_the_spare(bad_node_run):
-    job, bad = bad_node_run.job, bad_node_run.bad_node
+def test_a_bad_node_is_excluded_by_requeue_and_the_job_finishes_on_the_spare(runs):
+    job, bad = runs.jobs["bad_node"], runs.bad_node_file.read_text().strip()
     assert job.final["JobState"] == "COMPLETED" and job.final["ExitCode"] == "0:0", job.output
     output = job.output
     # the first crash of that node is one fault (a multi-node job restarts as a whole: exit 5),
@@ -651,10 +632,8 @@ def test_a_bad_node_is_excluded_by_requeue_and_the_job_finishes_on_the_spare(bad
     assert f"msjax: node 1 ({bad}): msjax.launch exit code 5" in output, output
     assert f"msjax: node 1 ({bad}): msjax.launch exit code 9" in output, output
     stopped = [line for line in output.splitlines() if "exit code 9;" in line]
-    assert (
-        stopped
-        and f"node {bad} is marked bad: the named cause of 2 faults in a row" in (stopped[0])
-    ), output
+    named = f"node {bad} is marked bad: the named cause of 2 faults in a row"
+    assert stopped and named in stopped[0], output
     assert f"bad node(s) {bad}; requeueing without them" in output
     # the requeued job ran without it, on the cluster's spare node
     assert job.final["ExcNodeList"] == bad
@@ -679,6 +658,6 @@ def test_a_bad_node_is_excluded_by_requeue_and_the_job_finishes_on_the_spare(bad
     assert launches[-1]["outcome"] == "done" and len(launches) == 3
     goodput = json.loads(run_dir.goodput.read_text())
     print(
-        f"\nfigures: bad-node job {bad_node_run.wall_s:.0f} s wall, 3 runs, effective training "
+        f"\nfigures: bad-node job {runs.wall_s['bad_node']:.0f} s wall, 3 runs, effective training "
         f"time {100 * goodput['effective_training_time_ratio']:.1f}% ({goodput['breakdown_s']})"
     )

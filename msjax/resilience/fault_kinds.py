@@ -111,6 +111,9 @@ SELF_CHECK_FAILED = FaultKind(
 SILENT_CORRUPTION = FaultKind(
     "silent_corruption", "silent_corruption", MARK_SLOT_BAD, exit_codes.SILENT_CORRUPTION
 )
+# the launcher's own code on a multi-node job; a process that exits with it (a check of the
+# whole node) marks its slot bad too
+BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)
 # seen by the supervisor alone
 HANG = FaultKind("hang", "hang", RESTART)  # no progress past its phase's deadline
 EARLY_EXIT = FaultKind(  # every worker exited 0 too soon
@@ -126,6 +129,7 @@ KINDS = (
     INTERRUPTED,
     SELF_CHECK_FAILED,
     SILENT_CORRUPTION,
+    BAD_NODE,
     HANG,
     EARLY_EXIT,
 )
