@@ -170,6 +170,13 @@ CASES: list[tuple[str, list[str], str]] = [
         ["resilience.measured_deadline_after_steps=0"],
         "resilience.measured_deadline_after_steps=0 must be at least 1",
     ),
+    # bad slots
+    (
+        "msjax.launch",
+        ["--", "resilience.max_faults_per_slot=0"],
+        "resilience.max_faults_per_slot=0 must be >= 1",
+    ),
+    ("msjax.launch", ["--", "resilience.on_bad_node=drop"], "resilience.on_bad_node"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {
