@@ -170,6 +170,13 @@ CASES: list[tuple[str, list[str], str]] = [
         ["resilience.measured_deadline_after_steps=0"],
         "resilience.measured_deadline_after_steps=0 must be at least 1",
     ),
+    # bad slots
+    (
+        "msjax.launch",
+        ["--", "resilience.max_faults_per_slot=0"],
+        "resilience.max_faults_per_slot=0 must be >= 1",
+    ),
+    ("msjax.launch", ["--", "resilience.on_bad_node=drop"], "resilience.on_bad_node"),
     # self-checks (msjax.doctor, resilience.check_budget_s)
     ("msjax.doctor", ["--nprocs", "0"], "--nprocs=0 must be at least 1"),
     ("msjax.doctor", ["--fault", "corrupt_compute@rank=x"], "needs a number"),

@@ -291,10 +291,12 @@ def test_launch_stops_before_training_on_a_failed_self_check(tmp_path) -> None:
     code, output = run_launch(
         run_dir, "corrupt_compute@rank=1", "resilience.max_attempts_without_progress=1"
     )
-    # the slot is marked bad (fault_kinds.MARK_SLOT_BAD); with no other slot to go on on, the
-    # policy's limit on attempts without progress ends the job (exit 8), nothing trained
+    # the fault policy marks the slot bad; a slot is not left out on one node yet, so its
+    # limit on attempts without progress ends the job (exit 8), nothing trained
     assert code == exit_codes.NO_PROGRESS, output[-3000:]
     assert verdict(run_dir)["failed_ranks"] == [1]
+    bad_slots = json.loads((run_dir / "health" / "bad_slots.json").read_text())["slots"]
+    assert [(slot["slot"], slot["rank"]) for slot in bad_slots] == [("1", 1)]
     [incident] = [
         json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()
     ]

@@ -4,6 +4,8 @@ around it, from plain inputs (no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from msjax.checkpoint.read_errors import CheckpointUnreadable
@@ -14,6 +16,7 @@ from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.incidents import Incident
 from msjax.launch.layout import JobLayout
 from msjax.launch.policy import FaultHistory, decide
+from msjax.launch.slots import SlotFault, faults_in_a_row
 from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.fault_kinds import KINDS, kind_of_error, kind_of_exit
@@ -50,6 +53,7 @@ def test_each_worker_exit_code_belongs_to_one_kind():
     assert kind_of_exit(exit_codes.SAVES_FAILED) is fault_kinds.SAVES_FAILED
     assert kind_of_exit(exit_codes.SELF_CHECK_FAILED).cause == "self_check_failed"
     assert kind_of_exit(exit_codes.SILENT_CORRUPTION).action == fault_kinds.MARK_SLOT_BAD
+    assert kind_of_exit(exit_codes.BAD_NODE).action == fault_kinds.MARK_SLOT_BAD
     assert kind_of_exit(-9) is fault_kinds.CRASH  # a signal
     assert kind_of_exit(99) is fault_kinds.CRASH  # a code no kind has
     assert {kind.action for kind in KINDS} <= set(fault_kinds.ACTIONS)
@@ -242,3 +246,102 @@ def test_an_incident_record_keeps_its_keys_and_takes_the_action_decided():
     record = stopped.record()
     assert (record["action"], record["skipped_step"], "restart" in record) == ("stop", 12, False)
     assert record["stop_reason"] == action.reason
+
+
+def slot_fault(slot: str, incident: int, at: float, group: str | None = None) -> SlotFault:
+    return SlotFault(
+        slot, int(slot) if slot.isdigit() else 1, "crash", incident, at, group or f"g{incident}"
+    )
+
+
+def slot_history(slot: str, faults: list[SlotFault], node: str = "host") -> FaultHistory:
+    return dataclasses.replace(history(), slot=slot, node=node, slot_faults=tuple(faults))
+
+
+def test_a_slot_is_bad_after_max_faults_per_slot_faults_in_a_row_it_caused():
+    resilience = ResilienceConfig(max_faults_per_slot=3)
+    two = [slot_fault("3", 1, 1.0), slot_fault("3", 2, 2.0)]
+    assert (
+        decide(fault(fault_kinds.CRASH), slot_history("3", two), resilience, ONE_NODE).bad_slot
+        is None
+    )
+    three = [*two, slot_fault("3", 3, 3.0)]
+    action = decide(fault(fault_kinds.HANG), slot_history("3", three), resilience, ONE_NODE)
+    assert action.bad_slot is not None
+    assert (action.bad_slot.slot, action.bad_slot.incidents) == ("3", (1, 2, 3))
+    assert action.bad_slot.reason == (
+        "slot 3 is marked bad: the named cause of 3 faults in a row (incidents 1, 2, 3: crash, "
+        "crash, crash; resilience.max_faults_per_slot=3)"
+    )
+    # on one node it stays in the job for now: a restart as on any fault
+    assert (action.stop_code, action.restart, action.bad_slot.on_bad_node) == (None, 1, "exclude")
+
+
+def test_a_fault_of_another_slot_between_breaks_the_row():
+    resilience = ResilienceConfig(max_faults_per_slot=2)
+    faults = [slot_fault("3", 1, 1.0), slot_fault("1", 2, 2.0), slot_fault("3", 3, 3.0)]
+    assert (
+        decide(fault(fault_kinds.CRASH), slot_history("3", faults), resilience, ONE_NODE).bad_slot
+        is None
+    )
+
+
+def test_in_one_attempt_of_the_job_the_first_fault_is_the_cause_the_others_follow_from_it():
+    # node n2's crash made n1's worker fail too, seen a moment later by n1's launcher (and
+    # written first)
+    faults = [
+        slot_fault("n2", 1, 1.0, "a"),
+        slot_fault("n1", 3, 2.6, "b"),
+        slot_fault("n2", 2, 2.5, "b"),
+    ]
+    assert [f.incident for f in faults_in_a_row(faults, "n2")] == [1, 2]
+    assert faults_in_a_row(faults, "n1") == []
+    resilience = ResilienceConfig(max_faults_per_slot=2)
+    n2 = decide(fault(fault_kinds.CRASH), slot_history("n2", faults, "n2"), resilience, TWO_NODES)
+    assert n2.stop_code == exit_codes.BAD_NODE
+    assert n2.reason.startswith("node n2 is marked bad: the named cause of 2 faults in a row")
+    assert n2.reason.endswith("; requeue the job without node n2")
+    n1 = decide(fault(fault_kinds.CRASH), slot_history("n1", faults, "n1"), resilience, TWO_NODES)
+    assert (n1.stop_code, n1.bad_slot) == (exit_codes.JOB_RESTART_NEEDED, None)
+
+
+def test_a_failed_self_check_or_persistent_corruption_marks_its_slot_at_once():
+    for kind in (fault_kinds.SELF_CHECK_FAILED, fault_kinds.SILENT_CORRUPTION):
+        one = [slot_fault("n2", 1, 1.0)]
+        action = decide(fault(kind), slot_history("n2", one, "n2"), ResilienceConfig(), TWO_NODES)
+        assert action.stop_code == exit_codes.BAD_NODE and action.bad_slot is not None
+        assert kind.name.replace("_", " ") + " on rank 1" in action.reason
+
+
+def test_under_on_bad_node_restart_the_slot_is_marked_and_the_job_goes_on_as_before():
+    resilience = ResilienceConfig(max_faults_per_slot=1, on_bad_node="restart")
+    faults = [slot_fault("n2", 1, 1.0)]
+    action = decide(
+        fault(fault_kinds.CRASH), slot_history("n2", faults, "n2"), resilience, TWO_NODES
+    )
+    assert action.stop_code == exit_codes.JOB_RESTART_NEEDED
+    assert action.bad_slot is not None and action.bad_slot.on_bad_node == "restart"
+
+
+def test_faults_that_do_not_name_their_rank_as_cause_mark_no_slot():
+    resilience = ResilienceConfig(max_faults_per_slot=1)
+    faults = [slot_fault("0", 1, 1.0)]
+    for kind in (fault_kinds.EARLY_EXIT, fault_kinds.CHECKPOINT_UNREADABLE):
+        assert decide(fault(kind), slot_history("0", faults), resilience, ONE_NODE).bad_slot is None
+
+
+def test_a_marked_slot_is_an_incident_field():
+    incident = incident_of(fault_kinds.CRASH)
+    faults = [slot_fault("n2", 1, 1.0), slot_fault("n2", 4, 2.0)]
+    incident.take(
+        decide(
+            fault(fault_kinds.CRASH),
+            slot_history("n2", faults, "n2"),
+            ResilienceConfig(max_faults_per_slot=2),
+            TWO_NODES,
+        )
+    )
+    record = incident.record()
+    assert record["action"] == "stop"
+    assert record["bad_slot"]["node"] == "n2" and record["bad_slot"]["incidents"] == (1, 4)
+    assert record["bad_slot"]["action"] == "stop"

@@ -158,6 +158,7 @@ class Incident:
     backoff_s: float | None = None
     restart: int | None = None
     restart_to_first_step_s: float | None = None
+    bad_slot: dict[str, Any] | None = None  # the fault's slot, marked bad (msjax.launch.slots)
 
     OPTIONAL = (
         "launch",
@@ -168,6 +169,7 @@ class Incident:
         "backoff_s",
         "restart",
         "restart_to_first_step_s",
+        "bad_slot",
     )
 
     @classmethod
@@ -209,6 +211,8 @@ class Incident:
         else:
             self.backoff_s = action.backoff_s
             self.restart = action.restart
+        if action.bad_slot is not None:
+            self.bad_slot = {**dataclasses.asdict(action.bad_slot), "action": action.name}
 
     def progress(self, attempt: Attempt) -> bool:
         """Fill in restart and catch-up times as the attempt after the incident progresses;

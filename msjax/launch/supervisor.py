@@ -8,6 +8,8 @@ records in incidents.py.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import signal
 import socket
@@ -46,12 +48,34 @@ from msjax.launch.launches import (
 )
 from msjax.launch.layout import JobLayout
 from msjax.launch.policy import Action, FaultHistory, decide
+from msjax.launch.slots import (
+    SlotFault,
+    mark_bad,
+    node_name,
+    read_slot_faults,
+    record_slot_fault,
+    slot_of,
+)
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
+from msjax.parallel.agreement import job_secret
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
+from msjax.writable import warn_write_dropped
+
+
+def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float) -> str:
+    """What names this launch of the job alike on every node (slot faults are grouped by it):
+    the job's secret (fresh per launch under launch/slurm), else its scheduler job and
+    coordinator; on one node, this supervisor's start."""
+    if layout.nnodes == 1:
+        return f"{socket.gethostname()} {started_unix_s:.6f}"
+    secret = job_secret()
+    if secret is not None:
+        return hashlib.sha256(secret).hexdigest()[:16]
+    return f"{context['slurm_job_id']}.{context['slurm_restart_count']} {layout.coordinator}"
 
 
 def free_port() -> int:
@@ -91,6 +115,8 @@ class Supervisor:
         self.context = scheduler_context()
         self.earlier_launches = read_launches(self.run_dir) if self.keeps_record else []
         self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
+        self.node = node_name()
+        self.launch_id = launch_id(layout, self.context, self.started_unix_s)
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -149,19 +175,7 @@ class Supervisor:
                 return exit_codes.OK
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
-            history = FaultHistory(
-                restarts,
-                stalled,
-                attempt.start_step,
-                attempt.first_step_run(self._skipped_steps()),
-            )
-            action = decide(fault, history, self.resilience, self.layout)
-            if action.skip_step is not None:
-                record_skipped_step(
-                    self.run_dir.path, action.skip_step, f"non-finite loss (incident {number})"
-                )
-            assert self.incidents.open_incident is not None
-            self.incidents.open_incident.take(action)
+            action = self._decide(attempt, fault, number, FaultHistory(restarts, stalled))
             if action.stop_code is not None:
                 return self._give_up(fault, action)
             restarts = action.restart
@@ -173,6 +187,55 @@ class Supervisor:
             if self._stop_requested is not None:
                 self._finish(f"stopped by {self._stop_requested}")
                 return self._signal_exit_code()
+
+    def _decide(
+        self, attempt: Attempt, fault: DetectedFault, number: int, history: FaultHistory
+    ) -> Action:
+        """The policy's action on incident number (msjax.launch.policy), and its first effects:
+        the skipped step, the slot's fault and its marking as bad, the incident's record."""
+        slot = slot_of(self.layout, fault.rank, self.node)
+        if fault.kind.names_slot:
+            group = f"{self.launch_id}/{attempt.number}"
+            record_slot_fault(
+                self.run_dir,
+                SlotFault(slot, fault.rank, fault.cause, number, fault.fault_unix_s, group),
+            )
+        history = dataclasses.replace(
+            history,
+            start_step=attempt.start_step,
+            first_step_run=attempt.first_step_run(self._skipped_steps()),
+            slot=slot,
+            node=self.node,
+            slot_faults=tuple(read_slot_faults(self.run_dir)),
+        )
+        action = decide(fault, history, self.resilience, self.layout)
+        if action.skip_step is not None:
+            record_skipped_step(
+                self.run_dir.path, action.skip_step, f"non-finite loss (incident {number})"
+            )
+        if action.bad_slot is not None:
+            self._mark_bad(action)
+        assert self.incidents.open_incident is not None
+        self.incidents.open_incident.take(action)
+        return action
+
+    def _mark_bad(self, action: Action) -> None:
+        bad = action.bad_slot
+        assert bad is not None
+        try:
+            mark_bad(self.run_dir, bad, time.time())
+        except OSError as error:  # a full disk: the incident still records it
+            warn_write_dropped(self.run_dir.bad_slots, error)
+        if bad.on_bad_node == "restart":
+            then = "it stays in the job (resilience.on_bad_node=restart)"
+        elif action.stop_code is None and self.layout.nnodes == 1:
+            then = (
+                "it stays in the job: leaving a slot out on one node is not done yet "
+                "(resilience.on_bad_node=exclude)"
+            )
+        else:
+            then = "leaving it out"
+        self.say(f"{bad.reason}; {then}")
 
     def _made_progress(self, attempt: Attempt) -> bool:
         """Progress is a checkpoint committed past the one the attempt resumed from; without

@@ -30,6 +30,7 @@ RETRYABLE = (
     JOB_RESTART_NEEDED,
     CHECKPOINT_UNREADABLE,
     NO_PROGRESS,
+    BAD_NODE,
     TERMINATED,
 )  # worth a fresh job elsewhere
 FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again

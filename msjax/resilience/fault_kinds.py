@@ -50,6 +50,9 @@ class FaultKind:
     line: Callable[[BaseException], str] = str
     reason: Callable[[BaseException], str] = str
     exit_detail: str = ""  # added to the exit's description in the incident
+    # whether the rank it names is its cause, so that its slot's faults in a row are counted
+    # (resilience.max_faults_per_slot); not for a mistake, a bad batch, or what every rank sees
+    names_slot: bool = True
 
 
 USER_ERROR = FaultKind(
@@ -60,6 +63,7 @@ USER_ERROR = FaultKind(
     (MsjaxError,),
     line=lambda error: f"error: {_one_line(error)}",
     reason=_first_line,
+    names_slot=False,
 )
 NONFINITE_LOSS = FaultKind(
     "nonfinite_loss",
@@ -68,6 +72,7 @@ NONFINITE_LOSS = FaultKind(
     exit_codes.NONFINITE_LOSS,
     (NonFiniteLoss,),
     reason=lambda error: f"the loss of step {getattr(error, 'step', '?')} is not finite",
+    names_slot=False,
 )
 SAVES_FAILED = FaultKind(
     "saves_failed",
@@ -89,6 +94,7 @@ CHECKPOINT_UNREADABLE = FaultKind(
     (CheckpointUnreadable,),  # every process raises it alike: no peer to blame
     reason=lambda error: "a checkpoint could not be read",
     exit_detail=" (a checkpoint that looks whole could not be read; it is left in place)",
+    names_slot=False,
 )
 INTERRUPTED = FaultKind(
     "interrupted",
@@ -105,9 +111,14 @@ SELF_CHECK_FAILED = FaultKind(
 SILENT_CORRUPTION = FaultKind(
     "silent_corruption", "silent_corruption", MARK_SLOT_BAD, exit_codes.SILENT_CORRUPTION
 )
+# the launcher's own code on a multi-node job; a process that exits with it (a check of the
+# whole node) marks its slot bad too
+BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)
 # seen by the supervisor alone
 HANG = FaultKind("hang", "hang", RESTART)  # no progress past its phase's deadline
-EARLY_EXIT = FaultKind("early_exit", "early_exit", RESTART)  # every worker exited 0 too soon
+EARLY_EXIT = FaultKind(  # every worker exited 0 too soon
+    "early_exit", "early_exit", RESTART, names_slot=False
+)
 
 KINDS = (
     USER_ERROR,
@@ -118,6 +129,7 @@ KINDS = (
     INTERRUPTED,
     SELF_CHECK_FAILED,
     SILENT_CORRUPTION,
+    BAD_NODE,
     HANG,
     EARLY_EXIT,
 )
