@@ -78,7 +78,11 @@ def test_clean_job_passes_with_figures_that_hold(clean_job) -> None:
         assert figures["disk"]["read_mb_s"] > 0 and figures["memory"]["available_mib"] > 0
         axes = [(entry["axis"], entry["size"], entry["ok"]) for entry in figures["collectives"]]
         assert axes == [("data", 2, True), ("fsdp", 2, True)]
-        assert all(entry["seconds"] > 0 for entry in figures["collectives"])
+        data, fsdp = figures["collectives"]
+        # data's two groups each span both processes; fsdp's groups are each one process's pair
+        assert [g["ranks"] for g in data["groups"]] == [[0, 1], [0, 1]]
+        assert [g["ranks"] for g in fsdp["groups"]] == [[int(rank)]]
+        assert all(g["seconds"] > 0 for entry in (data, fsdp) for g in entry["groups"])
     assert "msjax.doctor: passed" in output
     assert not (run_dir / "incidents.jsonl").exists()
 
@@ -232,6 +236,28 @@ def test_judge_names_the_missing_rank_not_the_one_that_waited_for_it() -> None:
         failures[1].detail
     )
     assert "last seen in phase compute" in failures[0].detail
+
+
+def test_judge_names_the_ranks_of_a_slow_link() -> None:
+    def timed(*groups: tuple[list[int], list[int], float]) -> list[dict]:
+        entries = [{"devices": d, "ranks": r, "seconds": t} for d, r, t in groups]
+        return [{"axis": "data", "size": 2, "ok": True, "seconds": 0.0, "groups": entries}]
+
+    fast, slow = ([0, 4], [0, 1], 0.001), ([2, 6], [0, 1], 0.004)
+    other = ([1, 5], [0, 1], 0.001)
+    reports = {
+        0: figures([(0, "aa", 1e-6, 0.01)], collectives=timed(fast, slow, other)),
+        1: figures(
+            [(4, "aa", 1e-6, 0.01)], collectives=timed(fast, ([2, 6], [0, 1], 0.002), other)
+        ),
+    }
+    failures = judge(reports, BOUNDS)
+    assert [(f.rank, f.check) for f in failures] == [(0, "collectives"), (1, "collectives")]
+    assert "among devices [2, 6] took 4.00 ms > 2 x the median 1.00 ms" in failures[0].detail
+    # past the factor but within MIN_SLOW_LINK_EXCESS_S of the median: timing noise, not a link
+    reports[0]["collectives"] = timed(([0, 4], [0, 1], 1e-4), ([2, 6], [0, 1], 5e-4), other)
+    reports[1]["collectives"] = reports[0]["collectives"]
+    assert judge(reports, BOUNDS) == []
 
 
 def test_judge_holds_each_figure_to_its_bound() -> None:

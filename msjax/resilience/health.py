@@ -11,6 +11,7 @@ from typing import Any
 
 KNOWN_ANSWER_TOLERANCE = 1e-4  # float32 with full-precision matmuls is within ~1e-6 of float64
 MIN_HOST_MEMORY_MIB = 256.0  # less than this available: the host cannot even hold a batch
+MIN_SLOW_LINK_EXCESS_S = 1e-3  # a group's all-reduce is slow only this far past its axis's median
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ def judge(reports: dict[int, dict[str, Any] | None], bounds: Bounds) -> list[Fai
     failures += _fingerprints(done)
     failures += _speed(done, bounds.slow_device_factor)
     failures += _collectives(done, set(reports))
+    failures += _slow_links(done, bounds.slow_device_factor)
     details: dict[tuple[int, str], list[str]] = {}
     for failure in failures:  # one failure per rank and check, naming each device in it
         found = details.setdefault((failure.rank, failure.check), [])
@@ -190,3 +192,34 @@ def _collectives(done: dict[int, dict[str, Any]], ranks: set[int]) -> list[Failu
                         )
                     )
     return [failure for failure in failures if failure.rank in ranks]
+
+
+def _slow_links(done: dict[int, dict[str, Any]], factor: float) -> list[Failure]:
+    """Groups whose all-reduce took more than factor x the median of their axis's groups (each
+    group at the slowest any of its ranks timed it): every rank of the group is named."""
+    failures = []
+    by_axis: dict[str, dict[tuple[int, ...], dict[str, Any]]] = {}
+    for report in done.values():
+        for entry in report["collectives"]:
+            for group in entry.get("groups", []):
+                groups = by_axis.setdefault(entry["axis"], {})
+                key = tuple(group["devices"])
+                if key not in groups or group["seconds"] > groups[key]["seconds"]:
+                    groups[key] = group
+    for axis, groups in by_axis.items():
+        median = statistics.median(group["seconds"] for group in groups.values())
+        for group in groups.values():
+            excess_s = group["seconds"] - median
+            if group["seconds"] > factor * median and excess_s > MIN_SLOW_LINK_EXCESS_S:
+                failures += [
+                    Failure(
+                        rank,
+                        "collectives",
+                        f"the all-reduce over {axis} among devices {group['devices']} took "
+                        f"{1e3 * group['seconds']:.2f} ms > {factor:g} x the median "
+                        f"{1e3 * median:.2f} ms of its axis's groups "
+                        "(resilience.slow_device_factor)",
+                    )
+                    for rank in group["ranks"]
+                ]
+    return failures

@@ -28,7 +28,7 @@ BATCH, SEQ, EMBED, HEADS, HEAD_DIM = 2, 128, 256, 8, 32
 NORM_EPS = 1e-6
 TIMED_RUNS = 10  # the speed figure is the fastest of these (the least disturbed by other work)
 DISK_CHECK_BYTES = 16 * 2**20
-ALL_REDUCE_RUNS = 3
+ALL_REDUCE_RUNS = 5
 REPORT_MARGIN_S = 3.0  # a wait on peers ends this long before the doctor's deadline, to report
 AFTER_TIMEOUT_SHARE = 0.5  # the vote naming who is gone, after a collective that did not end
 
@@ -175,26 +175,20 @@ def bounded(work: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
 
 
 def check_collectives(mesh_config: Any, waits: Waits) -> list[dict[str, Any]]:
-    """Per mesh axis of size > 1: every process arrives (a vote with a deadline), then an
-    all-reduce of known values (each device its place in the mesh + 1) over that axis, checked
-    on each local device and timed. The first axis that fails ends the check."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+    """Per mesh axis of size > 1: every process arrives (a vote with a deadline), then, group by
+    group (the devices along that axis at one place on the others), an all-reduce of known
+    values (each device its place in the mesh + 1), checked and timed on each group this process
+    holds a device of, so a wrong or slow link is named. The first axis that fails ends it."""
     from msjax.parallel.agreement import VoteTimeout, process_vote
     from msjax.parallel.mesh import MESH_AXES, build_mesh
 
     mesh = build_mesh(mesh_config)
     values = np.arange(1, mesh.devices.size + 1, dtype=np.float32).reshape(mesh.devices.shape)
-    sharding = NamedSharding(mesh, P(*MESH_AXES))  # one value per device
-    placed = jax.make_array_from_callback(values.shape, sharding, lambda index: values[index])
-    ranks_of = np.vectorize(lambda device: device.process_index)(mesh.devices)
     results = []
     for position, axis in enumerate(MESH_AXES):
         if mesh.shape[axis] == 1:
             continue
-        entry: dict[str, Any] = {"axis": axis, "size": int(mesh.shape[axis])}
+        entry: dict[str, Any] = {"axis": axis, "size": int(mesh.shape[axis]), "groups": []}
         results.append(entry)
         started = time.monotonic()
         try:
@@ -204,39 +198,67 @@ def check_collectives(mesh_config: Any, waits: Waits) -> list[dict[str, Any]]:
         except VoteTimeout as timeout:
             entry.update(ok=False, missing=timeout.missing, waited_s=time.monotonic() - started)
             return results
-        program = jax.jit(
-            jax.shard_map(
-                lambda block, axis=axis: jax.lax.psum(block, axis),
-                mesh=mesh,
-                in_specs=P(*MESH_AXES),
-                out_specs=P(*MESH_AXES),
-            )
-        )
-        done, outcome = bounded(functools.partial(_timed, program, placed), waits.timeout_s())
-        if not done:
-            entry.update(ok=False, timed_out=True, waited_s=time.monotonic() - started)
-            entry["missing"] = _who_is_missing(
-                f"health.alive.{axis}", waits.timeout_s(AFTER_TIMEOUT_SHARE)
-            )
-            return results
-        seconds, summed = outcome
-        expected = np.broadcast_to(values.sum(axis=position, keepdims=True), values.shape)
-        wrong = []
-        for shard in summed.addressable_shards:
-            got = np.asarray(shard.data)
-            if not np.array_equal(got, expected[shard.index]):
-                group = list(shard.index)
-                group[position] = slice(None)  # the devices this one's all-reduce spans
-                wrong.append(
-                    {
-                        "device": int(shard.device.id),
-                        "got": got.ravel().tolist(),
-                        "expected": expected[shard.index].ravel().tolist(),
-                        "group_ranks": sorted({int(r) for r in ranks_of[tuple(group)].ravel()}),
-                    }
+        devices = np.moveaxis(mesh.devices, position, -1)  # [..., the axis]
+        known = np.moveaxis(values, position, -1)
+        for place in np.ndindex(devices.shape[:-1]):  # the same order in every process
+            group = _all_reduce_group(devices[place], known[place], waits)
+            if group is None:
+                entry.update(ok=False, timed_out=True, waited_s=time.monotonic() - started)
+                entry["missing"] = _who_is_missing(
+                    f"health.alive.{axis}", waits.timeout_s(AFTER_TIMEOUT_SHARE)
                 )
-        entry.update(ok=not wrong, seconds=seconds, wrong=wrong)
+                return results
+            if group:
+                entry["groups"].append(group)
+        entry["wrong"] = [wrong for group in entry["groups"] for wrong in group.pop("wrong")]
+        entry["ok"] = not entry["wrong"]
+        entry["seconds"] = max(group["seconds"] for group in entry["groups"])
     return results
+
+
+def _all_reduce_group(
+    devices: np.ndarray, known: np.ndarray, waits: Waits
+) -> dict[str, Any] | None:
+    """The all-reduce over one group of devices, if this process holds one of them: its time
+    and its wrong sums ({} when it holds none; None when it did not end within its wait)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if all(device.process_index != jax.process_index() for device in devices):
+        return {}
+    group_mesh = Mesh(devices, ("group",))
+    sharding = NamedSharding(group_mesh, P("group"))  # [group]: one value per device
+    placed = jax.make_array_from_callback(known.shape, sharding, lambda index: known[index])
+    program = jax.jit(
+        jax.shard_map(
+            lambda block: jax.lax.psum(block, "group"),
+            mesh=group_mesh,
+            in_specs=P("group"),
+            out_specs=P("group"),
+        )
+    )
+    done, outcome = bounded(functools.partial(_timed, program, placed), waits.timeout_s())
+    if not done:
+        return None
+    seconds, summed = outcome
+    expected = float(known.sum())
+    wrong = [
+        {
+            "device": int(shard.device.id),
+            "got": np.asarray(shard.data).ravel().tolist(),
+            "expected": [expected],
+            "group_ranks": sorted({int(device.process_index) for device in devices}),
+        }
+        for shard in summed.addressable_shards
+        if not np.array_equal(np.asarray(shard.data), [expected])
+    ]
+    return {
+        "devices": [int(device.id) for device in devices],
+        "ranks": sorted({int(device.process_index) for device in devices}),
+        "seconds": seconds,
+        "wrong": wrong,
+    }
 
 
 def _timed(program: Callable, placed: Any) -> tuple[float, Any]:
