@@ -8,7 +8,9 @@
 - One JAX persistent compilation cache for every process the tests start, in that token cache
   directory (where msjax.launch's workers keep theirs): the same small program compiled by
   dozens of `python -m msjax.train` runs is compiled once. A cached program is the one XLA
-  compiled, so nothing a test computes changes; this pytest process itself keeps it off.
+  compiled, so nothing a test computes changes; this pytest process itself keeps it off. XLA
+  dumps no HLO for a program it loads from the cache (msjax.planner.aot reads that dump): start
+  such a child, or one that must compile, without these variables, as test_benchmarks.py does.
 """
 
 import os
