@@ -237,6 +237,15 @@ class ResilienceConfig:
     # on in runs started by msjax.launch, or wherever compile_cache_dir is set
     compile_cache: bool = True
     compile_cache_dir: str | None = None  # None: RUN_DIR/compile_cache
+    # A broken process slot (msjax.launch on one node): one named as the cause of
+    # max_faults_per_slot faults in a row is excluded under on_bad_node=exclude; a spare
+    # (--spares) takes its rank, else the mesh shrinks (data, fsdp) onto the healthy slots.
+    # restart: restart on the same slots until max_restarts is spent.
+    on_bad_node: Literal["exclude", "restart"] = "exclude"
+    max_faults_per_slot: int = 3
+    readmit_after_s: float = (
+        600.0  # an excluded slot rejoins (full mesh again) after this; 0: never
+    )
 
 
 @dataclass(frozen=True)

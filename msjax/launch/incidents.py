@@ -190,6 +190,13 @@ class IncidentLog:
         if incident["resumed_from_step"] is None and attempt.start_step is not None:
             incident["resumed_from_step"] = attempt.start_step
             incident["steps_lost"] = max(incident["step"] - attempt.start_step, 0)
+        membership = incident.get("membership")  # a slot excluded or re-admitted
+        if membership and membership["first_step_unix_s"] is None and attempt.first_step_unix_s:
+            membership["first_step_unix_s"] = attempt.first_step_unix_s
+            if membership.get("first_fault_unix_s") is not None:
+                membership["first_fault_to_new_mesh_s"] = round(
+                    attempt.first_step_unix_s - membership["first_fault_unix_s"], 3
+                )
         if incident["restart_s"] is None and attempt.first_step_unix_s is not None:
             incident["restart_s"] = round(attempt.first_step_unix_s - detected, 3)
             incident["restart_to_first_step_s"] = round(

@@ -118,3 +118,85 @@ def replan_mesh(
         f"data x fsdp up to {full.data} x {full.fsdp} fills whole processes, divides "
         f"train.global_batch={global_batch} and passes the config checks"
     )
+
+
+ACTIVE, SPARE, IDLE, EXCLUDED = "active", "spare", "idle", "excluded"
+
+
+class Slots:
+    """The launcher's process places on one node: the first `nprocs` hold the job's ranks, the
+    next `spares` wait as spares. A slot is where a worker runs, a rank its role in the mesh: an
+    excluded slot's rank moves to a spare, or the job shrinks onto the healthy slots (those left
+    out of a smaller mesh wait idle). Faults are counted per slot, in a row."""
+
+    def __init__(self, nprocs: int, spares: int = 0):
+        self.state = {slot: ACTIVE if slot < nprocs else SPARE for slot in range(nprocs + spares)}
+        self.rank_slots = list(range(nprocs))  # rank -> slot
+        self.excluded_unix_s: dict[int, float] = {}
+        self._streak_slot: int | None = None
+        self._streak = 0
+        self.streak_first_fault_unix_s: float | None = None
+
+    def slot_of(self, rank: int) -> int | None:
+        return self.rank_slots[rank] if 0 <= rank < len(self.rank_slots) else None
+
+    def spares(self) -> list[int]:
+        return [slot for slot, state in self.state.items() if state == SPARE]
+
+    def healthy(self) -> list[int]:
+        """Slots that may run a rank (active or idle), in slot order; spares not counted."""
+        return [slot for slot, state in self.state.items() if state in (ACTIVE, IDLE)]
+
+    def note_fault(self, slot: int | None, fault_unix_s: float) -> int:
+        """A fault named `slot` as its cause (None: no slot); how many in a row it has been."""
+        if slot is None or slot != self._streak_slot:
+            self._streak_slot, self._streak = slot, 0
+            self.streak_first_fault_unix_s = fault_unix_s
+        self._streak += slot is not None
+        return self._streak
+
+    def exclude(self, slot: int, now_unix_s: float) -> int | None:
+        """Take `slot` out of the job. Its rank goes to the first spare, which is returned; None
+        when no spare is left (then `arrange` lays the ranks over a shrunk mesh)."""
+        rank = self.rank_slots.index(slot)
+        self.state[slot] = EXCLUDED
+        self.excluded_unix_s[slot] = now_unix_s
+        self._streak_slot, self._streak = None, 0
+        spares = self.spares()
+        if not spares:
+            del self.rank_slots[rank]
+            return None
+        self.state[spares[0]] = ACTIVE
+        self.rank_slots[rank] = spares[0]
+        return spares[0]
+
+    def arrange(self, processes: int) -> None:
+        """Ranks 0..processes-1 on the first healthy slots in slot order; the rest idle."""
+        healthy = self.healthy()
+        assert processes <= len(healthy)
+        self.rank_slots = healthy[:processes]
+        for slot in healthy:
+            self.state[slot] = ACTIVE if slot in self.rank_slots else IDLE
+
+    def readmit_due(self, now_unix_s: float, after_s: float) -> list[int]:
+        """Excluded slots whose time out is over (after_s=0: never); they become idle, healthy
+        again, and rejoin the mesh at the job's next re-plan."""
+        if after_s <= 0:
+            return []
+        due = [s for s, t in self.excluded_unix_s.items() if now_unix_s - t >= after_s]
+        for slot in due:
+            self.state[slot] = IDLE
+            del self.excluded_unix_s[slot]
+        return due
+
+    def make_spare(self, slot: int) -> None:
+        """A healthy slot outside the mesh becomes a spare (it waits in its own process)."""
+        assert self.state[slot] == IDLE
+        self.state[slot] = SPARE
+
+    def describe(self) -> dict[str, list[int]]:
+        """Slots by state, for incidents and messages."""
+        return {
+            state: [slot for slot, held in self.state.items() if held == state]
+            for state in (ACTIVE, SPARE, IDLE, EXCLUDED)
+        }

@@ -7,6 +7,7 @@ counts as a fault is in fault_detection.py, what an incident records in incident
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from typing import IO, Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
+from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
     Fault,
@@ -46,14 +48,19 @@ from msjax.launch.launches import (
     requeue_incident,
     scheduler_context,
 )
+from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
+from msjax.launch.spare import write_assignment
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
+from msjax.resilience.faults import SLOT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
 
 MAX_BACKOFF_S = 300.0
+REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
+NOT_THE_MACHINE = ("user_error", "nonfinite_loss", REGROW)  # causes no slot is blamed for
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,7 @@ class Supervisor:
         faults: str | None = None,
         out: IO[str] | None = None,
         poll_s: float = 0.05,
+        spares: int = 0,
     ):
         self.config = config
         self.resilience = config.resilience
@@ -111,6 +119,16 @@ class Supervisor:
         self.context = scheduler_context()
         self.earlier_launches = read_launches(self.run_dir) if self.keeps_record else []
         self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
+        # which slot runs which rank (one node); spares wait in their own processes
+        self.slots = Slots(layout.nprocs, spares)
+        self.spare_workers: dict[int, WorkerProcess] = {}
+        self.full_plan: MeshPlan | None = None
+        if layout.devices_per_proc is not None and layout.nnodes == 1:
+            with contextlib.suppress(MsjaxError):  # a mesh that does not fit: workers refuse it
+                self.full_plan = full_plan(config, layout.devices_per_proc, layout.nprocs)
+        self.plan = self.full_plan
+        self.membership_changed = False
+        self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -127,6 +145,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            stop_workers(list(self.spare_workers.values()), self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -165,9 +184,17 @@ class Supervisor:
                 self._finish("done")
                 self.say(f"done: train.steps={self.config.train.steps} reached")
                 return exit_codes.OK
+            if fault.cause == REGROW:
+                self._stop_for_regrow(attempt, fault)
+                continue
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
             code = self._stop_code(fault, number, attempt)
+            if code is None:
+                code = self._exclude_bad_slot(fault)
+            if self.membership_changed:  # other slots, another mesh: a fresh count
+                self.membership_changed = False
+                stalled = AttemptsWithoutProgress()
             if code is None:
                 code = self._stalled_code(fault, stalled)
             if code is None:
@@ -275,27 +302,65 @@ class Supervisor:
         while time.monotonic() < deadline and self._stop_requested is None:
             time.sleep(min(self.poll_s, max(deadline - time.monotonic(), 0)))
 
+    def _worker_base_env(self) -> dict[str, str]:
+        """What every worker's environment holds whatever its rank (spares start with it)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.layout.devices_per_proc is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(self.layout.devices_per_proc)
+        if self.faults:
+            env[FAULT_ENV_VAR] = self.faults
+        return env
+
+    def _worker_args(self) -> list[str]:
+        """The trainer's arguments: the job's, and the re-planned mesh when it is not the job's."""
+        if self.plan is None or self.plan == self.full_plan:
+            return list(self.train_args)
+        return [*self.train_args, *self.plan.overrides()]
+
+    def _keep_spares_ready(self, number: int) -> None:
+        """A waiting process in every spare slot (started anew where one has ended)."""
+        for slot in self.slots.spares():
+            spare = self.spare_workers.get(slot)
+            if spare is not None and spare.alive:
+                continue
+            if spare is not None:
+                spare.close()
+            command = [sys.executable, "-m", "msjax.launch.spare", str(self.run_dir.path)]
+            log = self.run_dir.spare_log(slot)
+            env = self._worker_base_env()
+            self.spare_workers[slot] = WorkerProcess(
+                -1, [*command, str(slot)], env, log, number, echo=None
+            )
+
     def _spawn(self, number: int) -> Attempt:
         layout = self.layout
         coordinator = layout.coordinator or f"127.0.0.1:{free_port()}"
-        command = [sys.executable, "-m", "msjax.train", *self.train_args]
+        args = self._worker_args()
+        command = [sys.executable, "-m", "msjax.train", *args]
         committed = committed_steps(self.run_dir.checkpoints)  # before any worker can save
+        one_node = layout.nnodes == 1
+        num_processes = len(self.slots.rank_slots) if one_node else layout.num_processes
         workers = []
-        for local_rank in range(layout.nprocs):
+        for local_rank, slot in enumerate(self.slots.rank_slots):
             rank = layout.process_id(local_rank)
             self.run_dir.heartbeat(rank).unlink(missing_ok=True)
-            env = {
-                **os.environ,
-                **worker_env(coordinator, layout.num_processes, rank, number),
-                "PYTHONUNBUFFERED": "1",
+            job_env = {
+                **worker_env(coordinator, num_processes, rank, number),
+                SLOT_ENV_VAR: str(slot if one_node else rank),  # injected faults follow the slot
             }
-            if layout.devices_per_proc is not None:
-                env["JAX_NUM_CPU_DEVICES"] = str(layout.devices_per_proc)
-            if self.faults:
-                env[FAULT_ENV_VAR] = self.faults
+            spare = self.spare_workers.pop(slot, None)
+            if spare is not None and not spare.alive:
+                spare.close()  # ended while waiting (its bound): a fresh worker instead
+            elif spare is not None:  # a spare taking a rank: imports done
+                write_assignment(self.run_dir.path, slot, rank, job_env, args)
+                spare.rank, spare.spawned_unix_s = rank, time.time()
+                workers.append(spare)
+                continue
+            env = {**self._worker_base_env(), **job_env}
             echo = self.out if rank == 0 else None
             log = self.run_dir.log(rank)
             workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
+        self._keep_spares_ready(number)
         attempt = Attempt.started(number, workers)
         attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
@@ -304,9 +369,12 @@ class Supervisor:
             if len(workers) > 1
             else f"rank {workers[0].rank}"
         )
+        where = ""
+        if one_node and (self.slots.spares() or self.plan != self.full_plan):
+            where = f", slots {self.slots.describe()}"
         self.say(
-            f"attempt {number}: {len(workers)} workers ({ranks} of {layout.num_processes}), "
-            f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}"
+            f"attempt {number}: {len(workers)} workers ({ranks} of {num_processes}), "
+            f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}{where}"
         )
         return attempt
 
@@ -330,14 +398,132 @@ class Supervisor:
                     return None
                 return early_exit_fault(attempt, now_unix_s)
             else:
-                fault = nonfinite_fault(attempt) or hang_fault(
-                    attempt, self.resilience, self.timed_before
+                fault = (
+                    nonfinite_fault(attempt)
+                    or hang_fault(attempt, self.resilience, self.timed_before)
+                    or self._regrow_fault(attempt)
                 )
             if fault is not None:
                 use_injection_time(fault, attempt, self.run_dir)
                 return fault
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
+
+    # --- membership: excluding a bad slot, re-admitting it ------------------------------------
+
+    def _replan(self) -> MeshPlan:
+        """The mesh for the healthy slots (the job's own when all are healthy)."""
+        if self.full_plan is None:
+            raise MsjaxError(
+                "the mesh cannot be re-planned without --devices-per-proc (the devices each "
+                "process holds)"
+            )
+        devices_per_proc = self.layout.devices_per_proc
+        assert devices_per_proc is not None  # full_plan is None without it
+        healthy = len(self.slots.healthy())
+        return replan_mesh(self.config, devices_per_proc, self.layout.nprocs, healthy)
+
+    def _exclude_bad_slot(self, fault: Fault) -> int | None:
+        """Count the fault against the slot it names; at resilience.max_faults_per_slot in a row
+        that slot is excluded: a spare takes its rank, else the mesh shrinks onto the healthy
+        slots. Returns an exit code where the job cannot go on, else None (restart)."""
+        if self.layout.nnodes > 1 or self.resilience.on_bad_node != "exclude":
+            return None
+        slot = None if fault.cause in NOT_THE_MACHINE else self.slots.slot_of(fault.rank)
+        in_a_row = self.slots.note_fault(slot, fault.fault_unix_s)
+        if slot is None or in_a_row < self.resilience.max_faults_per_slot:
+            return None
+        incident = self.incidents.open_incident
+        assert incident is not None
+        record: dict[str, Any] = {
+            "slot": slot,
+            "rank": fault.rank,
+            "faults_in_a_row": in_a_row,
+            "first_fault_unix_s": self.slots.streak_first_fault_unix_s,
+            "detected_unix_s": fault.detected_unix_s,
+            "checked_unix_s": None,  # no self-check of the slot here (msjax.doctor)
+            "excluded_unix_s": time.time(),
+            "first_step_unix_s": None,
+            "first_fault_to_new_mesh_s": None,
+        }
+        spare = self.slots.exclude(slot, record["excluded_unix_s"])
+        why = f"slot {slot} (rank {fault.rank}) excluded: the cause of {in_a_row} faults in a row"
+        incident["membership"] = record
+        self.membership_changed = True
+        if spare is not None:
+            record.update(action="spare", spare_slot=spare, slots=self.slots.describe())
+            self.say(f"{why}; spare slot {spare} takes rank {fault.rank}, the mesh is unchanged")
+            return None
+        try:
+            plan = self._replan()
+        except MsjaxError as error:
+            record.update(action="stop", slots=self.slots.describe())
+            return self._give_up(fault, f"{why}, and {error}", exit_codes.NO_PROGRESS)
+        self.slots.arrange(plan.processes)
+        self.plan = plan
+        record.update(action="shrink", mesh=plan.describe(), slots=self.slots.describe())
+        self.say(f"{why}; no spare left: the job goes on on {plan.describe()}")
+        return None
+
+    def _regrow_fault(self, attempt: Attempt) -> Fault | None:
+        """Re-admit slots whose time out is over. On the job's own mesh they wait as spares; on
+        a shrunk one the job stops at its next checkpoint to grow back (a REGROW 'fault')."""
+        now = time.time()
+        due = self.slots.readmit_due(now, self.resilience.readmit_after_s)
+        if due:
+            after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
+            if self.plan == self.full_plan:
+                for slot in due:
+                    self.slots.make_spare(slot)
+                self._keep_spares_ready(attempt.number)
+                self.say(f"slot(s) {due} re-admitted after {after}: spare(s) now")
+            else:
+                committed = committed_steps(self.run_dir.checkpoints)
+                self._regrow_after_step = committed[-1] if committed else -1
+                self.say(
+                    f"slot(s) {due} re-admitted after {after}: the job returns to a larger mesh "
+                    "at its next checkpoint"
+                )
+        if self._regrow_after_step is None:
+            return None
+        committed = committed_steps(self.run_dir.checkpoints)
+        if not committed or committed[-1] <= self._regrow_after_step:
+            return None
+        return Fault(
+            REGROW,
+            -1,
+            f"checkpoint {committed[-1]} committed after slots were re-admitted",
+            now,
+            now,
+            "re-admission",
+            attempt.max_step,
+            "step",
+        )
+
+    def _stop_for_regrow(self, attempt: Attempt, fault: Fault) -> None:
+        """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over
+        the mesh for the healthy slots; an incident of its own, no restart counted."""
+        self.incidents.close(attempt)
+        number = self.incidents.next_number()
+        stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
+        attempt.ended_unix_s = time.time()
+        attempt.outcome = REGROW
+        self._regrow_after_step = None
+        plan = self._replan()  # fits: it held before on fewer slots
+        self.slots.arrange(plan.processes)
+        self.plan = plan
+        record = incident_record(number, fault, attempt, stop_s, "", None)
+        record["killed_after_grace"] = killed
+        record["action"] = REGROW
+        record["membership"] = {
+            "action": REGROW,
+            "mesh": plan.describe(),
+            "slots": self.slots.describe(),
+            "stopped_unix_s": attempt.ended_unix_s,
+            "first_step_unix_s": None,
+        }
+        self.incidents.open(record)
+        self.say(f"incident {number}: {fault.detail}; the job goes on on {plan.describe()}")
 
     # --- after a fault -------------------------------------------------------------------------
 
