@@ -340,6 +340,10 @@ class Supervisor:
         committed = committed_steps(self.run_dir.checkpoints)  # before any worker can save
         one_node = layout.nnodes == 1
         num_processes = len(self.slots.rank_slots) if one_node else layout.num_processes
+        if one_node:  # ranks a shrunk mesh no longer has: their last records would mislead
+            for gone in range(num_processes, layout.nprocs):
+                self.run_dir.heartbeat(gone).unlink(missing_ok=True)
+                self.run_dir.flight_record(gone).unlink(missing_ok=True)
         workers = []
         for local_rank, slot in enumerate(self.slots.rank_slots):
             rank = layout.process_id(local_rank)
