@@ -3,6 +3,7 @@ batch, and a job excluding a crash-looping slot finishes on the shrunk mesh."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,9 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msjax.config import load_config
+from msjax.config import ResilienceConfig, load_config
 from msjax.errors import MsjaxError
+from msjax.launch.attempt import AttemptsWithoutProgress
+from msjax.launch.fault_detection import DetectedFault
+from msjax.launch.layout import JobLayout
 from msjax.launch.membership import MeshPlan, replan_mesh
+from msjax.launch.policy import FaultHistory, decide
+from msjax.launch.slots import SlotFault
+from msjax.resilience import exit_codes, fault_kinds
 from tests.small_runs import QUICK_RUN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +103,22 @@ def test_replan_refuses_in_one_line_where_no_mesh_fits_the_healthy_processes():
     message = str(refused.value)
     assert "\n" not in message
     assert "1 healthy processes x 2 devices" in message and "pipe x tensor = 4" in message
+
+
+def test_a_slot_excluded_on_one_node_restarts_the_job_whatever_stalled_on_it():
+    # a slot that dies before its first step at every start: without exclusion the same
+    # start-up failure in a row is exit 2 (a mistake); once the slot is bad, the job goes on
+    resilience = ResilienceConfig(max_faults_per_slot=3, max_attempts_without_progress=3)
+    layout = JobLayout(nprocs=4, devices_per_proc=2)
+    crash = DetectedFault(fault_kinds.CRASH, 3, "exit code 1", 10.0, 9.0, "polling", 0, "init")
+    stalled = AttemptsWithoutProgress(count=3, same_start_up_failures=3)
+    faults = tuple(SlotFault("3", 3, "crash", n, float(n), f"launch/{n}") for n in (1, 2, 3))
+    history = FaultHistory(3, stalled, 0, 0, slot="3", node="host", slot_faults=faults)
+    action = decide(crash, history, resilience, layout)
+    assert action.bad_slot is not None and action.bad_slot.slot == "3"
+    assert (action.stop_code, action.restart) == (None, 4)
+    restart = dataclasses.replace(resilience, on_bad_node="restart")
+    assert decide(crash, history, restart, layout).stop_code == exit_codes.USER_ERROR
 
 
 # --- a job with a crash-looping slot -------------------------------------------------------------
@@ -238,12 +261,14 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
 def test_crash_looping_slot_is_excluded_and_the_job_finishes_on_a_shrunk_mesh(jobs):
     shrink = jobs["shrink"]
     assert shrink.exit_code == 0, shrink.output[-4000:]
-    assert "slot 3 (rank 3) excluded: the cause of 2 faults in a row" in shrink.output
+    assert "slot 3 is marked bad: the named cause of 2 faults in a row" in shrink.output
+    assert "slot 3 (rank 3) excluded; no spare left" in shrink.output
     assert "data 1 x fsdp 2 x pipe 1 x tensor 2 on 2 processes" in shrink.output
     incidents = shrink.jsonl("incidents.jsonl")
     assert [(i["cause"], i["rank"]) for i in incidents] == [("crash", 3)] * FAULTS_PER_SLOT
     membership = incidents[-1]["membership"]
     assert (membership["action"], membership["slot"]) == ("shrink", 3)
+    assert membership["incidents"] == [1, 2]
     assert membership["slots"] == {"active": [0, 1], "spare": [], "idle": [2], "excluded": [3]}
     # the timings of the change: first fault <= detected <= excluded <= first step on the mesh
     assert (

@@ -127,15 +127,12 @@ class Slots:
     """The launcher's process places on one node: the first `nprocs` hold the job's ranks, the
     next `spares` wait as spares. A slot is where a worker runs, a rank its role in the mesh: an
     excluded slot's rank moves to a spare, or the job shrinks onto the healthy slots (those left
-    out of a smaller mesh wait idle). Faults are counted per slot, in a row."""
+    out of a smaller mesh wait idle). Which slot is bad is the policy's (msjax.launch.policy)."""
 
     def __init__(self, nprocs: int, spares: int = 0):
         self.state = {slot: ACTIVE if slot < nprocs else SPARE for slot in range(nprocs + spares)}
         self.rank_slots = list(range(nprocs))  # rank -> slot
         self.excluded_unix_s: dict[int, float] = {}
-        self._streak_slot: int | None = None
-        self._streak = 0
-        self.streak_first_fault_unix_s: float | None = None
 
     def slot_of(self, rank: int) -> int | None:
         return self.rank_slots[rank] if 0 <= rank < len(self.rank_slots) else None
@@ -147,21 +144,12 @@ class Slots:
         """Slots that may run a rank (active or idle), in slot order; spares not counted."""
         return [slot for slot, state in self.state.items() if state in (ACTIVE, IDLE)]
 
-    def note_fault(self, slot: int | None, fault_unix_s: float) -> int:
-        """A fault named `slot` as its cause (None: no slot); how many in a row it has been."""
-        if slot is None or slot != self._streak_slot:
-            self._streak_slot, self._streak = slot, 0
-            self.streak_first_fault_unix_s = fault_unix_s
-        self._streak += slot is not None
-        return self._streak
-
     def exclude(self, slot: int, now_unix_s: float) -> int | None:
         """Take `slot` out of the job. Its rank goes to the first spare, which is returned; None
         when no spare is left (then `arrange` lays the ranks over a shrunk mesh)."""
         rank = self.rank_slots.index(slot)
         self.state[slot] = EXCLUDED
         self.excluded_unix_s[slot] = now_unix_s
-        self._streak_slot, self._streak = None, 0
         spares = self.spares()
         if not spares:
             del self.rank_slots[rank]

@@ -2,18 +2,20 @@
 records an incident, stops every worker and restarts the job from the newest valid checkpoint.
 
 It never imports JAX and never needs a worker to be healthy to act (design principle 5). What
-counts as a fault is in fault_detection.py, what an incident records in incidents.py.
+counts as a fault is in fault_detection.py, what is done about it in policy.py, what an incident
+records in incidents.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,22 +25,20 @@ from msjax.distributed import worker_env
 from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
-    Fault,
+    DetectedFault,
+    Poll,
     Timings,
-    early_exit_fault,
-    exit_fault,
-    hang_fault,
-    nonfinite_fault,
+    detect,
     start_up_failure,
     timings_of,
     use_injection_time,
 )
 from msjax.launch.incidents import (
+    Incident,
     IncidentDir,
     IncidentLog,
     collect_diagnostics,
     flight_verdict,
-    incident_record,
 )
 from msjax.launch.launches import (
     REQUEUE,
@@ -48,37 +48,41 @@ from msjax.launch.launches import (
     requeue_incident,
     scheduler_context,
 )
+from msjax.launch.layout import JobLayout
 from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
+from msjax.launch.policy import Action, FaultHistory, decide
+from msjax.launch.slots import (
+    SlotFault,
+    mark_bad,
+    node_name,
+    read_slot_faults,
+    record_slot_fault,
+    slot_of,
+)
 from msjax.launch.spare import write_assignment
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
+from msjax.parallel.agreement import job_secret
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.faults import SLOT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
+from msjax.writable import warn_write_dropped
 
-MAX_BACKOFF_S = 300.0
 REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
-NOT_THE_MACHINE = ("user_error", "nonfinite_loss", REGROW)  # causes no slot is blamed for
 
 
-@dataclass(frozen=True)
-class JobLayout:
-    """Where this supervisor's workers sit in the job."""
-
-    nprocs: int  # workers started by this supervisor
-    devices_per_proc: int | None  # CPU devices each (JAX_NUM_CPU_DEVICES); None: leave as is
-    nnodes: int = 1
-    node_rank: int = 0
-    coordinator: str | None = None  # host:port; None on one node: 127.0.0.1 and a free port
-
-    @property
-    def num_processes(self) -> int:
-        return self.nprocs * self.nnodes
-
-    def process_id(self, local_rank: int) -> int:
-        return self.node_rank * self.nprocs + local_rank
+def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float) -> str:
+    """What names this launch of the job alike on every node (slot faults are grouped by it):
+    the job's secret (fresh per launch under launch/slurm), else its scheduler job and
+    coordinator; on one node, this supervisor's start."""
+    if layout.nnodes == 1:
+        return f"{socket.gethostname()} {started_unix_s:.6f}"
+    secret = job_secret()
+    if secret is not None:
+        return hashlib.sha256(secret).hexdigest()[:16]
+    return f"{context['slurm_job_id']}.{context['slurm_restart_count']} {layout.coordinator}"
 
 
 def free_port() -> int:
@@ -119,6 +123,8 @@ class Supervisor:
         self.context = scheduler_context()
         self.earlier_launches = read_launches(self.run_dir) if self.keeps_record else []
         self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
+        self.node = node_name()
+        self.launch_id = launch_id(layout, self.context, self.started_unix_s)
         # which slot runs which rank (one node); spares wait in their own processes
         self.slots = Slots(layout.nprocs, spares)
         self.spare_workers: dict[int, WorkerProcess] = {}
@@ -129,6 +135,7 @@ class Supervisor:
         self.plan = self.full_plan
         self.membership_changed = False
         self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
+        self._regrow_ready = False
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -163,7 +170,7 @@ class Supervisor:
             number, self.earlier_launches[-1], self.started_unix_s, self.context
         )
         self.incidents.open(incident)
-        self.say(f"incident {number}: requeue: {incident['detail']}")
+        self.say(f"incident {number}: requeue: {incident.detail}")
 
     def _run(self) -> int:
         if self.keeps_record:
@@ -177,6 +184,9 @@ class Supervisor:
             self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:
                 return self._stop_on_request(attempt)
+            if fault is None and self._regrow_ready:
+                self._stop_for_regrow(attempt)
+                continue
             if fault is None:
                 stop_workers(attempt.workers, self.resilience.stop_grace_s)  # all exited: reaps
                 attempt.outcome = "done"
@@ -184,39 +194,82 @@ class Supervisor:
                 self._finish("done")
                 self.say(f"done: train.steps={self.config.train.steps} reached")
                 return exit_codes.OK
-            if fault.cause == REGROW:
-                self._stop_for_regrow(attempt, fault)
-                continue
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
-            code = self._stop_code(fault, number, attempt)
-            if code is None:
-                code = self._exclude_bad_slot(fault)
+            action = self._decide(attempt, fault, number, FaultHistory(restarts, stalled))
             if self.membership_changed:  # other slots, another mesh: a fresh count
                 self.membership_changed = False
                 stalled = AttemptsWithoutProgress()
-            if code is None:
-                code = self._stalled_code(fault, stalled)
-            if code is None:
-                code = self._budget_code(fault, restarts)
-            if code is not None:
-                return code
-            backoff_s = min(
-                self.resilience.restart_backoff_s * 2 ** max(stalled.count - 1, 0),
-                MAX_BACKOFF_S,
-            )
-            restarts += 1
-            assert self.incidents.open_incident is not None
-            self.incidents.open_incident["backoff_s"] = backoff_s
-            self.incidents.open_incident["restart"] = restarts
+            if action.stop_code is not None:
+                return self._give_up(fault, action)
+            restarts = action.restart
             self.say(
                 f"restart {restarts} of at most {self.resilience.max_restarts} in "
-                f"{backoff_s:.1f} s, from the newest valid checkpoint"
+                f"{action.backoff_s:.1f} s, from the newest valid checkpoint"
             )
-            self._sleep(backoff_s)
+            self._sleep(action.backoff_s)
             if self._stop_requested is not None:
                 self._finish(f"stopped by {self._stop_requested}")
                 return self._signal_exit_code()
+
+    def _decide(
+        self, attempt: Attempt, fault: DetectedFault, number: int, history: FaultHistory
+    ) -> Action:
+        """The policy's action on incident number (msjax.launch.policy), and its first effects:
+        the skipped step, the slot's fault and its marking as bad, the incident's record."""
+        slot = slot_of(self.layout, fault.rank, self.node)
+        if self.layout.nnodes == 1:  # the slot that holds the rank now (spares, a shrunk mesh)
+            slot = str(self.slots.slot_of(fault.rank))
+        if fault.kind.names_slot:
+            group = f"{self.launch_id}/{attempt.number}"
+            record_slot_fault(
+                self.run_dir,
+                SlotFault(slot, fault.rank, fault.cause, number, fault.fault_unix_s, group),
+            )
+        history = dataclasses.replace(
+            history,
+            start_step=attempt.start_step,
+            first_step_run=attempt.first_step_run(self._skipped_steps()),
+            slot=slot,
+            node=self.node,
+            slot_faults=tuple(read_slot_faults(self.run_dir)),
+        )
+        action = decide(fault, history, self.resilience, self.layout)
+        if action.skip_step is not None:
+            record_skipped_step(
+                self.run_dir.path, action.skip_step, f"non-finite loss (incident {number})"
+            )
+        if action.bad_slot is not None:
+            self._mark_bad(action)
+        assert self.incidents.open_incident is not None
+        self.incidents.open_incident.take(action)
+        if self._excludes(action):
+            action = self._exclude_bad_slot(action, fault)
+        return action
+
+    def _excludes(self, action: Action) -> bool:
+        bad = action.bad_slot
+        return (
+            bad is not None
+            and bad.on_bad_node == "exclude"
+            and self.layout.nnodes == 1
+            and action.stop_code is None
+        )
+
+    def _mark_bad(self, action: Action) -> None:
+        bad = action.bad_slot
+        assert bad is not None
+        try:
+            mark_bad(self.run_dir, bad, time.time())
+        except OSError as error:  # a full disk: the incident still records it
+            warn_write_dropped(self.run_dir.bad_slots, error)
+        if bad.on_bad_node == "restart":
+            then = "it stays in the job (resilience.on_bad_node=restart)"
+        elif self._excludes(action):
+            then = "excluding it (resilience.on_bad_node=exclude)"
+        else:
+            then = "leaving it out"
+        self.say(f"{bad.reason}; {then}")
 
     def _made_progress(self, attempt: Attempt) -> bool:
         """Progress is a checkpoint committed past the one the attempt resumed from; without
@@ -224,72 +277,6 @@ class Supervisor:
         if not self.config.checkpoint.enabled:
             return attempt.made_progress
         return attempt.committed_progress(self.run_dir.checkpoints)
-
-    def _stop_code(self, fault: Fault, number: int, attempt: Attempt) -> int | None:
-        """The exit code if this fault itself ends the job; None to go on. A non-finite loss to
-        roll back adds its step to the run's skipped steps, unless it came from the attempt's
-        first step: then the state it restored is bad, not a batch, and skipping cannot help."""
-        if fault.cause == "user_error":
-            return self._give_up(fault, "a worker reported a user error", exit_codes.USER_ERROR)
-        if fault.cause == "nonfinite_loss":
-            if self.resilience.on_nonfinite_loss == "stop":
-                return self._give_up(
-                    fault,
-                    f"non-finite loss at step {fault.nonfinite_step} "
-                    "(resilience.on_nonfinite_loss=stop)",
-                    exit_codes.NONFINITE_LOSS,
-                )
-            assert fault.nonfinite_step is not None and self.incidents.open_incident is not None
-            skipped = self._skipped_steps()
-            if fault.nonfinite_step == attempt.first_step_run(skipped):
-                return self._give_up(
-                    fault,
-                    f"non-finite loss at step {fault.nonfinite_step}, the first step after "
-                    f"resuming at step {attempt.start_step}: the state is bad, not a batch "
-                    "(skipping batches cannot help)",
-                    exit_codes.NONFINITE_LOSS,
-                )
-            record_skipped_step(
-                self.run_dir.path, fault.nonfinite_step, f"non-finite loss (incident {number})"
-            )
-            self.incidents.open_incident["skipped_step"] = fault.nonfinite_step
-        if self.layout.nnodes > 1:
-            return self._give_up(
-                fault,
-                "a multi-node job restarts as a whole; the scheduler resumes it",
-                exit_codes.JOB_RESTART_NEEDED,
-            )
-        return None
-
-    def _stalled_code(self, fault: Fault, stalled: AttemptsWithoutProgress) -> int | None:
-        """Attempts in a row without progress: the same crash before the first step each time
-        is a mistake (exit 2); otherwise this machine cannot go on (exit 8)."""
-        limit = self.resilience.max_attempts_without_progress
-        if stalled.same_start_up_failures >= limit:
-            return self._give_up(
-                fault,
-                f"the same failure before the first step in {limit} attempts in a row "
-                f"({stalled.start_up_failure}); restarting cannot help "
-                f"(resilience.max_attempts_without_progress={limit})",
-                exit_codes.USER_ERROR,
-            )
-        if stalled.count >= limit:
-            return self._give_up(
-                fault,
-                f"{stalled.count} attempts in a row committed no checkpoint newer than the "
-                f"one they resumed from (resilience.max_attempts_without_progress={limit})",
-                exit_codes.NO_PROGRESS,
-            )
-        return None
-
-    def _budget_code(self, fault: Fault, restarts: int) -> int | None:
-        if restarts >= self.resilience.max_restarts:
-            return self._give_up(
-                fault,
-                f"restart budget spent (resilience.max_restarts={self.resilience.max_restarts})",
-                exit_codes.RESTARTS_EXHAUSTED,
-            )
-        return None
 
     def _skipped_steps(self) -> frozenset[int]:
         try:
@@ -355,7 +342,7 @@ class Supervisor:
             spare = self.spare_workers.pop(slot, None)
             if spare is not None and not spare.alive:
                 spare.close()  # ended while waiting (its bound): a fresh worker instead
-            elif spare is not None:  # a spare taking a rank: imports done
+            elif spare is not None:  # a spare taking a rank: its imports are done
                 write_assignment(self.run_dir.path, slot, rank, job_env, args)
                 spare.rank, spare.spawned_unix_s = rank, time.time()
                 workers.append(spare)
@@ -382,34 +369,36 @@ class Supervisor:
         )
         return attempt
 
-    def _watch(self, attempt: Attempt) -> Fault | None:
-        """Poll exits and heartbeats until the attempt finishes (None) or faults."""
+    def _watch(self, attempt: Attempt) -> DetectedFault | None:
+        """Poll exits and heartbeats until the attempt finishes (None) or a detector
+        (fault_detection.DETECTORS) finds a fault."""
         last_poll_unix_s = time.time()
         while True:
             if self._stop_requested is not None:
                 return None
             now_unix_s = time.time()
             exited = [w for w in attempt.workers if w.poll() is not None]
-            failed = [w for w in exited if w.exit_code != 0]
             attempt.read_heartbeats(self.run_dir)
             self.incidents.update(attempt)
-            fault = None
-            if failed:
-                fault = exit_fault(attempt, failed, last_poll_unix_s)
-            elif len(exited) == len(attempt.workers):
+            poll = Poll(
+                attempt,
+                exited,
+                last_poll_unix_s,
+                now_unix_s,
+                self.resilience,
+                self.config.train.steps,
+                self.timed_before,
+            )
+            if poll.all_exited and not poll.failed:
                 attempt.ended_unix_s = now_unix_s
-                if attempt.finished(self.config.train.steps):
-                    return None
-                return early_exit_fault(attempt, now_unix_s)
-            else:
-                fault = (
-                    nonfinite_fault(attempt)
-                    or hang_fault(attempt, self.resilience, self.timed_before)
-                    or self._regrow_fault(attempt)
-                )
+            fault = detect(poll)
             if fault is not None:
                 use_injection_time(fault, attempt, self.run_dir)
                 return fault
+            if poll.all_exited:
+                return None  # every worker exited 0 and says it finished
+            if self._regrow_due(attempt):
+                return None  # _run stops the attempt and grows the mesh back
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
 
@@ -417,63 +406,63 @@ class Supervisor:
 
     def _replan(self) -> MeshPlan:
         """The mesh for the healthy slots (the job's own when all are healthy)."""
-        if self.full_plan is None:
+        devices_per_proc = self.layout.devices_per_proc
+        if self.full_plan is None or devices_per_proc is None:
             raise MsjaxError(
                 "the mesh cannot be re-planned without --devices-per-proc (the devices each "
-                "process holds)"
+                "process holds) and a mesh that fits them"
             )
-        devices_per_proc = self.layout.devices_per_proc
-        assert devices_per_proc is not None  # full_plan is None without it
         healthy = len(self.slots.healthy())
         return replan_mesh(self.config, devices_per_proc, self.layout.nprocs, healthy)
 
-    def _exclude_bad_slot(self, fault: Fault) -> int | None:
-        """Count the fault against the slot it names; at resilience.max_faults_per_slot in a row
-        that slot is excluded: a spare takes its rank, else the mesh shrinks onto the healthy
-        slots. Returns an exit code where the job cannot go on, else None (restart)."""
-        if self.layout.nnodes > 1 or self.resilience.on_bad_node != "exclude":
-            return None
-        slot = None if fault.cause in NOT_THE_MACHINE else self.slots.slot_of(fault.rank)
-        in_a_row = self.slots.note_fault(slot, fault.fault_unix_s)
-        if slot is None or in_a_row < self.resilience.max_faults_per_slot:
-            return None
+    def _exclude_bad_slot(self, action: Action, fault: DetectedFault) -> Action:
+        """Take the slot the policy marked bad out of the job (one node): a spare takes its
+        rank, else the mesh shrinks onto the healthy slots; the restart then runs on them. The
+        action becomes a stop (exit 8) where no mesh fits."""
+        bad = action.bad_slot
         incident = self.incidents.open_incident
-        assert incident is not None
+        assert bad is not None and incident is not None
+        slot = int(bad.slot)
+        faults = {f.incident: f for f in read_slot_faults(self.run_dir)}
+        first = faults.get(bad.incidents[0]) if bad.incidents else None
         record: dict[str, Any] = {
             "slot": slot,
             "rank": fault.rank,
-            "faults_in_a_row": in_a_row,
-            "first_fault_unix_s": self.slots.streak_first_fault_unix_s,
+            "incidents": list(bad.incidents),
+            "first_fault_unix_s": first.fault_unix_s if first else fault.fault_unix_s,
             "detected_unix_s": fault.detected_unix_s,
-            "checked_unix_s": None,  # no self-check of the slot here (msjax.doctor)
+            "checked_unix_s": None,  # no self-check of the slot on this path
             "excluded_unix_s": time.time(),
-            "first_step_unix_s": None,
+            "first_step_unix_s": None,  # on the new mesh: filled in as the next attempt runs
             "first_fault_to_new_mesh_s": None,
         }
         spare = self.slots.exclude(slot, record["excluded_unix_s"])
-        why = f"slot {slot} (rank {fault.rank}) excluded: the cause of {in_a_row} faults in a row"
-        incident["membership"] = record
+        incident.membership = record
         self.membership_changed = True
+        why = f"slot {slot} (rank {fault.rank}) excluded"
         if spare is not None:
             record.update(action="spare", spare_slot=spare, slots=self.slots.describe())
             self.say(f"{why}; spare slot {spare} takes rank {fault.rank}, the mesh is unchanged")
-            return None
+            return action
         try:
             plan = self._replan()
         except MsjaxError as error:
             record.update(action="stop", slots=self.slots.describe())
-            return self._give_up(fault, f"{why}, and {error}", exit_codes.NO_PROGRESS)
+            stop = dataclasses.replace(
+                action, stop_code=exit_codes.NO_PROGRESS, reason=f"{why}, and {error}"
+            )
+            incident.take(stop)
+            return stop
         self.slots.arrange(plan.processes)
         self.plan = plan
         record.update(action="shrink", mesh=plan.describe(), slots=self.slots.describe())
         self.say(f"{why}; no spare left: the job goes on on {plan.describe()}")
-        return None
+        return action
 
-    def _regrow_fault(self, attempt: Attempt) -> Fault | None:
+    def _regrow_due(self, attempt: Attempt) -> bool:
         """Re-admit slots whose time out is over. On the job's own mesh they wait as spares; on
-        a shrunk one the job stops at its next checkpoint to grow back (a REGROW 'fault')."""
-        now = time.time()
-        due = self.slots.readmit_due(now, self.resilience.readmit_after_s)
+        a shrunk one the job stops at its next committed checkpoint to grow back (True)."""
+        due = self.slots.readmit_due(time.time(), self.resilience.readmit_after_s)
         if due:
             after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
             if self.plan == self.full_plan:
@@ -489,49 +478,58 @@ class Supervisor:
                     "at its next checkpoint"
                 )
         if self._regrow_after_step is None:
-            return None
+            return False
         committed = committed_steps(self.run_dir.checkpoints)
-        if not committed or committed[-1] <= self._regrow_after_step:
-            return None
-        return Fault(
-            REGROW,
-            -1,
-            f"checkpoint {committed[-1]} committed after slots were re-admitted",
-            now,
-            now,
-            "re-admission",
-            attempt.max_step,
-            "step",
-        )
+        self._regrow_ready = bool(committed) and committed[-1] > self._regrow_after_step
+        return self._regrow_ready
 
-    def _stop_for_regrow(self, attempt: Attempt, fault: Fault) -> None:
+    def _stop_for_regrow(self, attempt: Attempt) -> None:
         """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over
-        the mesh for the healthy slots; an incident of its own, no restart counted."""
+        the mesh for the healthy slots: an incident of its own, no restart counted."""
         self.incidents.close(attempt)
         number = self.incidents.next_number()
+        stopped_unix_s = time.time()
+        committed = committed_steps(self.run_dir.checkpoints)
         stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
         attempt.ended_unix_s = time.time()
         attempt.outcome = REGROW
-        self._regrow_after_step = None
+        self._regrow_ready, self._regrow_after_step = False, None
         plan = self._replan()  # fits: it held before on fewer slots
         self.slots.arrange(plan.processes)
         self.plan = plan
-        record = incident_record(number, fault, attempt, stop_s, "", None)
-        record["killed_after_grace"] = killed
-        record["action"] = REGROW
-        record["membership"] = {
-            "action": REGROW,
-            "mesh": plan.describe(),
-            "slots": self.slots.describe(),
-            "stopped_unix_s": attempt.ended_unix_s,
-            "first_step_unix_s": None,
-        }
-        self.incidents.open(record)
-        self.say(f"incident {number}: {fault.detail}; the job goes on on {plan.describe()}")
+        detail = f"checkpoint {committed[-1]} committed after slots were re-admitted"
+        self.incidents.open(
+            Incident(
+                incident=number,
+                cause=REGROW,
+                rank=None,
+                detail=detail,
+                attempt=attempt.number,
+                phase=None,
+                step=attempt.max_step,
+                fault_unix_s=stopped_unix_s,
+                fault_time_from="re-admission",
+                detected_unix_s=stopped_unix_s,
+                detection_latency_s=0.0,
+                stop_s=round(stop_s, 3),
+                diagnostics=None,
+                flight_recorder=None,
+                action=REGROW,
+                killed_after_grace=killed,
+                membership={
+                    "action": REGROW,
+                    "mesh": plan.describe(),
+                    "slots": self.slots.describe(),
+                    "stopped_unix_s": stopped_unix_s,
+                    "first_step_unix_s": None,
+                },
+            )
+        )
+        self.say(f"incident {number}: {detail}; the job goes on on {plan.describe()}")
 
     # --- after a fault -------------------------------------------------------------------------
 
-    def _record_fault(self, attempt: Attempt, fault: Fault) -> int:
+    def _record_fault(self, attempt: Attempt, fault: DetectedFault) -> int:
         """Diagnostics into RUN_DIR/incidents/<n>/, then stop every worker. Returns n."""
         self.incidents.close(attempt)
         number = self.incidents.next_number()
@@ -552,16 +550,14 @@ class Supervisor:
         attempt.ended_unix_s = time.time()
         attempt.outcome = fault.cause
         diagnostics = str(incident.path.relative_to(self.run_dir.path))
-        record = incident_record(number, fault, attempt, stop_s, diagnostics, verdict)
-        record["killed_after_grace"] = killed  # ranks that did not stop on SIGTERM in time
-        self.incidents.open(record)
+        self.incidents.open(
+            Incident.of_fault(number, fault, attempt, stop_s, diagnostics, verdict, killed)
+        )
         return number
 
-    def _give_up(self, fault: Fault, reason: str, code: int) -> int:
-        incident = self.incidents.open_incident
-        assert incident is not None
-        incident["action"] = "stop"
-        incident["stop_reason"] = reason
+    def _give_up(self, fault: DetectedFault, action: Action) -> int:
+        reason, code = action.reason, action.stop_code
+        assert code is not None
         self.incidents.write()
         self._finish(f"stopped: {reason}")
         self.say(

@@ -15,6 +15,11 @@ CHECKPOINT_UNREADABLE = 7  # train: a checkpoint that looks whole could not be r
 # permission error, out of memory); it is left in place: retry, here or elsewhere
 NO_PROGRESS = 8  # launch: several attempts in a row committed no checkpoint newer than the one
 # they resumed from; the last good checkpoint is kept: retry on another node
+BAD_NODE = 9  # launch, multi-node: this node's slot was marked bad; requeue without this node
+# (the launcher's last line names the node)
+SELF_CHECK_FAILED = 10  # msjax.doctor or a worker: a self-check failed on this process
+SILENT_CORRUPTION = 11  # train: this rank's parameters diverged from its data-parallel replicas
+# persistently (a broken machine computing wrong numbers)
 WRITE_FAILED = 74  # msjax.hf export: OUT_DIR could not be written (disk full, I/O error);
 # nothing half-written is left (sysexits' EX_IOERR): free space and rerun
 INTERRUPTED = 130  # SIGINT
@@ -25,6 +30,7 @@ RETRYABLE = (
     JOB_RESTART_NEEDED,
     CHECKPOINT_UNREADABLE,
     NO_PROGRESS,
+    BAD_NODE,
     TERMINATED,
 )  # worth a fresh job elsewhere
 FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again

@@ -38,7 +38,7 @@ CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught excep
 
 
 @dataclass(frozen=True)
-class Fault:
+class InjectedFault:
     kind: str
     step: int
     rank: int
@@ -52,7 +52,7 @@ class Fault:
         return f"{self.kind}@step={self.step},rank={self.rank}{extra}"
 
 
-def parse_faults(text: str) -> tuple[Fault, ...]:
+def parse_faults(text: str) -> tuple[InjectedFault, ...]:
     """Faults from MSJAX_FAULT's syntax; MsjaxError naming the bad part."""
     faults = []
     for part in (part.strip() for part in text.split(";")):
@@ -87,7 +87,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
         if kind == "slow" and not (math.isfinite(percent) and percent > 0):
             raise MsjaxError(f"{ENV_VAR}: {part!r} needs percent=X > 0")
         faults.append(
-            Fault(
+            InjectedFault(
                 kind,
                 int(values["step"]),
                 int(values["rank"]),
@@ -111,7 +111,7 @@ class FaultInjector:
 
     def __init__(
         self,
-        faults: tuple[Fault, ...],
+        faults: tuple[InjectedFault, ...],
         run_dir: Path,
         rank: int,
         attempt: int,
@@ -144,7 +144,7 @@ class FaultInjector:
     def active(self) -> bool:
         return bool(self._pending)
 
-    def _take(self, kind: str, step: int) -> Fault | None:
+    def _take(self, kind: str, step: int) -> InjectedFault | None:
         for fault in self._pending:
             if fault.kind == kind and fault.step == step:
                 self._pending.remove(fault)
@@ -152,7 +152,7 @@ class FaultInjector:
                 return fault
         return None
 
-    def _record(self, fault: Fault, step: int) -> None:
+    def _record(self, fault: InjectedFault, step: int) -> None:
         record = {
             "fault": fault.spec,
             "kind": fault.kind,
