@@ -176,7 +176,7 @@ def run_bad_slot_job(run_dir: Path, steps: int, how: str) -> dict[str, Any]:
         f"checkpoint.every_steps={save_every}",
         "resilience.max_faults_per_slot=2",
         "resilience.readmit_after_s=0",
-        "resilience.max_restarts=4",
+        "resilience.max_restarts=3",
         f"resilience.on_bad_node={'restart' if how == 'restart' else 'exclude'}",
     ]
     args = [*job_args(run_dir, steps, True, STEP_DEADLINE_S), *overrides]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -358,16 +359,21 @@ def test_spare_waits_bounded_and_leaves_when_its_supervisor_is_gone(tmp_path):
     )
     assert supervisor.stdout is not None
     pid = int(supervisor.stdout.readline())
-    deadline = time.monotonic() + 300
-    while "waiting for a rank" not in log.read_text():
-        assert time.monotonic() < deadline and not _gone(pid), log.read_text()
-        time.sleep(0.1)
-    supervisor.kill()
-    supervisor.wait()
-    deadline = time.monotonic() + 10
-    while not _gone(pid):
-        assert time.monotonic() < deadline, f"the spare {pid} outlived its supervisor"
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 300
+        while not log.exists() or "waiting for a rank" not in log.read_text():
+            assert time.monotonic() < deadline and not _gone(pid), "the spare did not get ready"
+            time.sleep(0.1)
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(pid):
+            assert time.monotonic() < deadline, f"the spare {pid} outlived its supervisor"
+            time.sleep(0.05)
+    finally:
+        supervisor.kill()
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
