@@ -22,7 +22,7 @@ from msjax.errors import MsjaxError
 from msjax.launch.attempt import AttemptsWithoutProgress
 from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.layout import JobLayout
-from msjax.launch.membership import MeshPlan, replan_mesh
+from msjax.launch.membership import MeshPlan, Slots, replan_mesh
 from msjax.launch.policy import FaultHistory, decide
 from msjax.launch.slots import SlotFault
 from msjax.resilience import exit_codes, fault_kinds
@@ -104,6 +104,20 @@ def test_replan_refuses_in_one_line_where_no_mesh_fits_the_healthy_processes():
     message = str(refused.value)
     assert "\n" not in message
     assert "1 healthy processes x 2 devices" in message and "pipe x tensor = 4" in message
+
+
+def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_on_time():
+    slots = Slots(nprocs=4, spares=1)
+    assert slots.exclude(3, now_unix_s=100.0) == 4  # the spare takes rank 3
+    assert (slots.rank_slots, slots.slot_of(3)) == ([0, 1, 2, 4], 4)
+    assert slots.exclude(1, now_unix_s=200.0) is None  # no spare left
+    slots.arrange(2)  # a mesh on 2 of the 3 healthy slots
+    assert slots.describe() == {"active": [0, 2], "spare": [], "idle": [4], "excluded": [1, 3]}
+    assert slots.readmit_due(now_unix_s=250.0, after_s=0) == []  # 0: never
+    assert slots.readmit_due(now_unix_s=250.0, after_s=100.0) == [3]  # slot 1: not yet
+    assert slots.healthy() == [0, 2, 3, 4]
+    slots.arrange(4)
+    assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 2, 3, 4], [1])
 
 
 def test_a_slot_excluded_on_one_node_restarts_the_job_whatever_stalled_on_it():
