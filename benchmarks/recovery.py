@@ -214,6 +214,7 @@ def run_bad_slot_job(run_dir: Path, steps: int, how: str) -> dict[str, Any]:
 
 
 def bad_slot(steps: int, base: Path) -> None:
+    base.mkdir(parents=True, exist_ok=True)
     results = {}
     for how in ("spare", "shrink", "restart"):
         print(f"running the crash-looping slot job: {how} ...", flush=True)
