@@ -3,7 +3,6 @@ batch, and a job excluding a crash-looping slot finishes on the shrunk mesh."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -17,15 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msjax.config import ResilienceConfig, load_config
+from msjax.config import load_config
 from msjax.errors import MsjaxError
-from msjax.launch.attempt import AttemptsWithoutProgress
-from msjax.launch.fault_detection import DetectedFault
-from msjax.launch.layout import JobLayout
 from msjax.launch.membership import MeshPlan, Slots, replan_mesh
-from msjax.launch.policy import FaultHistory, decide
-from msjax.launch.slots import SlotFault
-from msjax.resilience import exit_codes, fault_kinds
 from tests.small_runs import QUICK_RUN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,22 +111,6 @@ def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_o
     assert slots.healthy() == [0, 2, 3, 4]
     slots.arrange(4)
     assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 2, 3, 4], [1])
-
-
-def test_a_slot_excluded_on_one_node_restarts_the_job_whatever_stalled_on_it():
-    # a slot that dies before its first step at every start: without exclusion the same
-    # start-up failure in a row is exit 2 (a mistake); once the slot is bad, the job goes on
-    resilience = ResilienceConfig(max_faults_per_slot=3, max_attempts_without_progress=3)
-    layout = JobLayout(nprocs=4, devices_per_proc=2)
-    crash = DetectedFault(fault_kinds.CRASH, 3, "exit code 1", 10.0, 9.0, "polling", 0, "init")
-    stalled = AttemptsWithoutProgress(count=3, same_start_up_failures=3)
-    faults = tuple(SlotFault("3", 3, "crash", n, float(n), f"launch/{n}") for n in (1, 2, 3))
-    history = FaultHistory(3, stalled, 0, 0, slot="3", node="host", slot_faults=faults)
-    action = decide(crash, history, resilience, layout)
-    assert action.bad_slot is not None and action.bad_slot.slot == "3"
-    assert (action.stop_code, action.restart) == (None, 4)
-    restart = dataclasses.replace(resilience, on_bad_node="restart")
-    assert decide(crash, history, restart, layout).stop_code == exit_codes.USER_ERROR
 
 
 # --- a job with a crash-looping slot -------------------------------------------------------------

@@ -57,8 +57,8 @@ def decide(
     slot (this node) is marked bad stops with exit 9 under on_bad_node=exclude, a multi-node job
     restarts as a whole (exit 5), attempts without progress stop it (2 or 8), and so does a
     spent restart budget (4); else restart, the backoff doubling per attempt without progress.
-    A slot marked bad on one node under exclude restarts the job without it (the supervisor
-    excludes it: msjax.launch.membership), whatever stalled on it before."""
+    A slot marked bad on one node under exclude is left out by the supervisor at the restart
+    (msjax.launch.membership), unless a limit above stops the job first."""
     action = fault.kind.action
     if action == fault_kinds.STOP:
         return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)
@@ -72,10 +72,6 @@ def decide(
     if bad is not None and bad.on_bad_node == "exclude" and layout.nnodes > 1:
         reason = f"{bad.reason}; requeue the job without node {bad.node}"
         return Action(exit_codes.BAD_NODE, reason, skip_step, bad_slot=bad)
-    if bad is not None and bad.on_bad_node == "exclude":
-        # one node: the slot leaves the job (a spare, a smaller mesh), so attempts that stalled
-        # on it say nothing of the next one (a slot that dies before its first step included)
-        history = dataclasses.replace(history, stalled=AttemptsWithoutProgress())
     return dataclasses.replace(_limits(history, resilience, layout, skip_step), bad_slot=bad)
 
 
