@@ -179,7 +179,9 @@ def run_bad_slot_job(run_dir: Path, steps: int, how: str) -> dict[str, Any]:
         "resilience.max_restarts=3",
         f"resilience.on_bad_node={'restart' if how == 'restart' else 'exclude'}",
     ]
-    args = [*job_args(run_dir, steps, True, STEP_DEADLINE_S), *overrides]
+    # a compile cache of this job's own (restarts load from it), not one others have written
+    cache_dir = f"resilience.compile_cache_dir={run_dir.parent / f'{run_dir.name}-cache'}"
+    args = [*job_args(run_dir, steps, True, STEP_DEADLINE_S), *overrides, cache_dir]
     command = [
         *(sys.executable, "-m", "msjax.launch", "--nprocs=4", "--devices-per-proc=2", *flags),
         f"--fault=crash@step={save_every + 2},rank=3,times=99",
