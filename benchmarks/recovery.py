@@ -3,10 +3,15 @@ without the compilation caches; detection latency, restart-to-first-step, catch-
 
     python benchmarks/recovery.py [--steps 24] [--out DIR]
     python benchmarks/recovery.py --smoke   # 8 steps, a 4 s step deadline: about a minute
+    python benchmarks/recovery.py --bad-slot [--steps 24]   # a crash-looping slot, 4 processes
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2`. The job with caches
 compiles once (its first attempt fills the caches) and loads on every restart; the other compiles
 on every attempt. Prints one table, both jobs side by side, and the ratio.
+
+--bad-slot: 4 processes x 2 devices where the slot of rank 3 crashes at every start; excluded
+after 2 faults, it is replaced by a spare (--spares 1), or the mesh shrinks to 2 processes, or
+(resilience.on_bad_node=restart, today's behaviour) the job restarts until its budget is spent.
 """
 
 from __future__ import annotations
@@ -95,7 +100,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="8 steps, a shorter step deadline")
+    parser.add_argument("--bad-slot", action="store_true", help="a crash-looping slot instead")
     args = parser.parse_args()
+    if args.bad_slot:
+        bad_slot(args.steps, args.out or Path(tempfile.mkdtemp(prefix="msjax-bad-slot-")))
+        return
     step_deadline_s = SMOKE_STEP_DEADLINE_S if args.smoke else STEP_DEADLINE_S
     if args.smoke:
         args.steps = 8
@@ -155,6 +164,74 @@ def main() -> None:
         breakdown = results[name]["goodput"]["breakdown_s"]
         shares = ", ".join(f"{key[:-2]} {value:.1f} s" for key, value in breakdown.items())
         print(f"{name}: {shares}")
+    print(f"run dirs in {base}")
+
+
+def run_bad_slot_job(run_dir: Path, steps: int, how: str) -> dict[str, Any]:
+    """One 4-process job whose slot 3 crashes at every start: `spare`, `shrink` or `restart`."""
+    save_every = steps // 4
+    flags = ["--spares=1"] if how == "spare" else []
+    overrides = [
+        "mesh.tensor=2",
+        f"checkpoint.every_steps={save_every}",
+        "resilience.max_faults_per_slot=2",
+        "resilience.readmit_after_s=0",
+        "resilience.max_restarts=3",
+        f"resilience.on_bad_node={'restart' if how == 'restart' else 'exclude'}",
+    ]
+    # a compile cache of this job's own (restarts load from it), not one others have written
+    cache_dir = f"resilience.compile_cache_dir={run_dir.parent / f'{run_dir.name}-cache'}"
+    args = [*job_args(run_dir, steps, True, STEP_DEADLINE_S), *overrides, cache_dir]
+    command = [
+        *(sys.executable, "-m", "msjax.launch", "--nprocs=4", "--devices-per-proc=2", *flags),
+        f"--fault=crash@step={save_every + 2},rank=3,times=99",
+        "--",
+        *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log = run_dir.parent / f"{run_dir.name}.log"
+    started = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    files = RunDir(run_dir)
+    incidents = [json.loads(line) for line in files.incidents_log.read_text().splitlines()]
+    membership = next((i["membership"] for i in incidents if "membership" in i), {})
+    first_step = membership.get("first_step_unix_s")
+    excluded = membership.get("excluded_unix_s")
+    return {
+        "exit code": code,
+        "faults": len(incidents),
+        "first fault to first step on the new mesh (s)": membership.get(
+            "first_fault_to_new_mesh_s"
+        ),
+        "exclusion to first step on the new mesh (s)": (
+            round(first_step - excluded, 3) if first_step and excluded else None
+        ),
+        "steps lost": sum(i.get("steps_lost") or 0 for i in incidents),
+        "wall time (s)": round(time.perf_counter() - started, 1),
+        "effective training time ratio": json.loads(files.goodput.read_text())[
+            "effective_training_time_ratio"
+        ],
+    }
+
+
+def bad_slot(steps: int, base: Path) -> None:
+    base.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for how in ("spare", "shrink", "restart"):
+        print(f"running the crash-looping slot job: {how} ...", flush=True)
+        results[how] = run_bad_slot_job(base / f"bad-slot-{how}", steps, how)
+    print()
+    print(
+        f"bad slot: tiny model, 4 processes x 2 CPU devices (data 2 x fsdp 2 x tensor 2), "
+        f"{steps} steps, checkpoint every {steps // 4}, slot 3 crashes at step {steps // 4 + 2} "
+        "of every start, excluded after 2 faults in a row"
+    )
+    print("| measure | spare | shrink | restart (on_bad_node=restart) |")
+    print("| --- | --- | --- | --- |")
+    for measure in results["spare"]:
+        cells = ["-" if results[h][measure] is None else str(results[h][measure]) for h in results]
+        print(f"| {measure} | {' | '.join(cells)} |")
     print(f"run dirs in {base}")
 
 

@@ -237,6 +237,9 @@ class ResilienceConfig:
     # node), restart: restart on it as on any fault (the marking is still recorded)
     on_bad_node: Literal["exclude", "restart"] = "exclude"
     max_faults_per_slot: int = 3
+    # On one node an excluded slot's rank goes to a spare (--spares), else the mesh shrinks onto
+    # the healthy slots; after readmit_after_s (0: never) the slot rejoins (the full mesh again)
+    readmit_after_s: float = 600.0
     restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
     # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:

@@ -291,6 +291,10 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
         raise ConfigError(
             f"resilience.max_faults_per_slot={resilience.max_faults_per_slot} must be >= 1"
         )
+    if resilience.readmit_after_s < 0:
+        raise ConfigError(
+            f"resilience.readmit_after_s={resilience.readmit_after_s} must be >= 0 (0: never)"
+        )
     if resilience.compile_cache_dir is not None and not resilience.compile_cache_dir.strip():
         raise ConfigError("resilience.compile_cache_dir is empty; give a path (or null)")
     if not (math.isfinite(resilience.check_budget_s) and resilience.check_budget_s >= 0):

@@ -168,6 +168,18 @@ class RunDir:
     def log(self, rank: int) -> Path:
         return self.path / "logs" / f"rank{rank}.log"
 
+    def spare_log(self, slot: int) -> Path:
+        """A spare worker's output, before and after it takes a rank (msjax.launch --spares)."""
+        return self.path / "logs" / f"spare-slot{slot}.log"
+
+    @property
+    def spares(self) -> Path:
+        """Where msjax.launch hands a waiting spare worker its rank: slot<S>.json."""
+        return self.path / "spares"
+
+    def spare_assignment(self, slot: int) -> Path:
+        return self.spares / f"slot{slot}.json"
+
     @property
     def incidents_log(self) -> Path:
         return self.path / "incidents.jsonl"

@@ -183,6 +183,10 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.doctor", ["--nprocs", "2", "--devices-per-proc", "2"], "has 8 devices but 4"),
     ("msjax.doctor", ["--", "resilience.check_budget_s=-1"], "check_budget_s=-1.0 must be >= 0"),
     ("msjax.train", ["resilience.slow_device_factor=1"], "slow_device_factor=1.0 must be a"),
+    # excluding a bad slot on one node: spares, re-admission
+    ("msjax.launch", ["--spares", "-1"], "--spares=-1: give a count >= 0"),
+    ("msjax.launch", ["--spares", "1", "--nnodes", "2"], "on one node (--nnodes 1)"),
+    ("msjax.train", ["resilience.readmit_after_s=-1"], "readmit_after_s=-1.0 must be >= 0"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

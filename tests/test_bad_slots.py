@@ -1,6 +1,6 @@
 """A slot that is the named cause of resilience.max_faults_per_slot faults in a row is marked bad,
-in the incident log and RUN_DIR/health, by a real supervised job on one node (where, for now, it
-stays in the job and the job restarts as on any fault)."""
+in the incident log and RUN_DIR/health, by a real supervised job on one node (which excludes it:
+tests/test_shrink.py follows the job on without it)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,7 @@ def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_pa
         "slot 1 is marked bad: the named cause of 2 faults in a row (incidents 1, 2: crash, "
         "crash; resilience.max_faults_per_slot=2)"
     )
-    assert f"{reason}; it stays in the job: leaving a slot out on one node is not done yet" in (
-        done.stdout
-    )
+    assert f"{reason}; excluding it (resilience.on_bad_node=exclude)" in done.stdout
     run = RunDir(run_dir)
     incidents = [json.loads(line) for line in run.incidents_log.read_text().splitlines()]
     assert [(i["cause"], i["rank"], i["action"]) for i in incidents] == [

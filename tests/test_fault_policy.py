@@ -274,7 +274,7 @@ def test_a_slot_is_bad_after_max_faults_per_slot_faults_in_a_row_it_caused():
         "slot 3 is marked bad: the named cause of 3 faults in a row (incidents 1, 2, 3: crash, "
         "crash, crash; resilience.max_faults_per_slot=3)"
     )
-    # on one node it stays in the job for now: a restart as on any fault
+    # on one node: a restart, without the slot (the supervisor excludes it)
     assert (action.stop_code, action.restart, action.bad_slot.on_bad_node) == (None, 1, "exclude")
 
 

@@ -52,6 +52,13 @@ def parse_args(argv: Sequence[str]) -> tuple[object, list[str]]:
     parser.add_argument(
         "--fault", help="inject faults (MSJAX_FAULT syntax), e.g. crash@step=7,rank=1"
     )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="extra worker processes on this node that wait, imports done, to take the rank of "
+        "an excluded slot (resilience.on_bad_node=exclude)",
+    )
     parser.add_argument("--cluster", choices=("slurm",), help="read the node layout from Slurm")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, each with a launcher")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
@@ -151,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--nprocs={args.nprocs}, --nnodes={nnodes}, --node-rank={node_rank}: need "
                 "nprocs >= 1 and 0 <= node-rank < nnodes"
             )
+        if args.spares < 0 or (args.spares and nnodes > 1):
+            raise MsjaxError(
+                f"--spares={args.spares}: give a count >= 0, on one node (--nnodes 1); several "
+                "nodes are replaced by their scheduler"
+            )
         if nnodes > 1 and not coordinator:
             raise MsjaxError("--nnodes > 1 needs --coordinator HOST:PORT (or --cluster slurm)")
         if coordinator:
@@ -189,7 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         layout = JobLayout(args.nprocs, devices, nnodes, node_rank, coordinator)
-        supervisor = Supervisor(config, plan.path, worker_args, layout, faults=args.fault)
+        supervisor = Supervisor(
+            config, plan.path, worker_args, layout, faults=args.fault, spares=args.spares
+        )
     except (MsjaxError, WriteFailed) as error:
         if lock is not None:
             lock.release()

@@ -40,6 +40,7 @@ class DetectedFault:
         return self.kind.cause
 
 
+INJECTED_CRASHES = ("crash", "crash_in_save")  # injected faults that end their process
 Timings = dict[str, tuple[int, float]]  # phase: (how many timed on every rank, the slowest s)
 
 
@@ -263,10 +264,25 @@ def _phase(attempt: Attempt, rank: int) -> str:
 
 
 def use_injection_time(fault: DetectedFault, attempt: Attempt, run_dir: RunDir) -> None:
-    """An injected fault's own record says exactly when it fired."""
-    pids = {worker.pid for worker in attempt.workers}
-    for firing in read_firings(run_dir.path):
-        if firing["pid"] in pids and firing["rank"] == fault.rank and firing["kind"] != "slow":
+    """An injected fault's own record says exactly when it fired; an injected crash also says
+    which rank crashed, where the exits of the others (their collectives failing, the job's end
+    they then published) were seen in the same poll and so could be named first."""
+    workers = {worker.pid: worker for worker in attempt.workers}
+    firings = [f for f in read_firings(run_dir.path) if f["pid"] in workers]
+    crashed = [
+        f for f in firings if f["kind"] in INJECTED_CRASHES and workers[f["pid"]].poll() is not None
+    ]
+    if fault.kind is fault_kinds.CRASH and crashed:
+        first = min(crashed, key=lambda firing: firing["unix_s"])
+        if first["rank"] != fault.rank:
+            code = workers[first["pid"]].exit_code
+            assert code is not None
+            record = attempt.heartbeats.get(first["rank"])
+            fault.rank = first["rank"]
+            fault.detail = f"{describe_exit(code)}; the other ranks' exits followed from it"
+            fault.phase = record.phase if record is not None else "init"
+    for firing in firings:
+        if firing["rank"] == fault.rank and firing["kind"] != "slow":
             fault.fault_unix_s = firing["unix_s"]
             fault.fault_time_from = f"injection record ({firing['fault']})"
 

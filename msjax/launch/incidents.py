@@ -159,6 +159,7 @@ class Incident:
     restart: int | None = None
     restart_to_first_step_s: float | None = None
     bad_slot: dict[str, Any] | None = None  # the fault's slot, marked bad (msjax.launch.slots)
+    membership: dict[str, Any] | None = None  # a slot excluded or re-admitted, with its timings
 
     OPTIONAL = (
         "launch",
@@ -170,6 +171,7 @@ class Incident:
         "restart",
         "restart_to_first_step_s",
         "bad_slot",
+        "membership",
     )
 
     @classmethod
@@ -221,6 +223,13 @@ class Incident:
         if self.resumed_from_step is None and attempt.start_step is not None:
             self.resumed_from_step = attempt.start_step
             self.steps_lost = max(self.step - attempt.start_step, 0)
+        membership = self.membership
+        if membership and membership["first_step_unix_s"] is None and attempt.first_step_unix_s:
+            membership["first_step_unix_s"] = attempt.first_step_unix_s  # on the new mesh
+            if membership.get("first_fault_unix_s") is not None:
+                membership["first_fault_to_new_mesh_s"] = round(
+                    attempt.first_step_unix_s - membership["first_fault_unix_s"], 3
+                )
         if self.restart_s is None and attempt.first_step_unix_s is not None:
             self.restart_s = round(attempt.first_step_unix_s - detected, 3)
             self.restart_to_first_step_s = round(

@@ -55,7 +55,8 @@ def decide(
     slot (this node) is marked bad stops with exit 9 under on_bad_node=exclude, a multi-node job
     restarts as a whole (exit 5), attempts without progress stop it (2 or 8), and so does a
     spent restart budget (4); else restart, the backoff doubling per attempt without progress.
-    A slot marked bad on one node stays in the job (leaving it out is not done yet)."""
+    A slot marked bad on one node under exclude is left out by the supervisor at the restart
+    (msjax.launch.membership), unless a limit above stops the job first."""
     action = fault.kind.action
     if action == fault_kinds.STOP:
         return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)

@@ -8,6 +8,7 @@ records in incidents.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -21,6 +22,7 @@ from typing import IO, Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
+from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
     DetectedFault,
@@ -47,6 +49,7 @@ from msjax.launch.launches import (
     scheduler_context,
 )
 from msjax.launch.layout import JobLayout
+from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
 from msjax.launch.policy import Action, FaultHistory, decide
 from msjax.launch.slots import (
     SlotFault,
@@ -56,14 +59,18 @@ from msjax.launch.slots import (
     record_slot_fault,
     slot_of,
 )
+from msjax.launch.spare import write_assignment
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
 from msjax.parallel.agreement import job_secret
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
+from msjax.resilience.faults import SLOT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
 from msjax.writable import warn_write_dropped
+
+REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
 
 
 def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float) -> str:
@@ -96,6 +103,7 @@ class Supervisor:
         faults: str | None = None,
         out: IO[str] | None = None,
         poll_s: float = 0.05,
+        spares: int = 0,
     ):
         self.config = config
         self.resilience = config.resilience
@@ -117,6 +125,17 @@ class Supervisor:
         self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
         self.node = node_name()
         self.launch_id = launch_id(layout, self.context, self.started_unix_s)
+        # which slot runs which rank (one node); spares wait in their own processes
+        self.slots = Slots(layout.nprocs, spares)
+        self.spare_workers: dict[int, WorkerProcess] = {}
+        self.full_plan: MeshPlan | None = None
+        if layout.devices_per_proc is not None and layout.nnodes == 1:
+            with contextlib.suppress(MsjaxError):  # a mesh that does not fit: workers refuse it
+                self.full_plan = full_plan(config, layout.devices_per_proc, layout.nprocs)
+        self.plan = self.full_plan
+        self.membership_changed = False
+        self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
+        self._regrow_ready = False
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -133,6 +152,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            stop_workers(list(self.spare_workers.values()), self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -166,6 +186,9 @@ class Supervisor:
             self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:
                 return self._stop_on_request(attempt)
+            if fault is None and self._regrow_ready:
+                self._stop_for_regrow(attempt)
+                continue
             if fault is None:
                 stop_workers(attempt.workers, self.resilience.stop_grace_s)  # all exited: reaps
                 attempt.outcome = "done"
@@ -176,6 +199,9 @@ class Supervisor:
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
             action = self._decide(attempt, fault, number, FaultHistory(restarts, stalled))
+            if self.membership_changed:  # other slots, another mesh: a fresh count
+                self.membership_changed = False
+                stalled = AttemptsWithoutProgress()
             if action.stop_code is not None:
                 return self._give_up(fault, action)
             restarts = action.restart
@@ -194,6 +220,8 @@ class Supervisor:
         """The policy's action on incident number (msjax.launch.policy), and its first effects:
         the skipped step, the slot's fault and its marking as bad, the incident's record."""
         slot = slot_of(self.layout, fault.rank, self.node)
+        if self.layout.nnodes == 1:  # the slot that holds the rank now (spares, a shrunk mesh)
+            slot = str(self.slots.slot_of(fault.rank))
         if fault.kind.names_slot:
             group = f"{self.launch_id}/{attempt.number}"
             record_slot_fault(
@@ -217,7 +245,18 @@ class Supervisor:
             self._mark_bad(action)
         assert self.incidents.open_incident is not None
         self.incidents.open_incident.take(action)
+        if self._excludes(action):
+            action = self._exclude_bad_slot(action, fault)
         return action
+
+    def _excludes(self, action: Action) -> bool:
+        bad = action.bad_slot
+        return (
+            bad is not None
+            and bad.on_bad_node == "exclude"
+            and self.layout.nnodes == 1
+            and action.stop_code is None
+        )
 
     def _mark_bad(self, action: Action) -> None:
         bad = action.bad_slot
@@ -228,11 +267,8 @@ class Supervisor:
             warn_write_dropped(self.run_dir.bad_slots, error)
         if bad.on_bad_node == "restart":
             then = "it stays in the job (resilience.on_bad_node=restart)"
-        elif action.stop_code is None and self.layout.nnodes == 1:
-            then = (
-                "it stays in the job: leaving a slot out on one node is not done yet "
-                "(resilience.on_bad_node=exclude)"
-            )
+        elif self._excludes(action):
+            then = "excluding it (resilience.on_bad_node=exclude)"
         else:
             then = "leaving it out"
         self.say(f"{bad.reason}; {then}")
@@ -293,28 +329,69 @@ class Supervisor:
             phase="self_check",
         )
         return attempt, fault
+    def _worker_base_env(self) -> dict[str, str]:
+        """What every worker's environment holds whatever its rank (spares start with it)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.layout.devices_per_proc is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(self.layout.devices_per_proc)
+        if self.faults:
+            env[FAULT_ENV_VAR] = self.faults
+        return env
+
+    def _worker_args(self) -> list[str]:
+        """The trainer's arguments: the job's, and the re-planned mesh when it is not the job's."""
+        if self.plan is None or self.plan == self.full_plan:
+            return list(self.train_args)
+        return [*self.train_args, *self.plan.overrides()]
+
+    def _keep_spares_ready(self, number: int) -> None:
+        """A waiting process in every spare slot (started anew where one has ended)."""
+        for slot in self.slots.spares():
+            spare = self.spare_workers.get(slot)
+            if spare is not None and spare.alive:
+                continue
+            if spare is not None:
+                spare.close()
+            command = [sys.executable, "-m", "msjax.launch.spare", str(self.run_dir.path)]
+            log = self.run_dir.spare_log(slot)
+            env = self._worker_base_env()
+            self.spare_workers[slot] = WorkerProcess(
+                -1, [*command, str(slot)], env, log, number, echo=None
+            )
 
     def _spawn(self, number: int) -> Attempt:
         layout = self.layout
         coordinator = layout.coordinator or f"127.0.0.1:{free_port()}"
-        command = [sys.executable, "-m", "msjax.train", *self.train_args]
+        args = self._worker_args()
+        command = [sys.executable, "-m", "msjax.train", *args]
         committed = committed_steps(self.run_dir.checkpoints)  # before any worker can save
+        one_node = layout.nnodes == 1
+        num_processes = len(self.slots.rank_slots) if one_node else layout.num_processes
+        if one_node:  # ranks a shrunk mesh no longer has: their last records would mislead
+            for gone in range(num_processes, layout.nprocs):
+                self.run_dir.heartbeat(gone).unlink(missing_ok=True)
+                self.run_dir.flight_record(gone).unlink(missing_ok=True)
         workers = []
-        for local_rank in range(layout.nprocs):
+        for local_rank, slot in enumerate(self.slots.rank_slots):
             rank = layout.process_id(local_rank)
             self.run_dir.heartbeat(rank).unlink(missing_ok=True)
-            env = {
-                **os.environ,
-                **worker_env(coordinator, layout.num_processes, rank, number),
-                "PYTHONUNBUFFERED": "1",
+            job_env = {
+                **worker_env(coordinator, num_processes, rank, number),
+                SLOT_ENV_VAR: str(slot if one_node else rank),  # injected faults follow the slot
             }
-            if layout.devices_per_proc is not None:
-                env["JAX_NUM_CPU_DEVICES"] = str(layout.devices_per_proc)
-            if self.faults:
-                env[FAULT_ENV_VAR] = self.faults
+            spare = self.spare_workers.pop(slot, None)
+            if spare is not None and not spare.alive:
+                spare.close()  # ended while waiting (its bound): a fresh worker instead
+            elif spare is not None:  # a spare taking a rank: its imports are done
+                write_assignment(self.run_dir.path, slot, rank, job_env, args)
+                spare.rank, spare.spawned_unix_s = rank, time.time()
+                workers.append(spare)
+                continue
+            env = {**self._worker_base_env(), **job_env}
             echo = self.out if rank == 0 else None
             log = self.run_dir.log(rank)
             workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
+        self._keep_spares_ready(number)
         attempt = Attempt.started(number, workers)
         attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
@@ -323,9 +400,12 @@ class Supervisor:
             if len(workers) > 1
             else f"rank {workers[0].rank}"
         )
+        where = ""
+        if one_node and (self.slots.spares() or self.plan != self.full_plan):
+            where = f", slots {self.slots.describe()}"
         self.say(
-            f"attempt {number}: {len(workers)} workers ({ranks} of {layout.num_processes}), "
-            f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}"
+            f"attempt {number}: {len(workers)} workers ({ranks} of {num_processes}), "
+            f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}{where}"
         )
         return attempt
 
@@ -357,8 +437,135 @@ class Supervisor:
                 return fault
             if poll.all_exited:
                 return None  # every worker exited 0 and says it finished
+            if self._regrow_due(attempt):
+                return None  # _run stops the attempt and grows the mesh back
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
+
+    # --- membership: excluding a bad slot, re-admitting it ------------------------------------
+
+    def _replan(self) -> MeshPlan:
+        """The mesh for the healthy slots (the job's own when all are healthy)."""
+        devices_per_proc = self.layout.devices_per_proc
+        if self.full_plan is None or devices_per_proc is None:
+            raise MsjaxError(
+                "the mesh cannot be re-planned without --devices-per-proc (the devices each "
+                "process holds) and a mesh that fits them"
+            )
+        healthy = len(self.slots.healthy())
+        return replan_mesh(self.config, devices_per_proc, self.layout.nprocs, healthy)
+
+    def _exclude_bad_slot(self, action: Action, fault: DetectedFault) -> Action:
+        """Take the slot the policy marked bad out of the job (one node): a spare takes its
+        rank, else the mesh shrinks onto the healthy slots; the restart then runs on them. The
+        action becomes a stop (exit 8) where no mesh fits."""
+        bad = action.bad_slot
+        incident = self.incidents.open_incident
+        assert bad is not None and incident is not None
+        slot = int(bad.slot)
+        faults = {f.incident: f for f in read_slot_faults(self.run_dir)}
+        first = faults.get(bad.incidents[0]) if bad.incidents else None
+        record: dict[str, Any] = {
+            "slot": slot,
+            "rank": fault.rank,
+            "incidents": list(bad.incidents),
+            "first_fault_unix_s": first.fault_unix_s if first else fault.fault_unix_s,
+            "detected_unix_s": fault.detected_unix_s,
+            "checked_unix_s": None,  # no self-check of the slot on this path
+            "excluded_unix_s": time.time(),
+            "first_step_unix_s": None,  # on the new mesh: filled in as the next attempt runs
+            "first_fault_to_new_mesh_s": None,
+        }
+        spare = self.slots.exclude(slot, record["excluded_unix_s"])
+        incident.membership = record
+        self.membership_changed = True
+        why = f"slot {slot} (rank {fault.rank}) excluded"
+        if spare is not None:
+            record.update(action="spare", spare_slot=spare, slots=self.slots.describe())
+            self.say(f"{why}; spare slot {spare} takes rank {fault.rank}, the mesh is unchanged")
+            return action
+        try:
+            plan = self._replan()
+        except MsjaxError as error:
+            record.update(action="stop", slots=self.slots.describe())
+            stop = dataclasses.replace(
+                action, stop_code=exit_codes.NO_PROGRESS, reason=f"{why}, and {error}"
+            )
+            incident.take(stop)
+            return stop
+        self.slots.arrange(plan.processes)
+        self.plan = plan
+        record.update(action="shrink", mesh=plan.describe(), slots=self.slots.describe())
+        self.say(f"{why}; no spare left: the job goes on on {plan.describe()}")
+        return action
+
+    def _regrow_due(self, attempt: Attempt) -> bool:
+        """Re-admit slots whose time out is over. On the job's own mesh they wait as spares; on
+        a shrunk one the job stops at its next committed checkpoint to grow back (True)."""
+        due = self.slots.readmit_due(time.time(), self.resilience.readmit_after_s)
+        if due:
+            after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
+            if self.plan == self.full_plan:
+                for slot in due:
+                    self.slots.make_spare(slot)
+                self._keep_spares_ready(attempt.number)
+                self.say(f"slot(s) {due} re-admitted after {after}: spare(s) now")
+            else:
+                committed = committed_steps(self.run_dir.checkpoints)
+                self._regrow_after_step = committed[-1] if committed else -1
+                self.say(
+                    f"slot(s) {due} re-admitted after {after}: the job returns to a larger mesh "
+                    "at its next checkpoint"
+                )
+        if self._regrow_after_step is None:
+            return False
+        committed = committed_steps(self.run_dir.checkpoints)
+        self._regrow_ready = bool(committed) and committed[-1] > self._regrow_after_step
+        return self._regrow_ready
+
+    def _stop_for_regrow(self, attempt: Attempt) -> None:
+        """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over
+        the mesh for the healthy slots: an incident of its own, no restart counted."""
+        self.incidents.close(attempt)
+        number = self.incidents.next_number()
+        stopped_unix_s = time.time()
+        committed = committed_steps(self.run_dir.checkpoints)
+        stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
+        attempt.ended_unix_s = time.time()
+        attempt.outcome = REGROW
+        self._regrow_ready, self._regrow_after_step = False, None
+        plan = self._replan()  # fits: it held before on fewer slots
+        self.slots.arrange(plan.processes)
+        self.plan = plan
+        detail = f"checkpoint {committed[-1]} committed after slots were re-admitted"
+        self.incidents.open(
+            Incident(
+                incident=number,
+                cause=REGROW,
+                rank=None,
+                detail=detail,
+                attempt=attempt.number,
+                phase=None,
+                step=attempt.max_step,
+                fault_unix_s=stopped_unix_s,
+                fault_time_from="re-admission",
+                detected_unix_s=stopped_unix_s,
+                detection_latency_s=0.0,
+                stop_s=round(stop_s, 3),
+                diagnostics=None,
+                flight_recorder=None,
+                action=REGROW,
+                killed_after_grace=killed,
+                membership={
+                    "action": REGROW,
+                    "mesh": plan.describe(),
+                    "slots": self.slots.describe(),
+                    "stopped_unix_s": stopped_unix_s,
+                    "first_step_unix_s": None,
+                },
+            )
+        )
+        self.say(f"incident {number}: {detail}; the job goes on on {plan.describe()}")
 
     # --- after a fault -------------------------------------------------------------------------
 

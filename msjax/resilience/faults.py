@@ -14,7 +14,8 @@
                  (step is not needed): a device with silent data corruption, for self-checks
 Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
 RUN_DIR/faults.jsonl before they happen. Kept out of the config on purpose: a drill is not part of
-what defines a run.
+what defines a run. Under msjax.launch, `rank=R` names the process slot that holds rank R when the
+job starts (MSJAX_SLOT), and the fault stays with that slot, as a broken machine would.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
 
 ENV_VAR = "MSJAX_FAULT"
+SLOT_ENV_VAR = "MSJAX_SLOT"  # the launcher's process slot this worker runs in (default: its rank)
 KINDS = (
     "crash",
     "hang",
@@ -124,9 +126,17 @@ def read_firings(run_dir: Path) -> list[dict]:
 class FaultInjector:
     """This rank's share of MSJAX_FAULT, with hooks the train loop calls at the right places."""
 
-    def __init__(self, faults: tuple[InjectedFault, ...], run_dir: Path, rank: int, attempt: int):
+    def __init__(
+        self,
+        faults: tuple[InjectedFault, ...],
+        run_dir: Path,
+        rank: int,
+        attempt: int,
+        slot: int | None = None,
+    ):
         self.run_dir = run_dir
         self.rank = rank
+        self.slot = rank if slot is None else slot
         self.attempt = attempt
         fired: dict[str, int] = {}
         for firing in read_firings(run_dir):
@@ -134,7 +144,7 @@ class FaultInjector:
         self._pending = [
             fault
             for fault in faults
-            if fault.rank == rank
+            if fault.rank == self.slot
             and (fault.kind in PERSISTENT_KINDS or fired.get(fault.spec, 0) < fault.times)
         ]
         self._fired = fired  # firings per fault over every attempt so far
@@ -149,7 +159,9 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, run_dir: Path, rank: int, attempt: int) -> FaultInjector:
-        return cls(parse_faults(os.environ.get(ENV_VAR, "")), run_dir, rank, attempt)
+        slot = os.environ.get(SLOT_ENV_VAR, "")
+        faults = parse_faults(os.environ.get(ENV_VAR, ""))
+        return cls(faults, run_dir, rank, attempt, int(slot) if slot.isdigit() else None)
 
     @property
     def active(self) -> bool:
@@ -169,6 +181,7 @@ class FaultInjector:
             "kind": fault.kind,
             "step": step,
             "rank": self.rank,
+            "slot": self.slot,
             "attempt": self.attempt,
             "pid": os.getpid(),
             "unix_s": time.time(),
