@@ -329,6 +329,7 @@ class Supervisor:
             phase="self_check",
         )
         return attempt, fault
+
     def _worker_base_env(self) -> dict[str, str]:
         """What every worker's environment holds whatever its rank (spares start with it)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
