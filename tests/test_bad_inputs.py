@@ -170,6 +170,9 @@ CASES: list[tuple[str, list[str], str]] = [
         ["resilience.measured_deadline_after_steps=0"],
         "resilience.measured_deadline_after_steps=0 must be at least 1",
     ),
+    # the corruption guard
+    ("msjax.train", ["resilience.replica_check_every=-1"], "replica_check_every=-1 must be >= 0"),
+    ("msjax.train", ["resilience.on_corruption=retry"], "resilience.on_corruption"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

@@ -15,6 +15,9 @@ CHECKPOINT_UNREADABLE = 7  # train: a checkpoint that looks whole could not be r
 # permission error, out of memory); it is left in place: retry, here or elsewhere
 NO_PROGRESS = 8  # launch: several attempts in a row committed no checkpoint newer than the one
 # they resumed from; the last good checkpoint is kept: retry on another node
+SILENT_CORRUPTION = 11  # train: a data-parallel replica's parameters differed from the others'
+# and the difference came back when its window was replayed (or resilience.on_corruption=stop);
+# the message names the rank: a machine that computes or stores wrong numbers
 WRITE_FAILED = 74  # msjax.hf export: OUT_DIR could not be written (disk full, I/O error);
 # nothing half-written is left (sysexits' EX_IOERR): free space and rerun
 INTERRUPTED = 130  # SIGINT
