@@ -126,6 +126,40 @@ def test_on_corruption_stop_marks_the_ranks_bad_at_the_first_mismatch():
     assert raised.value.ranks == (0,)
 
 
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def test_a_restore_passes_over_a_checkpoint_whose_replicas_differed_for_an_earlier_good_one(
+    tmp_path: Path,
+):
+    import jax
+    import jax.numpy as jnp
+
+    from msjax.checkpoint.manager import Checkpointer
+    from msjax.config import CheckpointConfig
+
+    def state(value: float) -> dict:
+        return {"weights": jnp.full((8, 8), value, jnp.float32)}
+
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+    for step, agreed in ((2, True), (4, True), (6, False)):
+        checkpointer.save(step, state(step), {"replicas": {"checked": True, "agreed": agreed}})
+        checkpointer.wait()
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state(0)
+    )
+    warnings: list[str] = []
+    restored = checkpointer.restore_newest_valid(abstract, warnings.append)
+    assert restored is not None and restored.step == 4
+    assert float(restored.state["weights"][0, 0]) == 4.0
+    assert warnings == [
+        f"skipped checkpoint {tmp_path / '6'}: its data-parallel replicas differed when it was "
+        "saved, and an earlier one's agreed"
+    ]
+    assert (tmp_path / "6").is_dir()  # kept for a look, not moved aside as damaged
+    checkpointer.close()
+
+
 # ---- real 2-process jobs ------------------------------------------------------------------------
 
 STEPS, CHECK_EVERY, FLIP_STEP = 12, 4, 5  # the flip after step 5's update is found at step 8
