@@ -210,8 +210,8 @@ def train_segment(
                 results.finish(in_flight)
                 in_flight = None
             if checks.due(step + 1, decision):
-                ended.replay = checks.check(step + 1, state)  # before the state is saved
-                results.restart_clock()  # the check is not the next step's time
+                # before the state is saved; its time counts in the next step's (an overhead)
+                ended.replay = checks.check(step + 1, state)
                 if ended.replay is not None:
                     return ended
             if decision.evaluate:

@@ -56,6 +56,7 @@ class ReplicaFingerprints:
         from msjax.parallel.mesh import MESH_AXES
 
         self.mesh = mesh
+        self._compiled: Any = None
         paths = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
         self.tensor_names = tuple("params/" + leaf_name(path) for path, _ in paths)
         specs = jax.tree.map(lambda sharding: sharding.spec, param_shardings)
@@ -81,10 +82,14 @@ class ReplicaFingerprints:
     def lower(self, abstract_params: Any) -> Any:
         return self._program.lower(abstract_params)
 
+    def compile(self, abstract_params: Any) -> None:
+        """Compile the program now (before the loop), so no step waits for it."""
+        self._compiled = self.lower(abstract_params).compile()
+
     def table(self, params: Any) -> np.ndarray:
         """uint64 [data, fsdp, pipe, tensor, tensors]: each device's fingerprint of each of its
         parameter blocks, read from this process's own copy of the gathered table."""
-        gathered = self._program(params)
+        gathered = (self._compiled or self._program)(params)
         local = np.asarray(gathered.addressable_shards[0].data)  # [devices, K, 2] uint32
         combined = (local[..., 0].astype(np.uint64) << np.uint64(32)) | local[..., 1]
         return combined.reshape(*self.mesh.devices.shape, len(self.tensor_names))

@@ -47,9 +47,10 @@ class ReplicaChecks:
                 "replica checks: mesh.data=1 holds no data-parallel replicas to compare; "
                 "silent corruption is left to the known-answer self-check"
             )
-        self.fingerprints = (
-            ReplicaFingerprints(mesh, run.program.state_shardings.params) if self.enabled else None
-        )
+        self.fingerprints = None
+        if self.enabled:
+            self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings.params)
+            self.fingerprints.compile(run.program.abstract_state().params)
         log = MismatchLog(run.run_dir.path, jax.process_index() == 0, run.progress.message)
         self.machine = RerunStateMachine(resilience.on_corruption, run.start.step, log)
         self.devices = mesh.devices
