@@ -238,6 +238,12 @@ class ResilienceConfig:
     # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8
     # (exit 2 if each crashed the same way before its first step: a mistake, not the machine)
     max_attempts_without_progress: int = 3
+    # A slot (on one node a process place of msjax.launch, across nodes a node) is marked bad
+    # when it is the named cause of max_faults_per_slot faults in a row, or fails a self-check,
+    # or corrupts persistently; exclude: leave it out (a multi-node job's launcher exits 9, bad
+    # node), restart: restart on it as on any fault (the marking is still recorded)
+    on_bad_node: Literal["exclude", "restart"] = "exclude"
+    max_faults_per_slot: int = 3
     restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
     # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:

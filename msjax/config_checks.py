@@ -292,6 +292,10 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
             "resilience.max_attempts_without_progress="
             f"{resilience.max_attempts_without_progress} must be >= 1"
         )
+    if resilience.max_faults_per_slot < 1:
+        raise ConfigError(
+            f"resilience.max_faults_per_slot={resilience.max_faults_per_slot} must be >= 1"
+        )
     if resilience.compile_cache_dir is not None and not resilience.compile_cache_dir.strip():
         raise ConfigError("resilience.compile_cache_dir is empty; give a path (or null)")
 

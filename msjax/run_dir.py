@@ -180,6 +180,20 @@ class RunDir:
     def incident(self, number: int) -> Path:
         return self.path / "incidents" / str(number)
 
+    # Slots' health (msjax.launch.slots): the faults each slot was the named cause of, the
+    # slots marked bad.
+    @property
+    def health(self) -> Path:
+        return self.path / "health"
+
+    @property
+    def slot_faults(self) -> Path:
+        return self.health / "slot_faults.jsonl"
+
+    @property
+    def bad_slots(self) -> Path:
+        return self.health / "bad_slots.json"
+
     def previous(self, stamp: str) -> Path:
         return self.path / f"{PREVIOUS_PREFIX}{stamp}"
 
@@ -187,7 +201,7 @@ class RunDir:
         """The names msjax may create directly in a run directory (files and folders)."""
         named = [getattr(self, name) for name, value in vars(RunDir).items() if _is_path(value)]
         named += [self.log(0).parent, self.incident(0).parent]
-        return frozenset(path.name for path in named)
+        return frozenset(path.name for path in named if path.parent == self.path)
 
     def own_folders(self) -> frozenset[str]:
         """The own names that are folders (the others, with a suffix, are files)."""

@@ -17,21 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from msjax.checkpoint.read_errors import CheckpointUnreadable
-from msjax.cli import ArgumentParser, user_error
+from msjax.cli import ArgumentParser
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
-from msjax.errors import MsjaxError
-from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes
+from msjax.resilience.fault_kinds import kind_of_error
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
-from msjax.resilience.replica_guard import SilentCorruption
-from msjax.resilience.worker import NonFiniteLoss, SavesFailing, dump_stacks_from_start
+from msjax.resilience.worker import SavesFailing, dump_stacks_from_start
 from msjax.training.stop_signal import (
     forget_stop_signals_from_start,
     remember_stop_signals_from_start,
 )
-from msjax.writable import WriteFailed
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
@@ -83,40 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # its one planner (msjax.training.prepare.plan_run)
         check_sources(config.data)
         train(config)
-    except MsjaxError as error:
-        code = user_error("msjax.train", error)
-        leave_job_now(code, str(error).splitlines()[0])  # peers may still be mid-step
-        return code
-    except NonFiniteLoss as error:
-        print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.NONFINITE_LOSS, f"the loss of step {error.step} is not finite")
-        return exit_codes.NONFINITE_LOSS
-    except SavesFailing as error:
-        print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.SAVES_FAILED, "checkpoint saves kept failing")
-        return exit_codes.SAVES_FAILED
-    except WriteFailed as error:  # the run record on a full disk: one line, and retryable
-        print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.CRASHED, str(error))
-        return exit_codes.CRASHED
-    except VoteTimeout as error:  # a peer that never voted: named, and retryable
-        print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.CRASHED, str(error))
-        return exit_codes.CRASHED
-    except SilentCorruption as error:  # every process found the same replicas bad
-        print(f"msjax.train: {error}", file=sys.stderr)
-        ranks = ", ".join(map(str, error.ranks)) or "unknown"
-        leave_job_now(exit_codes.SILENT_CORRUPTION, f"silent corruption on rank {ranks}")
-        return exit_codes.SILENT_CORRUPTION
-    except CheckpointUnreadable as error:  # every process raises it alike: no peer to blame
-        print(f"msjax.train: {error}", file=sys.stderr)
-        leave_job_now(exit_codes.CHECKPOINT_UNREADABLE, "a checkpoint could not be read")
-        return exit_codes.CHECKPOINT_UNREADABLE
-    except KeyboardInterrupt:
-        print("msjax.train: interrupted", file=sys.stderr)
-        leave_job_now(exit_codes.INTERRUPTED, "interrupted")
-        return exit_codes.INTERRUPTED
-    except Exception:
+    except (Exception, KeyboardInterrupt) as error:
+        kind = kind_of_error(error)
+        if kind is not None:  # one line, and the kind's exit code (msjax.resilience.fault_kinds)
+            assert kind.exit_code is not None
+            print(f"msjax.train: {kind.line(error)}", file=sys.stderr)
+            leave_job_now(kind.exit_code, kind.reason(error))  # peers may still be mid-step
+            return kind.exit_code
         if not in_job():
             raise
         # a peer that left first explains a failed collective here: its exit code is the job's

@@ -170,6 +170,13 @@ CASES: list[tuple[str, list[str], str]] = [
         ["resilience.measured_deadline_after_steps=0"],
         "resilience.measured_deadline_after_steps=0 must be at least 1",
     ),
+    # bad slots
+    (
+        "msjax.launch",
+        ["--", "resilience.max_faults_per_slot=0"],
+        "resilience.max_faults_per_slot=0 must be >= 1",
+    ),
+    ("msjax.launch", ["--", "resilience.on_bad_node=drop"], "resilience.on_bad_node"),
     # the corruption guard
     ("msjax.train", ["resilience.replica_check_every=-1"], "replica_check_every=-1 must be >= 0"),
     ("msjax.train", ["resilience.on_corruption=retry"], "resilience.on_corruption"),

@@ -35,6 +35,7 @@ SMOKES = [
     Smoke("checkpoint_overhead.py"),
     Smoke("corruption_guard.py"),
     Smoke("data_throughput.py", slow=True),
+    Smoke("fault_drill.py", slow=True),
     Smoke("generate.py"),
     # its other parts: tests/test_gpu_suite.py; {tmp} is the test's own directory
     Smoke("gpu_suite.py", ("--smoke", "--parts", "checkpoint", "--out", "{tmp}/suite.json")),
@@ -189,6 +190,17 @@ def check_recovery(out: str, _: Path) -> None:
     assert "8 steps" in out and "step deadline 4 s" in out
 
 
+def check_fault_drill(out: str, _: Path) -> None:
+    clean = number(r"\| wall time \| {N} s", out)
+    faulty = number(r"\| wall time \| [\d.]+ s \| {N} s", out)
+    assert_ratio(number(r"with faults / clean wall time: {N}", out), faulty, clean, 3, 2)
+    assert re.search(r"\| incidents \| 0 \| 1 \|", out), out  # the smoke form's one crash
+    assert re.search(r"\| 1 \| crash \| 1 \| [\d.]+ s \| [\d.]+ s \|", out), out
+    for ratio in re.findall(r"\| effective training time \| ([\d.]+) \| ([\d.]+) \|", out)[0]:
+        assert 0.0 < float(ratio) <= 1.0
+    assert "60 steps, a checkpoint every 20" in out
+
+
 def check_step_overhead(out: str, _: Path) -> None:
     bare = number(r"bare loop over the compiled step\s+{N} tokens/s", out)
     full = number(r"msjax.train loop\s+{N} tokens/s", out)
@@ -202,6 +214,7 @@ CHECKS = {
     "checkpoint_overhead.py": check_checkpoint_overhead,
     "corruption_guard.py": check_corruption_guard,
     "data_throughput.py": check_data_throughput,
+    "fault_drill.py": check_fault_drill,
     "generate.py": check_generate,
     "gpu_suite.py": check_gpu_suite,
     "kernels_gpu.py": check_kernels_gpu,

@@ -27,6 +27,9 @@ RUN_DIR_NAMES = {
     "incidents",
     "logs",
     "compile_cache",
+    "health",
+    "slot_faults.jsonl",
+    "bad_slots.json",
 }
 
 

@@ -1,5 +1,5 @@
 """launch/slurm/train.sbatch on a live Slurm cluster: real sbatch jobs of two nodes, msjax.launch on
-each, through preemption, a SIGKILLed worker, a user error and a time limit.
+each, through preemption, a SIGKILLed worker, a user error, a time limit and a bad node.
 
 The cluster is launch/slurm/local-cluster.sh's (the one up in MSJAX_SLURM_DIR, as .ci/run starts
 it, or one started here). Without Slurm installed the tests skip; with MSJAX_REQUIRE_SLURM=1 (CI)
@@ -218,6 +218,7 @@ class Runs:
     hand_output: str
     timelines: dict[str, Timeline]
     wall_s: dict[str, float]
+    bad_node_file: Path  # names the node the bad-node job's fault stayed with
 
 
 def drive_faults(job: Job, timeline: Timeline) -> Callable[[], None]:
@@ -270,6 +271,37 @@ def drive_time_limit(job: Job, timeline: Timeline) -> Callable[[], None]:
     return step
 
 
+BAD_NODE_STEPS = 40
+BAD_NODE_CRASH_AT = 3
+
+
+def submit_bad_node_job(base: Path, env: dict[str, str], cache: Path) -> tuple[Job, Path]:
+    """A 2-node job whose node rank 1 crashes at every start, on that node only: the fault
+    stays with the first node that runs rank 1 (a broken machine), through MSJAX_PYTHON, a
+    wrapper that sets MSJAX_FAULT there. Returns the job and the file naming that node."""
+    bad_file = base / "bad-node"
+    wrapper = base / "python-on-a-broken-node"
+    wrapper.write_text(
+        "#!/bin/bash\n"
+        f'bad_file="{bad_file}"\n'
+        'if [ "${SLURM_NODEID:-}" = 1 ] && [ -n "${SLURM_STEP_ID:-}" ] && [ ! -e "$bad_file" ]; '
+        'then echo "$SLURMD_NODENAME" > "$bad_file"; fi\n'
+        'if [ -n "${SLURM_STEP_ID:-}" ] && '
+        '[ "$(cat "$bad_file" 2>/dev/null)" = "$SLURMD_NODENAME" ]; '
+        f'then export MSJAX_FAULT="crash@step={BAD_NODE_CRASH_AT},rank=1,times=99"; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    args = [
+        "--devices-per-proc",
+        "1",
+        "--",
+        *train_args(base / "bad_node", cache, steps=BAD_NODE_STEPS),
+        "resilience.max_faults_per_slot=2",
+    ]
+    return Job.submit("bad_node", base, {**env, "MSJAX_PYTHON": str(wrapper)}, args), bad_file
+
+
 def free_port() -> int:
     import portpicker
 
@@ -309,6 +341,7 @@ def runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
             ],
             [f"--time={TIME_LIMIT_MIN}", f"--signal=TERM@{TIME_LIMIT_SIGNAL_S}"],
         )
+        jobs["bad_node"], bad_node_file = submit_bad_node_job(base, slurm_env, cache)
         # the same job as "clean" launched by hand, without Slurm
         hand = base / "hand"
         coordinator = f"127.0.0.1:{free_port()}"
@@ -356,6 +389,7 @@ def runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
             hand_output=hand_log.read_text(),
             timelines=timelines,
             wall_s={name: job.ended_s - started_s for name, job in jobs.items()},
+            bad_node_file=bad_node_file,
         )
     finally:
         for job in jobs.values():
@@ -562,3 +596,68 @@ def test_sbatch_script_does_not_requeue_a_user_error_of_one_node_behind_srun_s_1
         tmp_path, ["--config", "c.yaml"], per_node.replace("code 2", "code 5"), 143
     )
     assert (code, requeued) == (143, True), output
+
+
+def test_sbatch_script_requeues_the_job_without_a_node_whose_launcher_exits_bad_node(tmp_path):
+    """Node 1's launcher exits 9 (its slot is bad); srun stops node 0's (143)."""
+    per_node = (
+        "msjax: node 0 (n1): msjax.launch exit code 143\\n"
+        "msjax: node 1 (n2): msjax.launch exit code 9\\n"
+    )
+    code, _, output, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node, 143
+    )
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert (code, requeued) == (9, True), output
+    requeue = calls.index("scontrol requeue 42")
+    assert "scontrol update JobId=42 ExcNodeList=n2" in calls[requeue:], calls
+    assert "bad node(s) n2; requeueing without them" in output
+    # a node that is not bad (exit 5) is requeued onto the same nodes, as before
+    code, _, _, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node.replace("code 9", "code 5"), 143
+    )
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert (code, requeued) == (143, True)
+    assert not [call for call in calls if "ExcNodeList" in call]
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_bad_node_is_excluded_by_requeue_and_the_job_finishes_on_the_spare(runs):
+    job, bad = runs.jobs["bad_node"], runs.bad_node_file.read_text().strip()
+    assert job.final["JobState"] == "COMPLETED" and job.final["ExitCode"] == "0:0", job.output
+    output = job.output
+    # the first crash of that node is one fault (a multi-node job restarts as a whole: exit 5),
+    # the second in a row marks its slot bad: its launcher exits 9, its last line names it
+    assert f"msjax: node 1 ({bad}): msjax.launch exit code 5" in output, output
+    assert f"msjax: node 1 ({bad}): msjax.launch exit code 9" in output, output
+    stopped = [line for line in output.splitlines() if "exit code 9;" in line]
+    named = f"node {bad} is marked bad: the named cause of 2 faults in a row"
+    assert stopped and named in stopped[0], output
+    assert f"bad node(s) {bad}; requeueing without them" in output
+    # the requeued job ran without it, on the cluster's spare node
+    assert job.final["ExcNodeList"] == bad
+    nodes = subprocess.run(
+        ["scontrol", "show", "hostnames", job.final["NodeList"]],
+        env=job.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert len(nodes) == 2 and bad not in nodes, nodes
+    run_dir = RunDir(job.run_dir)
+    assert sorted(losses(job.run_dir)) == list(range(BAD_NODE_STEPS))
+    # the incident log names the excluded node, and so does the run's health record
+    incidents = read_jsonl(run_dir.incidents_log)
+    marked = [i for i in incidents if i.get("bad_slot")]
+    assert [i["bad_slot"]["node"] for i in marked] == [bad], incidents
+    assert (marked[0]["action"], marked[0]["rank"], marked[0]["cause"]) == ("stop", 1, "crash")
+    bad_slots = json.loads(run_dir.bad_slots.read_text())["slots"]
+    assert [(slot["slot"], slot["on_bad_node"]) for slot in bad_slots] == [(bad, "exclude")]
+    launches = job.launches()
+    assert launches[-1]["outcome"] == "done" and len(launches) == 3
+    goodput = json.loads(run_dir.goodput.read_text())
+    print(
+        f"\nfigures: bad-node job {runs.wall_s['bad_node']:.0f} s wall, 3 runs, effective training "
+        f"time {100 * goodput['effective_training_time_ratio']:.1f}% ({goodput['breakdown_s']})"
+    )

@@ -1,5 +1,6 @@
-"""How the supervisor tells a fault from an attempt's exits and heartbeats: a crash (a non-zero
-exit or a signal), a hang (no progress past its phase's deadline), a non-finite loss, an early exit.
+"""How the supervisor tells a fault from an attempt's exits and heartbeats: DETECTORS, run in
+order on every poll, each a function of what the poll saw; the kinds are those of
+msjax.resilience.fault_kinds (a crash, a hang, a non-finite loss, an early exit, ...).
 """
 
 from __future__ import annotations
@@ -7,21 +8,25 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from msjax.config import ResilienceConfig
 from msjax.launch.attempt import Attempt
 from msjax.launch.workers import LOG_HEADER, WorkerProcess, describe_exit
-from msjax.resilience import exit_codes
+from msjax.resilience import exit_codes, fault_kinds
+from msjax.resilience.fault_kinds import FaultKind, kind_of_exit
 from msjax.resilience.faults import read_firings
 from msjax.resilience.heartbeat import TIMED_PHASES, HeartbeatRecord
+from msjax.resilience.replica_guard import recorded_bad_ranks
 from msjax.run_dir import RunDir
 
 
 @dataclass
-class Fault:
-    cause: str  # crash, hang, nonfinite_loss, early_exit, user_error
+class DetectedFault:
+    """A fault the supervisor saw (an injected one is msjax.resilience.faults.InjectedFault)."""
+
+    kind: FaultKind
     rank: int
     detail: str
     detected_unix_s: float
@@ -30,6 +35,10 @@ class Fault:
     step: int  # updates completed by the furthest rank before the fault
     phase: str
     nonfinite_step: int | None = None
+
+    @property
+    def cause(self) -> str:
+        return self.kind.cause
 
 
 Timings = dict[str, tuple[int, float]]  # phase: (how many timed on every rank, the slowest s)
@@ -106,43 +115,65 @@ def configured_deadline_s(resilience: ResilienceConfig, phase: str) -> float:
     return startup.get(phase, resilience.compile_deadline_s)  # compile, eval (which compiles)
 
 
-def exit_fault(attempt: Attempt, failed: list[WorkerProcess], last_poll_unix_s: float) -> Fault:
-    """The first failed worker's exit: a crash, or the user error or non-finite loss it reports."""
+@dataclass(frozen=True)
+class Poll:
+    """What one poll of an attempt saw, for the detectors."""
+
+    attempt: Attempt
+    exited: list[WorkerProcess]
+    last_poll_unix_s: float
+    now_unix_s: float
+    resilience: ResilienceConfig
+    steps: int  # train.steps
+    timed_before: Timings  # what the job's earlier attempts timed
+
+    @property
+    def failed(self) -> list[WorkerProcess]:
+        return [worker for worker in self.exited if worker.exit_code != 0]
+
+    @property
+    def all_exited(self) -> bool:
+        return len(self.exited) == len(self.attempt.workers)
+
+
+def exit_fault(poll: Poll) -> DetectedFault | None:
+    """The first failed worker's exit: its exit code's kind (a crash when no kind has it)."""
+    failed = poll.failed
+    if not failed:
+        return None
+    attempt = poll.attempt
     first = min(failed, key=lambda w: (w.exited_unix_s or 0.0, w.rank))
     code = first.exit_code
     assert code is not None
+    kind = kind_of_exit(code)
     record = attempt.heartbeats.get(first.rank)
     phase = record.phase if record is not None else "init"
-    fault = Fault(
-        "crash",
+    fault = DetectedFault(
+        kind,
         first.rank,
-        describe_exit(code),
+        describe_exit(code) + kind.exit_detail,
         time.time(),
-        last_poll_unix_s,
+        poll.last_poll_unix_s,
         "exit seen by polling",
         attempt.max_step,
         phase,
     )
-    if code == exit_codes.USER_ERROR:
-        fault.cause = "user_error"
-    elif code == exit_codes.NONFINITE_LOSS:
-        fault.cause = "nonfinite_loss"
+    if kind is fault_kinds.NONFINITE_LOSS:
         fault.nonfinite_step = record.step if record is not None else attempt.max_step
         fault.step = fault.nonfinite_step
         fault.detail = f"the loss of step {fault.nonfinite_step} is not finite"
-    elif code == exit_codes.SAVES_FAILED:
-        fault.detail += " (checkpoint saves kept failing)"
-    elif code == exit_codes.CHECKPOINT_UNREADABLE:
-        fault.detail += " (a checkpoint that looks whole could not be read; it is left in place)"
-    elif first.rank == 0:
+    elif kind.cause == fault_kinds.CRASH.cause and not kind.exit_detail and first.rank == 0:
         fault.detail += "; rank 0 hosted the coordinator"
     return fault
 
 
-def early_exit_fault(attempt: Attempt, now_unix_s: float) -> Fault:
+def early_exit_fault(poll: Poll) -> DetectedFault | None:
     """Every worker exited 0, but not every one says it finished."""
-    return Fault(
-        "early_exit",
+    attempt, now_unix_s = poll.attempt, poll.now_unix_s
+    if not poll.all_exited or poll.failed or attempt.finished(poll.steps):
+        return None
+    return DetectedFault(
+        fault_kinds.EARLY_EXIT,
         attempt.workers[0].rank,
         "every worker exited 0 before train.steps",
         now_unix_s,
@@ -153,13 +184,14 @@ def early_exit_fault(attempt: Attempt, now_unix_s: float) -> Fault:
     )
 
 
-def nonfinite_fault(attempt: Attempt) -> Fault | None:
+def nonfinite_fault(poll: Poll) -> DetectedFault | None:
     """A rank's heartbeat says its loss was not finite (it is leaving, or about to)."""
+    attempt = poll.attempt
     for worker in attempt.workers:
         record = attempt.heartbeats.get(worker.rank)
         if record is not None and record.phase == "nonfinite":
-            return Fault(
-                "nonfinite_loss",
+            return DetectedFault(
+                fault_kinds.NONFINITE_LOSS,
                 worker.rank,
                 f"the loss of step {record.step} is not finite",
                 time.time(),
@@ -172,11 +204,10 @@ def nonfinite_fault(attempt: Attempt) -> Fault | None:
     return None
 
 
-def hang_fault(
-    attempt: Attempt, resilience: ResilienceConfig, earlier: Timings | None = None
-) -> Fault | None:
+def hang_fault(poll: Poll) -> DetectedFault | None:
     """A live rank past its phase's deadline without progress; the fault names the rank that
     stopped first: a SIGSTOPped one, else the one longest without progress."""
+    attempt, resilience, earlier = poll.attempt, poll.resilience, poll.timed_before
     now = time.monotonic()
     live = [w for w in attempt.workers if w.alive]
     heartbeats = list(attempt.heartbeats.values())
@@ -201,8 +232,8 @@ def hang_fault(
     if stopped:
         detail += f"; the process is stopped (state {culprit.state()}, e.g. SIGSTOP)"
     detail += "; ranks past their deadline: " + ", ".join(str(w.rank) for w in overdue)
-    return Fault(
-        "hang",
+    return DetectedFault(
+        fault_kinds.HANG,
         culprit.rank,
         detail,
         time.time(),
@@ -213,12 +244,35 @@ def hang_fault(
     )
 
 
+Detector = Callable[[Poll], DetectedFault | None]
+# run in this order on every poll; the first fault found ends the attempt
+DETECTORS: tuple[Detector, ...] = (exit_fault, early_exit_fault, nonfinite_fault, hang_fault)
+
+
+def detect(poll: Poll) -> DetectedFault | None:
+    """The first fault a detector finds in what this poll saw; None: none (yet)."""
+    for detector in DETECTORS:
+        fault = detector(poll)
+        if fault is not None:
+            return fault
+    return None
+
+
 def _phase(attempt: Attempt, rank: int) -> str:
     record = attempt.heartbeats.get(rank)
     return record.phase if record is not None else "init"
 
 
-def use_injection_time(fault: Fault, attempt: Attempt, run_dir: RunDir) -> None:
+def name_the_corrupt_rank(fault: DetectedFault, run_dir: RunDir) -> None:
+    """Silent corruption: every worker exits 11 alike; the replicas' record names the bad rank."""
+    if fault.kind is fault_kinds.SILENT_CORRUPTION:
+        bad = recorded_bad_ranks(run_dir.path)
+        if bad:
+            fault.rank = bad[0]
+            fault.detail += f" (replica_mismatches.jsonl names rank {', '.join(map(str, bad))})"
+
+
+def use_injection_time(fault: DetectedFault, attempt: Attempt, run_dir: RunDir) -> None:
     """An injected fault's own record says exactly when it fired."""
     pids = {worker.pid for worker in attempt.workers}
     for firing in read_firings(run_dir.path):
@@ -227,12 +281,12 @@ def use_injection_time(fault: Fault, attempt: Attempt, run_dir: RunDir) -> None:
             fault.fault_time_from = f"injection record ({firing['fault']})"
 
 
-def start_up_failure(fault: Fault, attempt: Attempt) -> str | None:
+def start_up_failure(fault: DetectedFault, attempt: Attempt) -> str | None:
     """What names a crash before the attempt's first step, to tell the same failure when it
     comes again: the exit, the phase and the worker's last line of output in this attempt, its
     numbers masked (times, pids, ports). None for any other fault: a hang, a SIGKILL (the OOM
     killer's too), an exit code of its own meaning, or a crash after the first step."""
-    if fault.cause != "crash" or attempt.first_step_unix_s is not None:
+    if fault.cause != fault_kinds.CRASH.cause or attempt.first_step_unix_s is not None:
         return None
     worker = next(worker for worker in attempt.workers if worker.rank == fault.rank)
     code = worker.exit_code

@@ -6,6 +6,7 @@ per incident, completed with restart and catch-up times as the next attempt prog
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import time
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from msjax.launch.attempt import Attempt
-from msjax.launch.fault_detection import Fault
+from msjax.launch.fault_detection import DetectedFault
+from msjax.launch.policy import Action
 from msjax.launch.workers import describe_exit
 from msjax.observe.flight_recorder import diagnose
 from msjax.resilience.heartbeat import STARTUP_PHASES
@@ -64,7 +66,7 @@ def flight_verdict(run_dir: RunDir, incident: IncidentDir) -> str | None:
 
 
 def collect_diagnostics(
-    attempt: Attempt, fault: Fault, run_dir: RunDir, incident: IncidentDir
+    attempt: Attempt, fault: DetectedFault, run_dir: RunDir, incident: IncidentDir
 ) -> None:
     """Every live worker's Python stacks (SIGUSR1; a stopped one is continued to answer), each
     worker's log tail, and a summary of every rank's state, into the incident's directory."""
@@ -123,36 +125,127 @@ def _size(path: Path) -> int:
         return 0
 
 
-def incident_record(
-    number: int,
-    fault: Fault,
-    attempt: Attempt,
-    stop_s: float,
-    diagnostics: str,
-    flight_recorder: str | None,
-) -> dict[str, Any]:
-    """An incident as detected and handled; the restart fields are filled in later."""
-    return {
-        "incident": number,
-        "cause": fault.cause,
-        "rank": fault.rank,
-        "detail": fault.detail,
-        "attempt": attempt.number,
-        "phase": fault.phase,
-        "step": fault.step,
-        "fault_unix_s": fault.fault_unix_s,
-        "fault_time_from": fault.fault_time_from,
-        "detected_unix_s": fault.detected_unix_s,
-        "detection_latency_s": round(fault.detected_unix_s - fault.fault_unix_s, 3),
-        "stop_s": round(stop_s, 3),
-        "diagnostics": diagnostics,
-        "flight_recorder": flight_recorder,
-        "action": "restart",
-        "resumed_from_step": None,
-        "steps_lost": None,
-        "restart_s": None,
-        "catch_up_s": None,
-    }
+@dataclass(kw_only=True)
+class Incident:
+    """One incident's record in incidents.jsonl, as detected and handled; the restart fields are
+    filled in as the attempt after it progresses (progress). The keys of OPTIONAL appear in the
+    record only once set."""
+
+    incident: int
+    cause: str
+    rank: int | None
+    detail: str
+    attempt: int | None  # None: a requeue, before the session's first attempt
+    launch: int | None = None  # a requeue: the launch it opens
+    phase: str | None
+    step: int
+    fault_unix_s: float
+    fault_time_from: str
+    detected_unix_s: float
+    detection_latency_s: float
+    stop_s: float
+    scheduler_s: float | None = None  # a requeue: the scheduler's share (requeue and start)
+    diagnostics: str | None
+    flight_recorder: str | None
+    action: str = "restart"
+    resumed_from_step: int | None = None
+    steps_lost: int | None = None
+    restart_s: float | None = None
+    catch_up_s: float | None = None
+    killed_after_grace: list[int] | None = None  # ranks that did not stop on SIGTERM in time
+    stop_reason: str | None = None
+    skipped_step: int | None = None
+    backoff_s: float | None = None
+    restart: int | None = None
+    restart_to_first_step_s: float | None = None
+    bad_slot: dict[str, Any] | None = None  # the fault's slot, marked bad (msjax.launch.slots)
+
+    OPTIONAL = (
+        "launch",
+        "scheduler_s",
+        "killed_after_grace",
+        "stop_reason",
+        "skipped_step",
+        "backoff_s",
+        "restart",
+        "restart_to_first_step_s",
+        "bad_slot",
+    )
+
+    @classmethod
+    def of_fault(
+        cls,
+        number: int,
+        fault: DetectedFault,
+        attempt: Attempt,
+        stop_s: float,
+        diagnostics: str,
+        flight_recorder: str | None,
+        killed_after_grace: list[int],
+    ) -> Incident:
+        return cls(
+            incident=number,
+            cause=fault.cause,
+            rank=fault.rank,
+            detail=fault.detail,
+            attempt=attempt.number,
+            phase=fault.phase,
+            step=fault.step,
+            fault_unix_s=fault.fault_unix_s,
+            fault_time_from=fault.fault_time_from,
+            detected_unix_s=fault.detected_unix_s,
+            detection_latency_s=round(fault.detected_unix_s - fault.fault_unix_s, 3),
+            stop_s=round(stop_s, 3),
+            diagnostics=diagnostics,
+            flight_recorder=flight_recorder,
+            killed_after_grace=killed_after_grace,
+        )
+
+    def take(self, action: Action) -> None:
+        """What the supervisor decided (msjax.launch.policy)."""
+        self.action = action.name
+        if action.skip_step is not None:
+            self.skipped_step = action.skip_step
+        if action.stop_code is not None:
+            self.stop_reason = action.reason
+        else:
+            self.backoff_s = action.backoff_s
+            self.restart = action.restart
+        if action.bad_slot is not None:
+            self.bad_slot = {**dataclasses.asdict(action.bad_slot), "action": action.name}
+
+    def progress(self, attempt: Attempt) -> bool:
+        """Fill in restart and catch-up times as the attempt after the incident progresses;
+        True once it has caught up after its first step (the record is complete)."""
+        detected = self.detected_unix_s
+        if self.resumed_from_step is None and attempt.start_step is not None:
+            self.resumed_from_step = attempt.start_step
+            self.steps_lost = max(self.step - attempt.start_step, 0)
+        if self.restart_s is None and attempt.first_step_unix_s is not None:
+            self.restart_s = round(attempt.first_step_unix_s - detected, 3)
+            self.restart_to_first_step_s = round(
+                attempt.first_step_unix_s - attempt.spawned_unix_s, 3
+            )
+        caught_up = None
+        if attempt.start_step is not None and attempt.start_step >= self.step:
+            caught_up = attempt.compile_unix_s  # resumed at (or past) the pre-fault step
+        elif attempt.max_step >= self.step and attempt.first_step_unix_s is not None:
+            caught_up = max(
+                record.unix_s
+                for record in attempt.heartbeats.values()
+                if record.phase not in STARTUP_PHASES
+            )
+        if caught_up is not None:
+            self.catch_up_s = round(caught_up - detected, 3)
+        return caught_up is not None and self.restart_s is not None
+
+    def record(self) -> dict[str, Any]:
+        """The line of incidents.jsonl."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in self.OPTIONAL or getattr(self, field.name) is not None
+        }
 
 
 class IncidentLog:
@@ -163,7 +256,7 @@ class IncidentLog:
         self.path = run_dir.incidents_log
         self.say = say
         self.written: list[dict[str, Any]] = []  # this supervisor's incidents
-        self.open_incident: dict[str, Any] | None = None
+        self.open_incident: Incident | None = None
         self.count = self._count_so_far()
 
     def _count_so_far(self) -> int:
@@ -178,35 +271,15 @@ class IncidentLog:
         self.count += 1
         return self.count
 
-    def open(self, record: dict[str, Any]) -> None:
-        self.open_incident = record
+    def open(self, incident: Incident) -> None:
+        self.open_incident = incident
 
     def update(self, attempt: Attempt) -> None:
         """Fill in restart and catch-up times as the attempt after an incident progresses."""
         incident = self.open_incident
-        if incident is None or incident["attempt"] == attempt.number:
+        if incident is None or incident.attempt == attempt.number:
             return
-        detected = incident["detected_unix_s"]
-        if incident["resumed_from_step"] is None and attempt.start_step is not None:
-            incident["resumed_from_step"] = attempt.start_step
-            incident["steps_lost"] = max(incident["step"] - attempt.start_step, 0)
-        if incident["restart_s"] is None and attempt.first_step_unix_s is not None:
-            incident["restart_s"] = round(attempt.first_step_unix_s - detected, 3)
-            incident["restart_to_first_step_s"] = round(
-                attempt.first_step_unix_s - attempt.spawned_unix_s, 3
-            )
-        caught_up = None
-        if attempt.start_step is not None and attempt.start_step >= incident["step"]:
-            caught_up = attempt.compile_unix_s  # resumed at (or past) the pre-fault step
-        elif attempt.max_step >= incident["step"] and attempt.first_step_unix_s is not None:
-            caught_up = max(
-                record.unix_s
-                for record in attempt.heartbeats.values()
-                if record.phase not in STARTUP_PHASES
-            )
-        if caught_up is not None:
-            incident["catch_up_s"] = round(caught_up - detected, 3)
-        if caught_up is not None and incident["restart_s"] is not None:
+        if incident.progress(attempt):
             self.write()  # after the first step, even if resumed at or past the fault's step
 
     def close(self, attempt: Attempt) -> None:
@@ -220,12 +293,13 @@ class IncidentLog:
         incident = self.open_incident
         assert incident is not None
         self.open_incident = None
-        self.written.append(incident)
+        record = incident.record()
+        self.written.append(record)
         log = AppendLog(self.path)  # a full disk drops the record with one warning
-        log.write(json.dumps(incident) + "\n")
+        log.write(json.dumps(record) + "\n")
         log.close()
-        if incident["catch_up_s"] is not None:
+        if incident.catch_up_s is not None:
             self.say(
-                f"incident {incident['incident']}: caught up with step {incident['step']} "
-                f"{incident['catch_up_s']:.1f} s after detection"
+                f"incident {incident.incident}: caught up with step {incident.step} "
+                f"{incident.catch_up_s:.1f} s after detection"
             )

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from msjax.launch.attempt import Attempt
+from msjax.launch.incidents import Incident
 from msjax.observe.goodput import read_records
 from msjax.run_dir import RunDir
 from msjax.writable import AppendLog
@@ -60,7 +61,7 @@ def append_launch(run_dir: RunDir, record: dict[str, Any]) -> None:
 
 def requeue_incident(
     number: int, previous: dict[str, Any], started_unix_s: float, context: dict[str, Any]
-) -> dict[str, Any]:
+) -> Incident:
     """The incident that opens a session after one that did not finish the run: from the stop
     request (or the end) of the previous session to this one's first step. Its restart fields are
     filled in as the session's first attempt progresses, like any incident's."""
@@ -71,28 +72,23 @@ def requeue_incident(
     by = ""
     if context["slurm_job_id"]:
         by = f" by Slurm (job {context['slurm_job_id']}, restart {context['slurm_restart_count']})"
-    return {
-        "incident": number,
-        "cause": REQUEUE,
-        "rank": None,
-        "detail": f"launch {previous['launch']} ended ({previous['outcome']}) on "
+    return Incident(
+        incident=number,
+        cause=REQUEUE,
+        rank=None,
+        detail=f"launch {previous['launch']} ended ({previous['outcome']}) on "
         f"{previous['nodes']}; started again{by} on {context['nodes']} "
         f"{started_unix_s - ended:.1f} s later",
-        "attempt": None,  # before this session's first attempt
-        "launch": previous["launch"] + 1,
-        "phase": None,
-        "step": step,
-        "fault_unix_s": stopped_at,
-        "fault_time_from": "stop request" if previous.get("stop_requested_unix_s") else "end",
-        "detected_unix_s": ended,
-        "detection_latency_s": 0.0,
-        "stop_s": round(ended - stopped_at, 3),  # saving and stopping, msjax's side
-        "scheduler_s": round(started_unix_s - ended, 3),  # requeue and start, the scheduler's
-        "diagnostics": None,
-        "flight_recorder": None,
-        "action": "restart",
-        "resumed_from_step": None,
-        "steps_lost": None,
-        "restart_s": None,
-        "catch_up_s": None,
-    }
+        attempt=None,  # before this session's first attempt
+        launch=previous["launch"] + 1,
+        phase=None,
+        step=step,
+        fault_unix_s=stopped_at,
+        fault_time_from="stop request" if previous.get("stop_requested_unix_s") else "end",
+        detected_unix_s=ended,
+        detection_latency_s=0.0,
+        stop_s=round(ended - stopped_at, 3),  # saving and stopping, msjax's side
+        scheduler_s=round(started_unix_s - ended, 3),  # requeue and start, the scheduler's
+        diagnostics=None,
+        flight_recorder=None,
+    )

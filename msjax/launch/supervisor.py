@@ -2,17 +2,19 @@
 records an incident, stops every worker and restarts the job from the newest valid checkpoint.
 
 It never imports JAX and never needs a worker to be healthy to act (design principle 5). What
-counts as a fault is in fault_detection.py, what an incident records in incidents.py.
+counts as a fault is in fault_detection.py, what is done about it in policy.py, what an incident
+records in incidents.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,22 +23,21 @@ from msjax.config import Config
 from msjax.distributed import worker_env
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
-    Fault,
+    DetectedFault,
+    Poll,
     Timings,
-    early_exit_fault,
-    exit_fault,
-    hang_fault,
-    nonfinite_fault,
+    detect,
+    name_the_corrupt_rank,
     start_up_failure,
     timings_of,
     use_injection_time,
 )
 from msjax.launch.incidents import (
+    Incident,
     IncidentDir,
     IncidentLog,
     collect_diagnostics,
     flight_verdict,
-    incident_record,
 )
 from msjax.launch.launches import (
     REQUEUE,
@@ -46,32 +47,36 @@ from msjax.launch.launches import (
     requeue_incident,
     scheduler_context,
 )
+from msjax.launch.layout import JobLayout
+from msjax.launch.policy import Action, FaultHistory, decide
+from msjax.launch.slots import (
+    SlotFault,
+    mark_bad,
+    node_name,
+    read_slot_faults,
+    record_slot_fault,
+    slot_of,
+)
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
+from msjax.parallel.agreement import job_secret
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
+from msjax.writable import warn_write_dropped
 
-MAX_BACKOFF_S = 300.0
 
-
-@dataclass(frozen=True)
-class JobLayout:
-    """Where this supervisor's workers sit in the job."""
-
-    nprocs: int  # workers started by this supervisor
-    devices_per_proc: int | None  # CPU devices each (JAX_NUM_CPU_DEVICES); None: leave as is
-    nnodes: int = 1
-    node_rank: int = 0
-    coordinator: str | None = None  # host:port; None on one node: 127.0.0.1 and a free port
-
-    @property
-    def num_processes(self) -> int:
-        return self.nprocs * self.nnodes
-
-    def process_id(self, local_rank: int) -> int:
-        return self.node_rank * self.nprocs + local_rank
+def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float) -> str:
+    """What names this launch of the job alike on every node (slot faults are grouped by it):
+    the job's secret (fresh per launch under launch/slurm), else its scheduler job and
+    coordinator; on one node, this supervisor's start."""
+    if layout.nnodes == 1:
+        return f"{socket.gethostname()} {started_unix_s:.6f}"
+    secret = job_secret()
+    if secret is not None:
+        return hashlib.sha256(secret).hexdigest()[:16]
+    return f"{context['slurm_job_id']}.{context['slurm_restart_count']} {layout.coordinator}"
 
 
 def free_port() -> int:
@@ -111,6 +116,8 @@ class Supervisor:
         self.context = scheduler_context()
         self.earlier_launches = read_launches(self.run_dir) if self.keeps_record else []
         self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
+        self.node = node_name()
+        self.launch_id = launch_id(layout, self.context, self.started_unix_s)
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -144,7 +151,7 @@ class Supervisor:
             number, self.earlier_launches[-1], self.started_unix_s, self.context
         )
         self.incidents.open(incident)
-        self.say(f"incident {number}: requeue: {incident['detail']}")
+        self.say(f"incident {number}: requeue: {incident.detail}")
 
     def _run(self) -> int:
         if self.keeps_record:
@@ -167,29 +174,67 @@ class Supervisor:
                 return exit_codes.OK
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
-            code = self._stop_code(fault, number, attempt)
-            if code is None:
-                code = self._stalled_code(fault, stalled)
-            if code is None:
-                code = self._budget_code(fault, restarts)
-            if code is not None:
-                return code
-            backoff_s = min(
-                self.resilience.restart_backoff_s * 2 ** max(stalled.count - 1, 0),
-                MAX_BACKOFF_S,
-            )
-            restarts += 1
-            assert self.incidents.open_incident is not None
-            self.incidents.open_incident["backoff_s"] = backoff_s
-            self.incidents.open_incident["restart"] = restarts
+            action = self._decide(attempt, fault, number, FaultHistory(restarts, stalled))
+            if action.stop_code is not None:
+                return self._give_up(fault, action)
+            restarts = action.restart
             self.say(
                 f"restart {restarts} of at most {self.resilience.max_restarts} in "
-                f"{backoff_s:.1f} s, from the newest valid checkpoint"
+                f"{action.backoff_s:.1f} s, from the newest valid checkpoint"
             )
-            self._sleep(backoff_s)
+            self._sleep(action.backoff_s)
             if self._stop_requested is not None:
                 self._finish(f"stopped by {self._stop_requested}")
                 return self._signal_exit_code()
+
+    def _decide(
+        self, attempt: Attempt, fault: DetectedFault, number: int, history: FaultHistory
+    ) -> Action:
+        """The policy's action on incident number (msjax.launch.policy), and its first effects:
+        the skipped step, the slot's fault and its marking as bad, the incident's record."""
+        slot = slot_of(self.layout, fault.rank, self.node)
+        if fault.kind.names_slot:
+            group = f"{self.launch_id}/{attempt.number}"
+            record_slot_fault(
+                self.run_dir,
+                SlotFault(slot, fault.rank, fault.cause, number, fault.fault_unix_s, group),
+            )
+        history = dataclasses.replace(
+            history,
+            start_step=attempt.start_step,
+            first_step_run=attempt.first_step_run(self._skipped_steps()),
+            slot=slot,
+            node=self.node,
+            slot_faults=tuple(read_slot_faults(self.run_dir)),
+        )
+        action = decide(fault, history, self.resilience, self.layout)
+        if action.skip_step is not None:
+            record_skipped_step(
+                self.run_dir.path, action.skip_step, f"non-finite loss (incident {number})"
+            )
+        if action.bad_slot is not None:
+            self._mark_bad(action)
+        assert self.incidents.open_incident is not None
+        self.incidents.open_incident.take(action)
+        return action
+
+    def _mark_bad(self, action: Action) -> None:
+        bad = action.bad_slot
+        assert bad is not None
+        try:
+            mark_bad(self.run_dir, bad, time.time())
+        except OSError as error:  # a full disk: the incident still records it
+            warn_write_dropped(self.run_dir.bad_slots, error)
+        if bad.on_bad_node == "restart":
+            then = "it stays in the job (resilience.on_bad_node=restart)"
+        elif action.stop_code is None and self.layout.nnodes == 1:
+            then = (
+                "it stays in the job: leaving a slot out on one node is not done yet "
+                "(resilience.on_bad_node=exclude)"
+            )
+        else:
+            then = "leaving it out"
+        self.say(f"{bad.reason}; {then}")
 
     def _made_progress(self, attempt: Attempt) -> bool:
         """Progress is a checkpoint committed past the one the attempt resumed from; without
@@ -197,72 +242,6 @@ class Supervisor:
         if not self.config.checkpoint.enabled:
             return attempt.made_progress
         return attempt.committed_progress(self.run_dir.checkpoints)
-
-    def _stop_code(self, fault: Fault, number: int, attempt: Attempt) -> int | None:
-        """The exit code if this fault itself ends the job; None to go on. A non-finite loss to
-        roll back adds its step to the run's skipped steps, unless it came from the attempt's
-        first step: then the state it restored is bad, not a batch, and skipping cannot help."""
-        if fault.cause == "user_error":
-            return self._give_up(fault, "a worker reported a user error", exit_codes.USER_ERROR)
-        if fault.cause == "nonfinite_loss":
-            if self.resilience.on_nonfinite_loss == "stop":
-                return self._give_up(
-                    fault,
-                    f"non-finite loss at step {fault.nonfinite_step} "
-                    "(resilience.on_nonfinite_loss=stop)",
-                    exit_codes.NONFINITE_LOSS,
-                )
-            assert fault.nonfinite_step is not None and self.incidents.open_incident is not None
-            skipped = self._skipped_steps()
-            if fault.nonfinite_step == attempt.first_step_run(skipped):
-                return self._give_up(
-                    fault,
-                    f"non-finite loss at step {fault.nonfinite_step}, the first step after "
-                    f"resuming at step {attempt.start_step}: the state is bad, not a batch "
-                    "(skipping batches cannot help)",
-                    exit_codes.NONFINITE_LOSS,
-                )
-            record_skipped_step(
-                self.run_dir.path, fault.nonfinite_step, f"non-finite loss (incident {number})"
-            )
-            self.incidents.open_incident["skipped_step"] = fault.nonfinite_step
-        if self.layout.nnodes > 1:
-            return self._give_up(
-                fault,
-                "a multi-node job restarts as a whole; the scheduler resumes it",
-                exit_codes.JOB_RESTART_NEEDED,
-            )
-        return None
-
-    def _stalled_code(self, fault: Fault, stalled: AttemptsWithoutProgress) -> int | None:
-        """Attempts in a row without progress: the same crash before the first step each time
-        is a mistake (exit 2); otherwise this machine cannot go on (exit 8)."""
-        limit = self.resilience.max_attempts_without_progress
-        if stalled.same_start_up_failures >= limit:
-            return self._give_up(
-                fault,
-                f"the same failure before the first step in {limit} attempts in a row "
-                f"({stalled.start_up_failure}); restarting cannot help "
-                f"(resilience.max_attempts_without_progress={limit})",
-                exit_codes.USER_ERROR,
-            )
-        if stalled.count >= limit:
-            return self._give_up(
-                fault,
-                f"{stalled.count} attempts in a row committed no checkpoint newer than the "
-                f"one they resumed from (resilience.max_attempts_without_progress={limit})",
-                exit_codes.NO_PROGRESS,
-            )
-        return None
-
-    def _budget_code(self, fault: Fault, restarts: int) -> int | None:
-        if restarts >= self.resilience.max_restarts:
-            return self._give_up(
-                fault,
-                f"restart budget spent (resilience.max_restarts={self.resilience.max_restarts})",
-                exit_codes.RESTARTS_EXHAUSTED,
-            )
-        return None
 
     def _skipped_steps(self) -> frozenset[int]:
         try:
@@ -310,38 +289,41 @@ class Supervisor:
         )
         return attempt
 
-    def _watch(self, attempt: Attempt) -> Fault | None:
-        """Poll exits and heartbeats until the attempt finishes (None) or faults."""
+    def _watch(self, attempt: Attempt) -> DetectedFault | None:
+        """Poll exits and heartbeats until the attempt finishes (None) or a detector
+        (fault_detection.DETECTORS) finds a fault."""
         last_poll_unix_s = time.time()
         while True:
             if self._stop_requested is not None:
                 return None
             now_unix_s = time.time()
             exited = [w for w in attempt.workers if w.poll() is not None]
-            failed = [w for w in exited if w.exit_code != 0]
             attempt.read_heartbeats(self.run_dir)
             self.incidents.update(attempt)
-            fault = None
-            if failed:
-                fault = exit_fault(attempt, failed, last_poll_unix_s)
-            elif len(exited) == len(attempt.workers):
+            poll = Poll(
+                attempt,
+                exited,
+                last_poll_unix_s,
+                now_unix_s,
+                self.resilience,
+                self.config.train.steps,
+                self.timed_before,
+            )
+            if poll.all_exited and not poll.failed:
                 attempt.ended_unix_s = now_unix_s
-                if attempt.finished(self.config.train.steps):
-                    return None
-                return early_exit_fault(attempt, now_unix_s)
-            else:
-                fault = nonfinite_fault(attempt) or hang_fault(
-                    attempt, self.resilience, self.timed_before
-                )
+            fault = detect(poll)
             if fault is not None:
+                name_the_corrupt_rank(fault, self.run_dir)
                 use_injection_time(fault, attempt, self.run_dir)
                 return fault
+            if poll.all_exited:
+                return None  # every worker exited 0 and says it finished
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
 
     # --- after a fault -------------------------------------------------------------------------
 
-    def _record_fault(self, attempt: Attempt, fault: Fault) -> int:
+    def _record_fault(self, attempt: Attempt, fault: DetectedFault) -> int:
         """Diagnostics into RUN_DIR/incidents/<n>/, then stop every worker. Returns n."""
         self.incidents.close(attempt)
         number = self.incidents.next_number()
@@ -362,16 +344,14 @@ class Supervisor:
         attempt.ended_unix_s = time.time()
         attempt.outcome = fault.cause
         diagnostics = str(incident.path.relative_to(self.run_dir.path))
-        record = incident_record(number, fault, attempt, stop_s, diagnostics, verdict)
-        record["killed_after_grace"] = killed  # ranks that did not stop on SIGTERM in time
-        self.incidents.open(record)
+        self.incidents.open(
+            Incident.of_fault(number, fault, attempt, stop_s, diagnostics, verdict, killed)
+        )
         return number
 
-    def _give_up(self, fault: Fault, reason: str, code: int) -> int:
-        incident = self.incidents.open_incident
-        assert incident is not None
-        incident["action"] = "stop"
-        incident["stop_reason"] = reason
+    def _give_up(self, fault: DetectedFault, action: Action) -> int:
+        reason, code = action.reason, action.stop_code
+        assert code is not None
         self.incidents.write()
         self._finish(f"stopped: {reason}")
         self.say(

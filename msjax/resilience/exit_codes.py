@@ -15,6 +15,9 @@ CHECKPOINT_UNREADABLE = 7  # train: a checkpoint that looks whole could not be r
 # permission error, out of memory); it is left in place: retry, here or elsewhere
 NO_PROGRESS = 8  # launch: several attempts in a row committed no checkpoint newer than the one
 # they resumed from; the last good checkpoint is kept: retry on another node
+BAD_NODE = 9  # launch, multi-node: this node's slot was marked bad; requeue without this node
+# (the launcher's last line names the node)
+SELF_CHECK_FAILED = 10  # msjax.doctor or a worker: a self-check failed on this process
 SILENT_CORRUPTION = 11  # train: a data-parallel replica's parameters differed from the others'
 # and the difference came back when its window was replayed (or resilience.on_corruption=stop);
 # the message names the rank: a machine that computes or stores wrong numbers
@@ -28,6 +31,7 @@ RETRYABLE = (
     JOB_RESTART_NEEDED,
     CHECKPOINT_UNREADABLE,
     NO_PROGRESS,
+    BAD_NODE,
     TERMINATED,
 )  # worth a fresh job elsewhere
 FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again

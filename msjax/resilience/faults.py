@@ -41,7 +41,7 @@ CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught excep
 
 
 @dataclass(frozen=True)
-class Fault:
+class InjectedFault:
     kind: str
     step: int
     rank: int
@@ -55,7 +55,7 @@ class Fault:
         return f"{self.kind}@step={self.step},rank={self.rank}{extra}"
 
 
-def parse_faults(text: str) -> tuple[Fault, ...]:
+def parse_faults(text: str) -> tuple[InjectedFault, ...]:
     """Faults from MSJAX_FAULT's syntax; MsjaxError naming the bad part."""
     faults = []
     for part in (part.strip() for part in text.split(";")):
@@ -90,7 +90,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
         if kind == "slow" and not (math.isfinite(percent) and percent > 0):
             raise MsjaxError(f"{ENV_VAR}: {part!r} needs percent=X > 0")
         faults.append(
-            Fault(
+            InjectedFault(
                 kind,
                 int(values["step"]),
                 int(values["rank"]),
@@ -112,7 +112,7 @@ def read_firings(run_dir: Path) -> list[dict]:
 class FaultInjector:
     """This rank's share of MSJAX_FAULT, with hooks the train loop calls at the right places."""
 
-    def __init__(self, faults: tuple[Fault, ...], run_dir: Path, rank: int, attempt: int):
+    def __init__(self, faults: tuple[InjectedFault, ...], run_dir: Path, rank: int, attempt: int):
         self.run_dir = run_dir
         self.rank = rank
         self.attempt = attempt
@@ -137,7 +137,7 @@ class FaultInjector:
     def active(self) -> bool:
         return bool(self._pending)
 
-    def _take(self, kind: str, step: int) -> Fault | None:
+    def _take(self, kind: str, step: int) -> InjectedFault | None:
         for fault in self._pending:
             if fault.kind == kind and fault.step == step:
                 self._pending.remove(fault)
@@ -145,7 +145,7 @@ class FaultInjector:
                 return fault
         return None
 
-    def _record(self, fault: Fault, step: int) -> None:
+    def _record(self, fault: InjectedFault, step: int) -> None:
         record = {
             "fault": fault.spec,
             "kind": fault.kind,

@@ -6,6 +6,7 @@ mismatch from a persistent one. The loop's side (when to check, the replay) is i
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -290,13 +291,37 @@ class RerunStateMachine:
         raise SilentCorruption(line, ranks)
 
 
+def recorded_bad_ranks(run_dir: Path) -> tuple[int, ...]:
+    """The ranks the last persistent mismatch in run_dir marked bad (none: no such record)."""
+    path = RunDir(run_dir).replica_mismatches
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return ()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "persistent":
+            return tuple(int(rank) for rank in record.get("bad_ranks", ()))
+    return ()
+
+
 class MismatchLog:
     """RUN_DIR/replica_mismatches.jsonl, one record per event (process 0 writes it)."""
 
-    def __init__(self, run_dir: Path, is_writer: bool, message: Callable[[str], None]):
+    def __init__(
+        self,
+        run_dir: Path,
+        is_writer: bool,
+        message: Callable[[str], None],
+        barrier: Callable[[], None] = lambda: None,
+    ):
         self.path = RunDir(run_dir).replica_mismatches
         self.is_writer = is_writer
         self.message = message
+        self.barrier = barrier  # every process waits here until the writer has written
 
     def __call__(self, record: dict[str, Any], line: str) -> None:
         record = {**record, "unix_s": time.time()}
@@ -305,3 +330,7 @@ class MismatchLog:
         if self.is_writer:
             with self.path.open("a") as log:
                 log.write(json.dumps(record) + "\n")
+                log.flush()
+                os.fsync(log.fileno())
+        if record["event"] == "persistent":
+            self.barrier()  # on disk before any process leaves: the supervisor reads the rank

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from msjax.parallel.agreement import agree_any, process_vote
 from msjax.resilience.replica_guard import (
     MismatchLog,
     Replay,
@@ -51,7 +52,13 @@ class ReplicaChecks:
         if self.enabled:
             self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings.params)
             self.fingerprints.compile(run.program.abstract_state().params)
-        log = MismatchLog(run.run_dir.path, jax.process_index() == 0, run.progress.message)
+        vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
+        log = MismatchLog(
+            run.run_dir.path,
+            jax.process_index() == 0,
+            run.progress.message,
+            barrier=lambda: agree_any(vote, False),
+        )
         self.machine = RerunStateMachine(resilience.on_corruption, run.start.step, log)
         self.devices = mesh.devices
         self.agreed_at: int | None = None  # the step of the last check that agreed

@@ -1,0 +1,182 @@
+"""What the supervisor does after a fault, as one pure function of the fault, the job's history
+of faults, its resilience config and its layout: restart (after a backoff), or stop with an exit
+code; either may first add the fault's step to the run's skipped steps, and mark the fault's slot
+bad. Each kind's own action is its row in msjax.resilience.fault_kinds; the limits around it (bad
+slots, restart budget, attempts without progress, multi-node jobs) are applied here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from msjax.config import ResilienceConfig
+from msjax.launch.attempt import AttemptsWithoutProgress
+from msjax.launch.fault_detection import DetectedFault
+from msjax.launch.layout import JobLayout
+from msjax.launch.slots import BadSlot, SlotFault, faults_in_a_row
+from msjax.resilience import exit_codes, fault_kinds
+
+MAX_BACKOFF_S = 300.0
+
+
+@dataclass(frozen=True)
+class FaultHistory:
+    """What the job has been through, as far as the policy needs it."""
+
+    restarts: int  # restarts so far, before this fault's
+    stalled: AttemptsWithoutProgress  # counted with the attempt this fault ended
+    start_step: int | None = None  # the step the faulted attempt resumed at
+    first_step_run: int | None = None  # the first step it computed (past skipped steps)
+    slot: str = "0"  # the slot of the fault's rank (msjax.launch.slots.slot_of)
+    node: str = ""  # the node this supervisor runs on
+    slot_faults: tuple[SlotFault, ...] = ()  # the run's, this fault's included, oldest first
+
+
+@dataclass(frozen=True)
+class Action:
+    """Restart (stop_code None) after backoff_s as restart number `restart`, or stop with
+    stop_code for reason; skip_step: first add that step to the run's skipped steps."""
+
+    stop_code: int | None = None
+    reason: str = ""
+    skip_step: int | None = None
+    backoff_s: float = 0.0
+    restart: int = 0
+    bad_slot: BadSlot | None = None  # the fault's slot, marked bad now
+
+    @property
+    def name(self) -> str:
+        """The incident's action."""
+        return fault_kinds.RESTART if self.stop_code is None else fault_kinds.STOP
+
+
+def decide(
+    fault: DetectedFault, history: FaultHistory, resilience: ResilienceConfig, layout: JobLayout
+) -> Action:
+    """The fault kind's action, then the job's limits, first match wins: a multi-node job whose
+    slot (this node) is marked bad stops with exit 9 under on_bad_node=exclude, a multi-node job
+    restarts as a whole (exit 5), attempts without progress stop it (2 or 8), and so does a
+    spent restart budget (4); else restart, the backoff doubling per attempt without progress.
+    A slot marked bad on one node stays in the job (leaving it out is not done yet)."""
+    action = fault.kind.action
+    if action == fault_kinds.STOP:
+        return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)
+    skip_step = None
+    if action == fault_kinds.SKIP_STEP:
+        stop = _nonfinite_stop(fault, history, resilience)
+        if stop is not None:
+            return stop
+        skip_step = fault.nonfinite_step
+    bad = bad_slot(fault, history, resilience, layout)
+    if bad is not None and bad.on_bad_node == "exclude" and layout.nnodes > 1:
+        reason = f"{bad.reason}; requeue the job without node {bad.node}"
+        return Action(exit_codes.BAD_NODE, reason, skip_step, bad_slot=bad)
+    return dataclasses.replace(_limits(history, resilience, layout, skip_step), bad_slot=bad)
+
+
+def bad_slot(
+    fault: DetectedFault, history: FaultHistory, resilience: ResilienceConfig, layout: JobLayout
+) -> BadSlot | None:
+    """The fault's slot, if this fault marks it bad: a kind that does (a failed self-check,
+    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of."""
+    if not fault.kind.names_slot:
+        return None
+    in_a_row = faults_in_a_row(history.slot_faults, history.slot)
+    limit = resilience.max_faults_per_slot
+    if fault.kind.action == fault_kinds.MARK_SLOT_BAD:
+        why = f"{fault.kind.name.replace('_', ' ')} on rank {fault.rank}"
+    elif len(in_a_row) >= limit:
+        incidents = ", ".join(str(f.incident) for f in in_a_row)
+        causes = ", ".join(f.cause for f in in_a_row)
+        why = (
+            f"the named cause of {len(in_a_row)} faults in a row (incidents {incidents}: "
+            f"{causes}; resilience.max_faults_per_slot={limit})"
+        )
+    else:
+        return None
+    where = f"node {history.node}" if layout.nnodes > 1 else f"slot {history.slot}"
+    return BadSlot(
+        history.slot,
+        history.node,
+        fault.rank,
+        f"{where} is marked bad: {why}",
+        resilience.on_bad_node,
+        tuple(f.incident for f in in_a_row),
+    )
+
+
+def _limits(
+    history: FaultHistory,
+    resilience: ResilienceConfig,
+    layout: JobLayout,
+    skip_step: int | None,
+) -> Action:
+    if layout.nnodes > 1:
+        return _stop(
+            "a multi-node job restarts as a whole; the scheduler resumes it",
+            exit_codes.JOB_RESTART_NEEDED,
+            skip_step,
+        )
+    stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress)
+    if stop is None and history.restarts >= resilience.max_restarts:
+        stop = _stop(
+            f"restart budget spent (resilience.max_restarts={resilience.max_restarts})",
+            exit_codes.RESTARTS_EXHAUSTED,
+        )
+    if stop is not None:
+        return Action(stop.stop_code, stop.reason, skip_step)
+    backoff_s = min(
+        resilience.restart_backoff_s * 2 ** max(history.stalled.count - 1, 0), MAX_BACKOFF_S
+    )
+    return Action(skip_step=skip_step, backoff_s=backoff_s, restart=history.restarts + 1)
+
+
+def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:
+    return Action(stop_code=code, reason=reason, skip_step=skip_step)
+
+
+def _stop_reason(fault: DetectedFault) -> str:
+    if fault.kind is fault_kinds.USER_ERROR:
+        return "a worker reported a user error"
+    return f"a worker reported {fault.kind.name.replace('_', ' ')}"
+
+
+def _nonfinite_stop(
+    fault: DetectedFault, history: FaultHistory, resilience: ResilienceConfig
+) -> Action | None:
+    """A non-finite loss ends the job under on_nonfinite_loss=stop, or when it came from the
+    attempt's first step: then the state it restored is bad, not a batch, and skipping cannot
+    help. None: roll back (skip that step)."""
+    assert fault.nonfinite_step is not None
+    if resilience.on_nonfinite_loss == "stop":
+        return _stop(
+            f"non-finite loss at step {fault.nonfinite_step} (resilience.on_nonfinite_loss=stop)",
+            exit_codes.NONFINITE_LOSS,
+        )
+    if fault.nonfinite_step == history.first_step_run:
+        return _stop(
+            f"non-finite loss at step {fault.nonfinite_step}, the first step after "
+            f"resuming at step {history.start_step}: the state is bad, not a batch "
+            "(skipping batches cannot help)",
+            exit_codes.NONFINITE_LOSS,
+        )
+    return None
+
+
+def _stalled_stop(stalled: AttemptsWithoutProgress, limit: int) -> Action | None:
+    """Attempts in a row without progress: the same crash before the first step each time is a
+    mistake (exit 2); otherwise this machine cannot go on (exit 8)."""
+    if stalled.same_start_up_failures >= limit:
+        return _stop(
+            f"the same failure before the first step in {limit} attempts in a row "
+            f"({stalled.start_up_failure}); restarting cannot help "
+            f"(resilience.max_attempts_without_progress={limit})",
+            exit_codes.USER_ERROR,
+        )
+    if stalled.count >= limit:
+        return _stop(
+            f"{stalled.count} attempts in a row committed no checkpoint newer than the "
+            f"one they resumed from (resilience.max_attempts_without_progress={limit})",
+            exit_codes.NO_PROGRESS,
+        )
+    return None
