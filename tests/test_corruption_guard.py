@@ -195,15 +195,17 @@ def free_port() -> int:
 
 @dataclass
 class Job:
-    """Two `python -m msjax.train` processes of one job, one CPU device each."""
+    """Two `python -m msjax.train` processes of one job, one CPU device each: started by hand,
+    or supervised by `python -m msjax.launch`."""
 
     run_dir: Path
-    workers: list[subprocess.Popen]
+    processes: list[subprocess.Popen]
+    logs: list[Path]
 
     @classmethod
     def start(cls, run_dir: Path, cache_dir: Path, fault: str = "") -> Job:
         port = free_port()
-        workers = []
+        processes, logs = [], []
         for rank in range(2):
             env = {
                 **os.environ,
@@ -214,32 +216,62 @@ class Job:
                 "MSJAX_PROCESS_ID": str(rank),
                 "MSJAX_FAULT": fault,
             }
-            log = (run_dir.parent / f"rank{rank}.log").open("w")
+            logs.append(run_dir.parent / f"rank{rank}.log")
             command = [sys.executable, "-m", "msjax.train", *train_args(run_dir, cache_dir)]
-            workers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
-        return cls(run_dir, workers)
+            with logs[-1].open("w") as log:
+                processes.append(
+                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                )
+        return cls(run_dir, processes, logs)
+
+    @classmethod
+    def launch(cls, run_dir: Path, cache_dir: Path, fault: str) -> Job:
+        """Under the supervisor, with no restart: its first incident is the one to read."""
+        command = [
+            sys.executable,
+            "-m",
+            "msjax.launch",
+            "--nprocs=2",
+            "--devices-per-proc=1",
+            "--max-restarts=0",
+            f"--fault={fault}",
+            "--",
+            *train_args(run_dir, cache_dir),
+        ]
+        log_path = run_dir.parent / "launch.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with log_path.open("w") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return cls(run_dir, [process], [log_path, *(RunDir(run_dir).log(r) for r in range(2))])
 
     def finish(self) -> Finished:
         try:
-            codes = [worker.wait(timeout=JOB_TIMEOUT_S) for worker in self.workers]
+            codes = [process.wait(timeout=JOB_TIMEOUT_S) for process in self.processes]
         finally:
-            for worker in self.workers:
-                if worker.poll() is None:
-                    worker.kill()
-        logs = [(self.run_dir.parent / f"rank{rank}.log").read_text() for rank in range(2)]
-        path = RunDir(self.run_dir).replica_mismatches
-        events = (
-            [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
+        run = RunDir(self.run_dir)
+        return Finished(
+            self.run_dir,
+            codes,
+            [path.read_text() if path.exists() else "" for path in self.logs],
+            read_jsonl(run.replica_mismatches),
+            read_jsonl(run.incidents_log),
         )
-        return Finished(self.run_dir, codes, logs, events)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @dataclass(frozen=True)
 class Finished:
     run_dir: Path
     exit_codes: list[int]
-    logs: list[str]
-    events: list[dict]
+    logs: list[str]  # each worker's output (under the launcher: its own first)
+    events: list[dict]  # RUN_DIR/replica_mismatches.jsonl
+    incidents: list[dict]  # RUN_DIR/incidents.jsonl (the launcher's)
 
     def final_loss(self) -> float:
         records = [r for r in read_metrics(RunDir(self.run_dir).metrics) if "loss" in r]
@@ -248,8 +280,8 @@ class Finished:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finished]]:
-    """The uninterrupted job first (it fills the compile cache), then the transient and the
-    persistent flips side by side."""
+    """The uninterrupted job first (it fills the compile cache), then the transient flip and,
+    under the supervisor, the persistent one side by side."""
     cache_dir = tmp_path_factory.mktemp("compile_cache")
 
     def run_dir(name: str) -> Path:
@@ -259,7 +291,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finishe
     flip = f"bitflip@step={FLIP_STEP},rank=1"
     started = {
         "transient": Job.start(run_dir("transient"), cache_dir, flip),
-        "persistent": Job.start(run_dir("persistent"), cache_dir, f"{flip},times=99"),
+        "persistent": Job.launch(run_dir("persistent"), cache_dir, f"{flip},times=99"),
     }
     finished.update({name: job.finish() for name, job in started.items()})
     yield finished
@@ -295,12 +327,22 @@ def test_a_flip_that_does_not_come_back_is_transient_and_the_run_ends_bitwise_as
 
 
 @pytest.mark.slow
-def test_a_flip_that_comes_back_on_rank_1_is_persistent_and_the_job_exits_11_naming_it(jobs):
+def test_a_flip_that_comes_back_on_rank_1_is_persistent_its_workers_exit_11_naming_it(jobs):
     persistent = jobs["persistent"]
-    assert persistent.exit_codes == [exit_codes.SILENT_CORRUPTION] * 2, persistent.logs[0][-3000:]
     last = persistent.events[-1]
-    assert last["event"] == "persistent" and last["bad_ranks"] == [1]
-    assert "rank 1 marked bad" in persistent.logs[0]
-    assert 8 not in [
-        int(name) for name in os.listdir(RunDir(persistent.run_dir).checkpoints) if name.isdigit()
-    ]  # the diverged state is never saved
+    assert last["event"] == "persistent" and last["bad_ranks"] == [1], persistent.logs[0][-3000:]
+    assert "a second replay reproduced every other replica bitwise" in last["how"]
+    for worker_log in persistent.logs[1:]:
+        assert "rank 1 marked bad" in worker_log
+    checkpoints = RunDir(persistent.run_dir).checkpoints
+    assert 8 not in [int(name) for name in os.listdir(checkpoints) if name.isdigit()]
+
+
+@pytest.mark.slow
+def test_the_supervisor_names_rank_1_as_the_cause_and_marks_its_slot_bad(jobs):
+    persistent = jobs["persistent"]
+    assert persistent.exit_codes == [exit_codes.RESTARTS_EXHAUSTED], persistent.logs[0][-3000:]
+    incident = persistent.incidents[0]
+    assert incident["cause"] == "silent_corruption" and incident["rank"] == 1
+    assert f"exit code {exit_codes.SILENT_CORRUPTION}" in incident["detail"]
+    assert incident["bad_slot"]["slot"] == "1"
