@@ -17,9 +17,6 @@ import numpy as np
 
 from msjax.run_dir import RunDir
 
-FINGERPRINT_LANES = 2  # a plain sum of the 32-bit words and a position-weighted one
-LANE_BYTES = 4  # each lane a uint32
-
 
 class SilentCorruption(Exception):
     """A replica's parameters differed from the others' and the difference came back when its
@@ -46,7 +43,7 @@ def _block_fingerprint(block: Any) -> Any:
 
 class ReplicaFingerprints:
     """One jitted program: every device fingerprints its own block of each parameter, and one
-    all-gather of those integers (FINGERPRINT_LANES x 4 bytes per tensor per device) gives every
+    all-gather of those integers (2 x 4 bytes per tensor per device) gives every
     device, and so every process, the same table. No parameter leaves its device."""
 
     def __init__(self, mesh: Any, param_shardings: Any):
@@ -74,11 +71,6 @@ class ReplicaFingerprints:
                 local, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), check_vma=False
             )
         )
-
-    @property
-    def gathered_bytes(self) -> int:
-        """What one check's all-gather leaves on each device: every device's fingerprints."""
-        return self.mesh.devices.size * len(self.tensor_names) * FINGERPRINT_LANES * LANE_BYTES
 
     def lower(self, abstract_params: Any) -> Any:
         return self._program.lower(abstract_params)
