@@ -250,6 +250,11 @@ class ResilienceConfig:
     # on in runs started by msjax.launch, or wherever compile_cache_dir is set
     compile_cache: bool = True
     compile_cache_dir: str | None = None  # None: RUN_DIR/compile_cache
+    # Self-checks (python -m msjax.doctor) before every start and restart under msjax.launch:
+    # each must end within check_budget_s (0: no self-checks); a device whose known-answer
+    # program takes more than slow_device_factor x the devices' median is flagged slow
+    check_budget_s: float = 0.0
+    slow_device_factor: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -298,6 +298,15 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
         )
     if resilience.compile_cache_dir is not None and not resilience.compile_cache_dir.strip():
         raise ConfigError("resilience.compile_cache_dir is empty; give a path (or null)")
+    if not (math.isfinite(resilience.check_budget_s) and resilience.check_budget_s >= 0):
+        raise ConfigError(
+            f"resilience.check_budget_s={resilience.check_budget_s} must be >= 0 seconds "
+            "(0: no self-checks)"
+        )
+    if not (math.isfinite(resilience.slow_device_factor) and resilience.slow_device_factor > 1):
+        raise ConfigError(
+            f"resilience.slow_device_factor={resilience.slow_device_factor} must be a number > 1"
+        )
 
 
 def check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:

@@ -172,6 +172,7 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
             _incident_text(incident), width, initial_indent="  ", subsequent_indent="      "
         )
 
+    lines += health_lines(run.path, width)
     lines.append("")
     lines += _straggler_lines(run, width)
     lines.append("")
@@ -243,6 +244,36 @@ def _incident_text(incident: dict[str, Any]) -> str:
     if incident.get("catch_up_s") is not None:
         text += f"; caught up {incident['catch_up_s']:.1f} s after detection"
     return text
+
+
+def health_lines(run_dir: Path, width: int = 80) -> list[str]:
+    """Each round of self-checks (RUN_DIR/health/N.json, msjax.doctor): passed with its figures,
+    or the failing ranks with each check's figure against its bound."""
+    import json
+
+    health = RunDir(run_dir).health
+    rounds = sorted(
+        (p for p in health.glob("*.json") if p.stem.isdigit()), key=lambda p: int(p.stem)
+    )
+    if not rounds:
+        return []
+    lines = ["", f"self-checks: {len(rounds)} round(s) (health/)"]
+    for path in rounds:
+        try:
+            verdict = json.loads(path.read_text())
+            if verdict["passed"]:
+                text = f"#{path.stem} attempt {verdict['attempt']}: passed in "
+                text += f"{verdict['wall_s']:.1f} s; {verdict['summary']}"
+            else:
+                ranks = ", ".join(str(rank) for rank in verdict["failed_ranks"])
+                text = f"#{path.stem} attempt {verdict['attempt']}: FAILED rank(s) {ranks}: "
+                text += "; ".join(
+                    f"rank {f['rank']} {f['check']}: {f['detail']}" for f in verdict["failures"]
+                )
+        except (OSError, ValueError, KeyError, TypeError):
+            text = f"#{path.stem}: unreadable ({path.name})"
+        lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ")
+    return lines
 
 
 def _straggler_lines(run: Run, width: int) -> list[str]:
@@ -386,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; 0 on success, 2 (one line on stderr) on a user mistake."""
     try:
         args = _parser().parse_args(argv)
+        if not RunDir(args.run_dir).metrics.exists() and health_lines(args.run_dir):
+            print(f"run {args.run_dir}: no training yet", *health_lines(args.run_dir), sep="\n")
+            return 0  # a run dir only msjax.doctor has written to
         run = load_run(args.run_dir)
         lines = summary_lines(run)
         if not args.no_plots:

@@ -194,6 +194,13 @@ class RunDir:
     def bad_slots(self) -> Path:
         return self.health / "bad_slots.json"
 
+    # Self-checks (msjax.doctor): each round's verdict, and what each rank measured for it.
+    def health_verdict(self, number: int) -> Path:
+        return self.health / f"{number}.json"
+
+    def health_rank(self, number: int, rank: int) -> Path:
+        return self.health / str(number) / f"rank{rank}.json"
+
     def previous(self, stamp: str) -> Path:
         return self.path / f"{PREVIOUS_PREFIX}{stamp}"
 

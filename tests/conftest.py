@@ -5,10 +5,17 @@
 - XLA's CPU backend at optimisation level 0: tests run few steps, and this cuts compile time
   about threefold without changing what is computed beyond float rounding (each test compares
   programs compiled the same way).
+- One JAX persistent compilation cache for every process the tests start, in that token cache
+  directory (where msjax.launch's workers keep theirs): the same small program compiled by
+  dozens of `python -m msjax.train` runs is compiled once. A cached program is the one XLA
+  compiled, so nothing a test computes changes; this pytest process itself keeps it off. XLA
+  dumps no HLO for a program it loads from the cache (msjax.planner.aot reads that dump): start
+  such a child, or one that must compile, without these variables, as test_benchmarks.py does.
 """
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("MSJAX_CACHE_DIR", tempfile.mkdtemp(prefix="msjax-test-cache-"))
@@ -16,3 +23,18 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
+
+# msjax.resilience.compile_cache.JAX_CACHE_FOLDER, made private as msjax makes it
+SHARED_JAX_CACHE = Path(os.environ["MSJAX_CACHE_DIR"]) / "jax_compile_cache"
+SHARED_JAX_CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
+CHILD_JAX_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": str(SHARED_JAX_CACHE),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # these programs compile in seconds
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
+for name, value in CHILD_JAX_CACHE.items():
+    os.environ.setdefault(name, value)
+
+import jax  # noqa: E402  (after the environment above, which it reads once)
+
+jax.config.update("jax_compilation_cache_dir", None)  # this process: its in-memory cache is enough

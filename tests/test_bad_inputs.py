@@ -177,6 +177,12 @@ CASES: list[tuple[str, list[str], str]] = [
         "resilience.max_faults_per_slot=0 must be >= 1",
     ),
     ("msjax.launch", ["--", "resilience.on_bad_node=drop"], "resilience.on_bad_node"),
+    # self-checks (msjax.doctor, resilience.check_budget_s)
+    ("msjax.doctor", ["--nprocs", "0"], "--nprocs=0 must be at least 1"),
+    ("msjax.doctor", ["--fault", "corrupt_compute@rank=x"], "needs a number"),
+    ("msjax.doctor", ["--nprocs", "2", "--devices-per-proc", "2"], "has 8 devices but 4"),
+    ("msjax.doctor", ["--", "resilience.check_budget_s=-1"], "check_budget_s=-1.0 must be >= 0"),
+    ("msjax.train", ["resilience.slow_device_factor=1"], "slow_device_factor=1.0 must be a"),
     # the corruption guard
     ("msjax.train", ["resilience.replica_check_every=-1"], "replica_check_every=-1 must be >= 0"),
     ("msjax.train", ["resilience.on_corruption=retry"], "resilience.on_corruption"),
@@ -367,6 +373,7 @@ def test_the_table_covers_every_command() -> None:
     commands = {command for command, _, _ in CASES}
     commands |= {module.replace("planner.", "") for module in IN_ONE_INTERPRETER}
     assert commands == {f"msjax.{name}" for name in (
-        "train", "launch", "checkpoint", "report", "flops", "plan", "sweep", "generate", "hf"
+        "train", "launch", "checkpoint", "report", "flops", "plan", "sweep", "generate", "hf",
+        "doctor",
     )}  # fmt: skip
     assert len(CASES) + sum(map(len, IN_ONE_INTERPRETER.values())) >= 25

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
 HELPER_MODULES = {"kernel_timing.py", "smoke.py"}  # imported by the scripts, not run
 NUMBER = r"([-\d,.]+|nan|inf)"
+JAX_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_")  # conftest.py sets these
 
 
 @dataclass(frozen=True)
@@ -243,10 +244,13 @@ def test_benchmark_smoke_form_runs_and_prints_its_measurements(
     smoke: Smoke, tmp_path: Path
 ) -> None:
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in smoke.args]
+    # as a user's machine runs them: without conftest.py's compilation cache for the tests' jobs
+    # (recovery.py's job without caches would load from it)
+    env = {name: value for name, value in os.environ.items() if not name.startswith(JAX_CACHE)}
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / smoke.script), *args],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**env, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=300,

@@ -7,6 +7,11 @@ Programs compile on the eight simulated devices, cached per process with the oth
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -19,6 +24,8 @@ from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
 from msjax.planner.compute import estimate_compute
 from msjax.sweep import main as sweep_main
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A step whose outer loop runs 3 times (XLA's annotation) around an inner loop whose trip count
 # only its condition says (i < 4), beside a dot in a fusion outside both loops and a
@@ -195,3 +202,28 @@ def test_the_plans_xla_check_reports_compiled_over_model_flops(capsys):
     (row,) = [line for line in printed.splitlines() if line.strip().startswith("1,1,1")]
     work, xla_work = (float(value) for value in row.split("|")[0].split()[-2:])
     assert (work, xla_work) == (round(planned.ratio, 2), round(compiled_ratio, 2))
+
+
+def test_the_plans_xla_check_counts_a_step_that_jaxs_persistent_cache_already_holds(tmp_path):
+    """A second `msjax.plan --xla` sharing a JAX compilation cache with the first still counts
+    the program (a cache hit dumps no HLO), and counts the same FLOPs."""
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    argv = ["--config", "configs/tiny.yaml", "--devices", "1", "--xla", "train.global_batch=8"]
+    rows = []
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", "msjax.plan", *argv],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        rows.append(re.findall(r"compiled/model FLOPs [\d.]+", result.stdout))
+    assert rows[0] and rows[0] == rows[1]

@@ -13,7 +13,7 @@ from msjax.config import ResilienceConfig
 from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import DetectedFault
-from msjax.launch.incidents import Incident
+from msjax.launch.incidents import Incident, IncidentLog
 from msjax.launch.layout import JobLayout
 from msjax.launch.policy import FaultHistory, decide
 from msjax.launch.slots import SlotFault, faults_in_a_row
@@ -21,6 +21,7 @@ from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.fault_kinds import KINDS, kind_of_error, kind_of_exit
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
+from msjax.run_dir import RunDir
 from msjax.writable import WriteFailed
 
 ONE_NODE = JobLayout(nprocs=2, devices_per_proc=1)
@@ -345,3 +346,21 @@ def test_a_marked_slot_is_an_incident_field():
     assert record["action"] == "stop"
     assert record["bad_slot"]["node"] == "n2" and record["bad_slot"]["incidents"] == (1, 4)
     assert record["bad_slot"]["action"] == "stop"
+
+
+def test_the_launchers_of_two_nodes_never_take_the_same_incident_number(tmp_path):
+    """Each node's launcher numbers incidents in the run's shared folder: a number is claimed
+    by making its incidents/<n>/ folder, so two launchers that started from the same log
+    count (as two nodes of one job do) take distinct numbers, and a later launcher goes on
+    after both."""
+    run_dir = RunDir(tmp_path / "run")
+    node0, node1 = IncidentLog(run_dir, print), IncidentLog(run_dir, print)
+    taken = [node0.next_number(), node1.next_number(), node1.next_number(), node0.next_number()]
+    assert taken == [1, 2, 3, 4]
+    assert sorted(path.name for path in (tmp_path / "run" / "incidents").iterdir()) == [
+        "1",
+        "2",
+        "3",
+        "4",
+    ]
+    assert IncidentLog(run_dir, print).next_number() == 5

@@ -300,9 +300,11 @@ print(json.dumps([chosen and str(chosen), jax.config.jax_compilation_cache_dir])
 
 
 def probe_cache(folder: str, run_dir: Path, user_cache: Path) -> tuple[list, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MSJAX_CACHE_DIR": str(user_cache)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # conftest.py's for the tests' jobs: JAX's default
     result = subprocess.run(
         [sys.executable, "-c", CACHE_PROBE, folder, str(run_dir)],
-        env={**os.environ, "PYTHONPATH": str(REPO), "MSJAX_CACHE_DIR": str(user_cache)},
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

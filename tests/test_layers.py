@@ -34,6 +34,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "msjax.report",
         "msjax.flops",
         "msjax.launch",
+        "msjax.doctor",
         "msjax.hf",
         "msjax.generate",
     ),

@@ -253,6 +253,7 @@ class IncidentLog:
     resumes and catches up; it is written then, or when that attempt ends first."""
 
     def __init__(self, run_dir: RunDir, say: Callable[[str], None]):
+        self.run_dir = run_dir
         self.path = run_dir.incidents_log
         self.say = say
         self.written: list[dict[str, Any]] = []  # this supervisor's incidents
@@ -268,8 +269,20 @@ class IncidentLog:
         return sum(1 for line in text.splitlines() if line.strip())
 
     def next_number(self) -> int:
-        self.count += 1
-        return self.count
+        """The next incident number, claimed by making RUN_DIR/incidents/<n>/ (mkdir is atomic,
+        on a shared file system too), so the launchers of a multi-node job never take the same
+        number; where the folder cannot be made (a full disk), the next after this log's count."""
+        candidate = self.count + 1
+        while True:
+            try:
+                self.run_dir.incident(candidate).mkdir(parents=True)
+            except FileExistsError:
+                candidate += 1
+                continue
+            except OSError:
+                pass
+            self.count = candidate
+            return candidate
 
     def open(self, incident: Incident) -> None:
         self.open_incident = incident

@@ -1,8 +1,6 @@
-"""What the supervisor does after a fault, as one pure function of the fault, the job's history
-of faults, its resilience config and its layout: restart (after a backoff), or stop with an exit
-code; either may first add the fault's step to the run's skipped steps, and mark the fault's slot
-bad. Each kind's own action is its row in msjax.resilience.fault_kinds; the limits around it (bad
-slots, restart budget, attempts without progress, multi-node jobs) are applied here."""
+"""What the supervisor does after a fault: decide, a pure function of the fault, the job's history,
+its resilience config and layout. The kind's own action is its row in msjax.resilience.fault_kinds;
+the limits around it (bad slots, restart budget, no progress, multi-node jobs) are applied here."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ from msjax.launch.slots import (
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
 from msjax.parallel.agreement import job_secret
-from msjax.resilience import exit_codes
+from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
@@ -159,8 +159,10 @@ class Supervisor:
         restarts = 0
         stalled = AttemptsWithoutProgress()
         while True:
-            attempt = self._spawn(len(self.attempts))
-            fault = self._watch(attempt)
+            attempt, fault = self._self_check(len(self.attempts))
+            if attempt is None:
+                attempt = self._spawn(len(self.attempts))
+                fault = self._watch(attempt)
             # what this attempt timed shortens the next one's deadlines from its first step on
             self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:
@@ -253,6 +255,45 @@ class Supervisor:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self._stop_requested is None:
             time.sleep(min(self.poll_s, max(deadline - time.monotonic(), 0)))
+
+    def _self_check(self, number: int) -> tuple[Attempt | None, DetectedFault | None]:
+        """The self-checks before attempt `number` (resilience.check_budget_s > 0; msjax.doctor):
+        (None, None) when this node's ranks all pass, else an attempt that never started its
+        workers and a SELF_CHECK_FAILED fault naming the first failing rank's slot."""
+        if self.resilience.check_budget_s <= 0:
+            return None, None
+        from msjax.doctor import detail, report_lines, run_self_checks
+
+        layout = self.layout
+        health = run_self_checks(
+            self.config,
+            [layout.process_id(local_rank) for local_rank in range(layout.nprocs)],
+            layout.num_processes,
+            layout.devices_per_proc,
+            layout.coordinator or f"127.0.0.1:{free_port()}",
+            number,
+            self.faults,
+        )
+        for line in report_lines(health):
+            self.say(f"self-checks before attempt {number}: {line}")
+        if health.passed:
+            return None, None
+        committed = committed_steps(self.run_dir.checkpoints)
+        attempt = Attempt.started(number, [])
+        attempt.newest_committed_at_spawn = committed[-1] if committed else None
+        self.attempts.append(attempt)
+        now = time.time()
+        fault = DetectedFault(
+            fault_kinds.SELF_CHECK_FAILED,
+            health.failed_ranks[0],
+            detail(health),
+            detected_unix_s=now,
+            fault_unix_s=now - health.wall_s,
+            fault_time_from="the self-checks' start",
+            step=committed[-1] if committed else 0,
+            phase="self_check",
+        )
+        return attempt, fault
 
     def _spawn(self, number: int) -> Attempt:
         layout = self.layout

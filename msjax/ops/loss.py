@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from msjax.ops.dispatch import resolved_impl
+from msjax.ops.matmul import einsum
 from msjax.ops.sharding import per_shard
 from msjax.parallel.context import constrain, interpret_kernels, kernel_mesh
 from pallas_kernels.cross_entropy import cross_entropy
@@ -20,7 +21,7 @@ TOKENS = ("batch", "seq")
 
 def logits(hidden: jax.Array, unembedding: jax.Array) -> jax.Array:
     """[batch, seq, embed] @ [embed, vocab] -> float32 logits, split along vocab."""
-    out = jnp.einsum(
+    out = einsum(
         "bse,ev->bsv", hidden, unembedding.astype(hidden.dtype), preferred_element_type=jnp.float32
     )
     return constrain(out, ("batch", "seq", "vocab"))

@@ -10,15 +10,18 @@ FLOPs are read from the optimised program.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import AbstractMesh, AxisType
 
 from msjax.config import Config
@@ -86,7 +89,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
     started = time.perf_counter()
     program = build_program(config, device_mesh)
     lowered = program.train_step.lower(program.abstract_state(), program.abstract_batch())
-    with tempfile.TemporaryDirectory(prefix="msjax-hlo-") as dump:
+    with tempfile.TemporaryDirectory(prefix="msjax-hlo-") as dump, _no_persistent_cache(on_cpu):
         dumped = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": CPU_COUNTED_AFTER_PASS}
         compiled = lowered.compile(dumped if on_cpu else None)
         program_text = _program_as_counted(Path(dump)) if on_cpu else compiled.as_text()
@@ -105,6 +108,23 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         sent_by_axes_in_loops=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape, True),
         flops=compiled_flops(compiled.as_text()),  # the optimised program, as it runs
     )
+
+
+@contextlib.contextmanager
+def _no_persistent_cache(needed: bool) -> Iterator[None]:
+    """Compile for real while XLA dumps the program: JAX's persistent compilation cache keys
+    leave the dump options out, so a hit (JAX_COMPILATION_CACHE_DIR set, an earlier plan of
+    the same step) would load the program and dump nothing."""
+    if not needed or not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # it remembers whether it is in use
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def _program_as_counted(dump: Path) -> str:

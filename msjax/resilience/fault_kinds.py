@@ -1,11 +1,6 @@
-"""Every kind of fault in one table: the exceptions a worker raises for it, the exit code it ends
-with, the cause an incident names, and what the supervisor does about it.
-
-Adding a kind is one row in KINDS, and its code in exit_codes.py (documented in launch/README.md).
-msjax.train's exit ladder, the supervisor's reading of an exit (msjax.launch.fault_detection) and
-its policy (msjax.launch.policy) all read the row. A row's exceptions must be defined in modules
-that do not import this one; the first row whose exceptions match an error decides.
-"""
+"""Every kind of fault in one table, KINDS: its exceptions, exit code, cause and supervisor action.
+Adding a kind is one row here and its code in exit_codes.py (and launch/README.md): msjax.train's
+exit ladder, msjax.launch.fault_detection and msjax.launch.policy all read the row."""
 
 from __future__ import annotations
 
@@ -129,6 +124,8 @@ EARLY_EXIT = FaultKind(  # every worker exited 0 too soon
     "early_exit", "early_exit", RESTART, names_slot=False
 )
 
+# The first row whose exceptions match a worker's error decides; a row's exceptions are defined
+# in modules that do not import this one.
 KINDS = (
     USER_ERROR,
     NONFINITE_LOSS,

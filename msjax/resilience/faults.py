@@ -12,6 +12,8 @@
   save_error     saves from step K on fail with OSError ENOSPC (a full disk), `times` saves
   bitflip        after step K's update, one bit of rank R's copy of the first parameter flips
                  in device memory (firing n flips element n of its first local block)
+  corrupt_compute  every matmul rank R's process computes is slightly wrong, in every attempt
+                 (step is not needed): a device with silent data corruption, for self-checks
 Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
 RUN_DIR/faults.jsonl before they happen. Kept out of the config on purpose: a drill is not part of
 what defines a run.
@@ -34,8 +36,20 @@ from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
 
 ENV_VAR = "MSJAX_FAULT"
-KINDS = ("crash", "hang", "nan", "slow", "crash_in_save", "save_error", "bad_token", "bitflip")
-# a mantissa bit per parameter width (bytes): the value changes by about 1/8 and stays finite
+KINDS = (
+    "crash",
+    "hang",
+    "nan",
+    "slow",
+    "crash_in_save",
+    "save_error",
+    "bad_token",
+    "corrupt_compute",
+    "bitflip",
+)
+PERSISTENT_KINDS = ("slow", "corrupt_compute")  # they act in every attempt, not `times` times
+CORRUPTION = 1e-2  # corrupt_compute: a matmul's relative error (msjax.ops.matmul)
+# bitflip: a mantissa bit per parameter width (bytes): the value changes by about 1/8, stays finite
 BITFLIP_BIT = {2: 4, 4: 20, 8: 49}
 CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught exception
 
@@ -52,6 +66,8 @@ class InjectedFault:
     def spec(self) -> str:
         extra = f",percent={self.percent:g}" if self.kind == "slow" else ""
         extra += f",times={self.times}" if self.times != 1 else ""
+        if self.kind == "corrupt_compute":
+            return f"{self.kind}@rank={self.rank}"
         return f"{self.kind}@step={self.step},rank={self.rank}{extra}"
 
 
@@ -80,6 +96,8 @@ def parse_faults(text: str) -> tuple[InjectedFault, ...]:
                 values[key] = float(number)
             except ValueError:
                 raise MsjaxError(f"{ENV_VAR}: {option!r} in {part!r} needs a number") from None
+        if kind == "corrupt_compute":
+            values.setdefault("step", 0.0)  # it acts on every step
         if "step" not in values or "rank" not in values:
             raise MsjaxError(f"{ENV_VAR}: {part!r} needs both step=K and rank=R")
         integers = {key: values[key] for key in ("step", "rank", "times") if key in values}
@@ -123,11 +141,17 @@ class FaultInjector:
             fault
             for fault in faults
             if fault.rank == rank
-            and (fault.kind == "slow" or fired.get(fault.spec, 0) < fault.times)
+            and (fault.kind in PERSISTENT_KINDS or fired.get(fault.spec, 0) < fault.times)
         ]
         self._fired = fired  # firings per fault over every attempt so far
         self._last_step_at: float | None = None
         self._slow_noted = False
+        corrupt = [fault for fault in self._pending if fault.kind == "corrupt_compute"]
+        if corrupt:
+            from msjax.ops.matmul import corrupt_matmuls  # jax only where a fault needs it
+
+            self._record(corrupt[0], 0)
+            corrupt_matmuls(CORRUPTION)  # before this process traces any program
 
     @classmethod
     def from_env(cls, run_dir: Path, rank: int, attempt: int) -> FaultInjector:

@@ -1,0 +1,328 @@
+"""`python -m msjax.doctor --nprocs P --devices-per-proc D -- [train args]`: the job's self-checks.
+
+Starts P `python -m msjax.resilience.self_checks` processes of one jax.distributed job, waits for
+them within a deadline, judges their figures together (msjax.resilience.health) and writes the
+verdict to RUN_DIR/health/N.json. Exit 0 if every rank passes, 10 (SELF_CHECK_FAILED) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from msjax.cli import ArgumentParser, user_error
+from msjax.config import Config
+from msjax.distributed import worker_env
+from msjax.errors import MsjaxError
+from msjax.launch.workers import WorkerProcess, describe_exit, stop_workers
+from msjax.resilience import exit_codes
+from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
+from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
+from msjax.resilience.health import (
+    Bounds,
+    Failure,
+    as_records,
+    failed_ranks,
+    judge,
+    majority_fingerprint,
+    median_device_s,
+)
+from msjax.run_dir import RunDir, write_text_atomically
+
+DOCTOR_BUDGET_S = 120.0  # python -m msjax.doctor when resilience.check_budget_s is 0
+COLLECTIVE_SHARE = 0.25  # each wait on peers in the collective check: this share of the budget
+END_GRACE_S = 5.0  # for ranks that reported everything to exit by themselves
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class HealthRound:
+    """One round of self-checks as judged: its number in RUN_DIR/health and its failures."""
+
+    number: int
+    path: Path
+    failures: list[Failure]
+    wall_s: float
+    summary: str
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return failed_ranks(self.failures)
+
+
+def next_health_number(run_dir: RunDir, attempt: int) -> int:
+    """The attempt's number, or the next free one past it (a requeued job counts again from 0)."""
+    number = attempt
+    while run_dir.health_verdict(number).exists() or run_dir.health_rank(number, 0).exists():
+        number += 1
+    return number
+
+
+def run_self_checks(
+    config: Config,
+    ranks: Sequence[int],
+    num_processes: int,
+    devices_per_proc: int | None,
+    coordinator: str,
+    attempt: int = 0,
+    faults: str | None = None,
+    budget_s: float | None = None,
+) -> HealthRound:
+    """Run the self-checks on `ranks` (this node's processes of the job) and judge them; no wait
+    goes past budget_s (resilience.check_budget_s unless given)."""
+    budget_s = budget_s or config.resilience.check_budget_s or DOCTOR_BUDGET_S
+    run_dir = RunDir(Path(config.run.dir))
+    number = next_health_number(run_dir, attempt)
+    folder = run_dir.health_rank(number, 0).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    job_config = folder / "job.yaml"
+    write_text_atomically(job_config, config.to_yaml())
+    command = [
+        sys.executable,
+        "-m",
+        "msjax.resilience.self_checks",
+        "--config",
+        str(job_config),
+        "--number",
+        str(number),
+        "--wait-s",
+        f"{COLLECTIVE_SHARE * budget_s:g}",
+        "--end-unix-s",
+        f"{time.time() + budget_s:.3f}",
+    ]
+    started = time.monotonic()
+    workers = []
+    for rank in ranks:
+        env = {
+            **os.environ,
+            **worker_env(coordinator, num_processes, rank, attempt),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if devices_per_proc is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
+        if faults:
+            env[FAULT_ENV_VAR] = faults
+        workers.append(WorkerProcess(rank, command, env, run_dir.log(rank), attempt, echo=None))
+    reports = _wait_for_reports(run_dir, number, workers, started + budget_s)
+    stop_workers(workers, grace_s=2.0)
+    wall_s = time.monotonic() - started
+    bounds = Bounds(config.resilience.slow_device_factor, budget_s)
+    failures = judge(reports, bounds)
+    summary = _summary(reports, failures, bounds, len(workers))
+    verdict = {
+        "number": number,
+        "attempt": attempt,
+        "passed": not failures,
+        "failed_ranks": failed_ranks(failures),
+        "failures": as_records(failures),
+        "summary": summary,
+        "wall_s": round(wall_s, 3),
+        "unix_s": time.time(),
+        "spawned_unix_s": min(worker.spawned_unix_s for worker in workers),
+        "bounds": asdict(bounds),
+        "majority_fingerprint": majority_fingerprint(_done(reports)),
+        "median_device_s": median_device_s(_done(reports)),
+        "ranks": {str(rank): report for rank, report in reports.items()},
+    }
+    path = run_dir.health_verdict(number)
+    write_text_atomically(path, json.dumps(verdict, indent=1))
+    return HealthRound(number, path, failures, wall_s, summary)
+
+
+def _done(reports: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any]]:
+    return {rank: r for rank, r in reports.items() if r is not None and r.get("phase") == "done"}
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for_reports(
+    run_dir: RunDir, number: int, workers: list[WorkerProcess], deadline: float
+) -> dict[int, dict[str, Any] | None]:
+    """Every rank's figures once all are done, or once each rank not done is named missing by a
+    rank that is, or has exited, or at the deadline: nothing waits on a silent process."""
+    while True:
+        reports = {w.rank: _read_report(run_dir.health_rank(number, w.rank)) for w in workers}
+        done = _done(reports)
+        named = {rank for report in done.values() for rank in report.get("missing", [])}
+        pending = [w for w in workers if w.rank not in done]
+        settled = all(w.rank in named or w.poll() is not None for w in pending)
+        if not pending or settled or time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
+    end = min(deadline, time.monotonic() + END_GRACE_S)
+    for worker in workers:  # those done exit by themselves; leave them a moment to
+        if worker.rank in done:
+            worker.wait(end - time.monotonic())
+    for worker in pending:
+        if worker.poll() is not None:
+            reports[worker.rank] = {
+                "phase": "start",
+                **(reports[worker.rank] or {}),
+                "exited": describe_exit(worker.exit_code or 0),
+            }
+    return reports
+
+
+def _summary(
+    reports: dict[int, dict[str, Any] | None],
+    failures: list[Failure],
+    bounds: Bounds,
+    processes: int,
+) -> str:
+    """One line of figures: the worst of each against its bound."""
+    done = _done(reports)
+    devices = [d for r in done.values() for d in r["compute"]]
+    if not devices:
+        return f"{processes} processes, none finished its checks"
+    median = median_device_s(done) or 0.0
+    majority = majority_fingerprint(done)
+    agree = sum(d["fingerprint"] == majority for d in devices)
+    disks = [r["disk"] for r in done.values() if "error" not in r["disk"]]
+    parts = [
+        f"{processes} processes x {len(devices) // max(len(done), 1)} devices",
+        f"known-answer error <= {max(d['error'] for d in devices):.1e} "
+        f"(tolerance {bounds.tolerance:.0e})",
+        f"fingerprints: {agree} of {len(devices)} agree"
+        if majority
+        else "fingerprints: no majority",
+        f"slowest device {max(d['seconds'] for d in devices) / max(median, 1e-12):.2f} x the "
+        f"median {1e3 * median:.2f} ms (bound {bounds.slow_device_factor:g})",
+        f"host memory >= {min(r['memory']['available_mib'] for r in done.values()):.0f} MiB",
+    ]
+    if disks:
+        parts.append(
+            f"disk >= {min(d['write_mb_s'] for d in disks):.0f} MB/s write+fsync, "
+            f"{min(d['read_mb_s'] for d in disks):.0f} MB/s read"
+        )
+    axes: dict[str, float] = {}
+    for report in done.values():
+        for entry in report["collectives"]:
+            if entry.get("seconds") is not None:
+                axes[entry["axis"]] = max(axes.get(entry["axis"], 0.0), entry["seconds"])
+    if axes:
+        parts.append("all-reduce " + ", ".join(f"{a} {1e3 * s:.2f} ms" for a, s in axes.items()))
+    return "; ".join(parts)
+
+
+def detail(health: HealthRound) -> str:
+    """A failed round in one line: each failure, and where the verdict is."""
+    failures = "; ".join(failure.line() for failure in health.failures)
+    return f"{failures} ({health.path.parent.name}/{health.path.name})"
+
+
+def _record_incident(run_dir: RunDir, health: HealthRound) -> None:
+    """A failed round of the doctor's own as an incident in RUN_DIR/incidents.jsonl."""
+    from msjax.launch.incidents import Incident, IncidentLog
+
+    log = IncidentLog(run_dir, say=lambda text: None)
+    now = time.time()
+    log.open(
+        Incident(
+            incident=log.next_number(),
+            cause=SELF_CHECK_FAILED.cause,
+            rank=health.failed_ranks[0],
+            detail=detail(health),
+            attempt=0,
+            phase="self_check",
+            step=0,
+            fault_unix_s=now - health.wall_s,
+            fault_time_from="the self-checks' start",
+            detected_unix_s=now,
+            detection_latency_s=round(health.wall_s, 3),
+            stop_s=0.0,
+            diagnostics=str(health.path.relative_to(run_dir.path)),
+            flight_recorder=None,
+            action="stop",
+            stop_reason="msjax.doctor: a self-check failed",
+        )
+    )
+    log.write()
+
+
+def report_lines(health: HealthRound) -> list[str]:
+    """What the doctor prints: pass with its figures, or each failing rank's check and figure."""
+    if health.passed:
+        return [f"passed in {health.wall_s:.1f} s: {health.summary} ({health.path})"]
+    ranks = ", ".join(str(rank) for rank in health.failed_ranks)
+    return [
+        f"FAILED: rank(s) {ranks} in {health.wall_s:.1f} s ({health.path})",
+        *(f"  {failure.line()}" for failure in health.failures),
+    ]
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Any, list[str]]:
+    argv = list(argv)
+    train_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, train_args = argv[:split], argv[split + 1 :]
+    parser = ArgumentParser(
+        prog="python -m msjax.doctor",
+        description="Self-check the job's processes and devices: a known-answer compute test "
+        "and its speed, host memory, disk, and an all-reduce over each mesh axis. Names the "
+        "ranks that fail. Exit 0: all pass; 10: a rank failed a check.",
+        epilog="example: python -m msjax.doctor --nprocs 2 --devices-per-proc 2 -- "
+        "--config configs/tiny.yaml mesh.tensor=1 run.dir=runs/doctor",
+    )
+    parser.add_argument("--nprocs", type=int, default=1, help="processes on this node")
+    parser.add_argument(
+        "--devices-per-proc", type=int, help="CPU devices per process (JAX_NUM_CPU_DEVICES)"
+    )
+    parser.add_argument(
+        "--fault", help="inject faults (MSJAX_FAULT syntax): corrupt_compute@rank=1"
+    )
+    return parser.parse_args(argv), train_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from msjax.launch.__main__ import default_devices_per_proc, job_config
+    from msjax.launch.supervisor import free_port
+    from msjax.resilience.faults import parse_faults
+    from msjax.resolve import check_device_count
+
+    try:
+        args, train_args = parse_args(sys.argv[1:] if argv is None else argv)
+        if args.nprocs < 1:
+            raise MsjaxError(f"--nprocs={args.nprocs} must be at least 1")
+        if args.fault:
+            parse_faults(args.fault)
+        config = job_config(train_args, None)
+        devices = args.devices_per_proc
+        if devices is None:
+            devices = default_devices_per_proc(config, args.nprocs)
+        elif devices < 1:
+            raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
+        if devices is not None:
+            config = check_device_count(config, devices * args.nprocs)
+        run_dir = RunDir(Path(config.run.dir))
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+    except MsjaxError as error:
+        return user_error("msjax.doctor", error)
+    coordinator = f"127.0.0.1:{free_port()}"
+    health = run_self_checks(
+        config, range(args.nprocs), args.nprocs, devices, coordinator, faults=args.fault
+    )
+    if not health.passed:
+        _record_incident(run_dir, health)
+    for line in report_lines(health):
+        print(f"msjax.doctor: {line}", flush=True)
+    return exit_codes.OK if health.passed else SELF_CHECK_FAILED.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
