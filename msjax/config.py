@@ -227,6 +227,13 @@ class ResilienceConfig:
     measured_deadline_after_steps: int = 20
     measured_deadline_after_saves: int = 3
     on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
+    # Corruption guard (msjax.resilience.replica_guard): every N steps, and before every save,
+    # the data-parallel replicas' parameters are fingerprinted on device and compared (0: off)
+    replica_check_every: int = 100
+    # a replica that differs: rerun replays the window from the last checkpoint before it
+    # (transient if the mismatch does not come back); stop, or a mismatch that comes back,
+    # ends the run with exit code 11 naming the rank
+    on_corruption: Literal["rerun", "stop"] = "rerun"
     max_restarts: int = 10  # restarts of the whole job before the supervisor gives up
     # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8
     # (exit 2 if each crashed the same way before its first step: a mistake, not the machine)

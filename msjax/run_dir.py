@@ -142,6 +142,11 @@ class RunDir:
     def faults(self) -> Path:
         return self.path / "faults.jsonl"
 
+    @property
+    def replica_mismatches(self) -> Path:
+        """Replicas found to differ, and how each mismatch was classified (process 0 writes)."""
+        return self.path / "replica_mismatches.jsonl"
+
     # What each rank leaves behind, and what the supervisor collects after a fault.
     @property
     def heartbeats(self) -> Path:

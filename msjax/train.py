@@ -31,7 +31,10 @@ from msjax.training.stop_signal import (
 
 if TYPE_CHECKING:
     from msjax.loop_events import LoopEvents
+    from msjax.resilience.replica_guard import Replay
+    from msjax.training.decisions import Decider
     from msjax.training.prepare import PreparedRun
+    from msjax.training.replica_checks import ReplicaChecks, Segment
 
 
 @dataclass(frozen=True)
@@ -107,58 +110,95 @@ def train(
 
     listeners: more `LoopEvents` to tell what happens around each step, after msjax's own.
     """
-    from msjax.step import skip_update
     from msjax.training.decisions import Decider
     from msjax.training.prepare import prepare_run
-    from msjax.training.reporting import InFlight
+    from msjax.training.replica_checks import ReplicaChecks, Segment, replay_start
     from msjax.training.stop_signal import StopSignal
 
     run = prepare_run(config, progress_stream, listeners)
-    events, results, state = run.events, run.results, run.start.state
-    in_flight = None  # the dispatched step whose metrics are not read yet
-    stopped_by = eval_loss = None
     # the stop signal's handler stays installed through end_run: a SIGTERM during the final
     # save only repeats the request to stop (msjax.training.stop_signal)
     grace_s = run.config.resilience.checkpoint_deadline_s
-    with events, StopSignal(grace_s) as stop:
-        with run.batches() as batches:
-            decide = Decider(run.config, run.saves.schedule, stop, bool(run.validation), run.saves)
-            for step in range(run.start.step, run.config.train.steps):
-                events.step_begin(step)
-                if run.resilience.skips(step):
-                    next(batches)  # drawn and dropped, so later steps keep their own batches
-                    state = skip_update(state)
-                    results.finish(in_flight)
-                    in_flight = None
-                    events.step_skipped(step)
-                else:
-                    batch, data_wait_s = next(batches)
-                    batch = run.resilience.batch(step, batch)
-                    events.batch_ready(step, data_wait_s)
-                    state, device_metrics = run.train_step(state, batch)
-                    events.step_dispatched(step)
-                    results.finish(in_flight)
-                    in_flight = InFlight(step, device_metrics, data_wait_s)
-                decision = decide.after_step(step + 1)
-                if decision.needs_result:
-                    results.finish(in_flight)
-                    in_flight = None
-                if decision.evaluate:
-                    eval_loss = evaluate(run, state, step)
-                if decision.saves_failing:
-                    raise SavesFailing(
-                        f"checkpoint saves kept failing for checkpoint.max_unsaved_minutes="
-                        f"{run.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
-                        f"{step + 1}); ending the attempt to restart from the last good one"
-                    )
-                if decision.stop_by:
-                    stopped_by = decision.stop_by
-                    break
-                if decision.save:
-                    run.saves.save(step + 1, state)
-                    results.restart_clock()  # the save's pause is reported on its own
-            results.finish(in_flight)
-        return end_run(run, state, stopped_by, eval_loss)
+    with run.events, StopSignal(grace_s) as stop:
+        decide = Decider(run.config, run.saves.schedule, stop, bool(run.validation), run.saves)
+        checks = ReplicaChecks(run)
+        segment = Segment(run.start.state, run.start.step, run.start.first_sample)
+        eval_loss = None
+        while True:
+            ended = train_segment(run, decide, checks, segment)
+            eval_loss = ended.eval_loss if ended.eval_loss is not None else eval_loss
+            if ended.replay is None:
+                break
+            replay, ended = ended.replay, None  # the diverged state is dropped before restoring
+            segment = replay_start(run, replay)  # a replica mismatch: replay its window
+        return end_run(run, ended.state, ended.stopped_by, eval_loss)
+
+
+@dataclass
+class SegmentEnd:
+    """How a run of steps ended: at the last step, stopped by a signal, or for a replay."""
+
+    state: Any
+    stopped_by: str | None = None
+    eval_loss: float | None = None
+    replay: Replay | None = None
+
+
+def train_segment(
+    run: PreparedRun, decide: Decider, checks: ReplicaChecks, segment: Segment
+) -> SegmentEnd:
+    """The steps from segment.step on, until the last one, a stop, or a replica check that
+    asks for a replay."""
+    from msjax.step import skip_update
+    from msjax.training.reporting import InFlight
+
+    events, results, state = run.events, run.results, segment.state
+    in_flight = None  # the dispatched step whose metrics are not read yet
+    ended = SegmentEnd(state)
+    with run.batches(segment.step, segment.first_sample) as batches:
+        for step in range(segment.step, run.config.train.steps):
+            events.step_begin(step)
+            if run.resilience.skips(step):
+                next(batches)  # drawn and dropped, so later steps keep their own batches
+                state = skip_update(state)
+                results.finish(in_flight)
+                in_flight = None
+                events.step_skipped(step)
+            else:
+                batch, data_wait_s = next(batches)
+                batch = run.resilience.batch(step, batch)
+                events.batch_ready(step, data_wait_s)
+                state, device_metrics = run.train_step(state, batch)
+                state = run.resilience.after_update(step, state)  # where a bitflip strikes
+                events.step_dispatched(step)
+                results.finish(in_flight)
+                in_flight = InFlight(step, device_metrics, data_wait_s)
+            ended.state = state
+            decision = decide.after_step(step + 1)
+            if decision.needs_result or checks.due(step + 1, decision):
+                results.finish(in_flight)
+                in_flight = None
+            if checks.due(step + 1, decision):
+                # before the state is saved; its time counts in the next step's (an overhead)
+                ended.replay = checks.check(step + 1, state)
+                if ended.replay is not None:
+                    return ended
+            if decision.evaluate:
+                ended.eval_loss = evaluate(run, state, step)
+            if decision.saves_failing:
+                raise SavesFailing(
+                    f"checkpoint saves kept failing for checkpoint.max_unsaved_minutes="
+                    f"{run.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
+                    f"{step + 1}); ending the attempt to restart from the last good one"
+                )
+            if decision.stop_by:
+                ended.stopped_by = decision.stop_by
+                break
+            if decision.save:
+                run.saves.save(step + 1, state)
+                results.restart_clock()  # the save's pause is reported on its own
+        results.finish(in_flight)
+    return ended
 
 
 def evaluate(run: PreparedRun, state: Any, step: int) -> float:

@@ -187,6 +187,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("msjax.launch", ["--spares", "-1"], "--spares=-1: give a count >= 0"),
     ("msjax.launch", ["--spares", "1", "--nnodes", "2"], "on one node (--nnodes 1)"),
     ("msjax.train", ["resilience.readmit_after_s=-1"], "readmit_after_s=-1.0 must be >= 0"),
+    # the corruption guard
+    ("msjax.train", ["resilience.replica_check_every=-1"], "replica_check_every=-1 must be >= 0"),
+    ("msjax.train", ["resilience.on_corruption=retry"], "resilience.on_corruption"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

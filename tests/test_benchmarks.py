@@ -34,6 +34,7 @@ class Smoke:
 SMOKES = [
     Smoke("agreement_overhead.py"),
     Smoke("checkpoint_overhead.py"),
+    Smoke("corruption_guard.py"),
     Smoke("data_throughput.py", slow=True),
     Smoke("fault_drill.py", slow=True),
     Smoke("generate.py"),
@@ -87,6 +88,18 @@ def check_checkpoint_overhead(out: str, _: Path) -> None:
         number(r"restore onto the mesh\s+{N} MB/s", out),
         number(r"state size\s+{N} MB", out),
     )
+    assert "(smoke: tiny model)" in out
+
+
+def check_corruption_guard(out: str, _: Path) -> None:
+    bare = number(r"step time, no guard\s+{N} ms", out)
+    guarded = number(r"step time, a check every 4 steps\s+{N} ms", out)
+    assert_ratio(number(r"ratio \(guard / no guard\)\s+{N}", out), guarded, bare, 3, 2)
+    assert positive(number(r"one check on its own\s+{N} ms", out))
+    moved = number(r"bytes one check moves\s+{N} bytes per device", out)
+    tensors = number(r"an all-gather of {N} tensors x 2 devices x 8 bytes", out)
+    assert moved == tensors * 2 * 8  # a few integers per tensor, never the parameters
+    assert moved < number(r"parameter bytes it reads in place\s+{N} bytes", out) / 100
     assert "(smoke: tiny model)" in out
 
 
@@ -200,6 +213,7 @@ def check_step_overhead(out: str, _: Path) -> None:
 CHECKS = {
     "agreement_overhead.py": check_agreement_overhead,
     "checkpoint_overhead.py": check_checkpoint_overhead,
+    "corruption_guard.py": check_corruption_guard,
     "data_throughput.py": check_data_throughput,
     "fault_drill.py": check_fault_drill,
     "generate.py": check_generate,

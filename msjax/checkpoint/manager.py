@@ -36,7 +36,7 @@ from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure, 
 from msjax.checkpoint.record import record_problem, seal_record
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
-from msjax.parallel.agreement import ProcessVote, agree_any, process_vote
+from msjax.parallel.agreement import ProcessVote, agree_any, agree_max, process_vote
 from msjax.run_dir import RunDir
 
 # 2: odd fingerprint weights (msjax.checkpoint.fingerprint) and a sealed record; 1 still restores
@@ -475,12 +475,33 @@ class Checkpointer:
             warn(f"skipped checkpoint {self.directory / name}: the save never finished")
         vote = _restore_vote()
         steps = self.agreed_listing(vote).steps
-        for step in reversed([s for s in steps if at_most is None or s <= at_most]):
+        candidates = [s for s in steps if at_most is None or s <= at_most]
+        diverged = [self._replicas_differed(step) for step in candidates]
+        if diverged:  # every process skips the same ones
+            diverged = [bool(value) for value in agree_max(vote, diverged)]
+        for index in reversed(range(len(candidates))):
+            step = candidates[index]
+            if diverged[index] and not all(diverged[:index]):
+                warn(
+                    f"skipped checkpoint {self.directory / str(step)}: its data-parallel "
+                    "replicas differed when it was saved, and an earlier one's agreed"
+                )
+                continue
             try:
                 return self.restore(step, abstract_state, vote)
             except MsjaxError as error:  # damage, found alike by every process
                 self._skip(step, f"skipped {error}", warn, vote)
         return None
+
+    def _replicas_differed(self, step: int) -> bool:
+        """Whether a step's record says its replicas differed when it was saved (a record that
+        cannot be read says nothing here: restoring it finds out)."""
+        try:
+            record = json.loads((self.directory / str(step) / "meta" / META_FILE).read_bytes())
+        except (OSError, ValueError):
+            return False
+        replicas = record.get("replicas") if isinstance(record, dict) else None
+        return isinstance(replicas, dict) and replicas.get("agreed") is False
 
     def restore_named(self, step: int, abstract_state: Any) -> Restored:
         """Exactly this step (MsjaxError if it is not committed or is damaged; never an older

@@ -18,6 +18,7 @@ from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.fault_kinds import FaultKind, kind_of_exit
 from msjax.resilience.faults import read_firings
 from msjax.resilience.heartbeat import TIMED_PHASES, HeartbeatRecord
+from msjax.resilience.replica_guard import recorded_bad_ranks
 from msjax.run_dir import RunDir
 
 
@@ -261,6 +262,15 @@ def detect(poll: Poll) -> DetectedFault | None:
 def _phase(attempt: Attempt, rank: int) -> str:
     record = attempt.heartbeats.get(rank)
     return record.phase if record is not None else "init"
+
+
+def name_the_corrupt_rank(fault: DetectedFault, run_dir: RunDir) -> None:
+    """Silent corruption: every worker exits 11 alike; the replicas' record names the bad rank."""
+    if fault.kind is fault_kinds.SILENT_CORRUPTION:
+        bad = recorded_bad_ranks(run_dir.path)
+        if bad:
+            fault.rank = bad[0]
+            fault.detail += f" (replica_mismatches.jsonl names rank {', '.join(map(str, bad))})"
 
 
 def use_injection_time(fault: DetectedFault, attempt: Attempt, run_dir: RunDir) -> None:

@@ -29,6 +29,7 @@ from msjax.launch.fault_detection import (
     Poll,
     Timings,
     detect,
+    name_the_corrupt_rank,
     start_up_failure,
     timings_of,
     use_injection_time,
@@ -434,6 +435,7 @@ class Supervisor:
                 attempt.ended_unix_s = now_unix_s
             fault = detect(poll)
             if fault is not None:
+                name_the_corrupt_rank(fault, self.run_dir)
                 use_injection_time(fault, attempt, self.run_dir)
                 return fault
             if poll.all_exited:

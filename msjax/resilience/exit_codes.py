@@ -18,8 +18,9 @@ NO_PROGRESS = 8  # launch: several attempts in a row committed no checkpoint new
 BAD_NODE = 9  # launch, multi-node: this node's slot was marked bad; requeue without this node
 # (the launcher's last line names the node)
 SELF_CHECK_FAILED = 10  # msjax.doctor or a worker: a self-check failed on this process
-SILENT_CORRUPTION = 11  # train: this rank's parameters diverged from its data-parallel replicas
-# persistently (a broken machine computing wrong numbers)
+SILENT_CORRUPTION = 11  # train: a data-parallel replica's parameters differed from the others'
+# and the difference came back when its window was replayed (or resilience.on_corruption=stop);
+# the message names the rank: a machine that computes or stores wrong numbers
 WRITE_FAILED = 74  # msjax.hf export: OUT_DIR could not be written (disk full, I/O error);
 # nothing half-written is left (sysexits' EX_IOERR): free space and rerun
 INTERRUPTED = 130  # SIGINT

@@ -11,6 +11,7 @@ from msjax.checkpoint.read_errors import CheckpointUnreadable
 from msjax.errors import MsjaxError
 from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes
+from msjax.resilience.replica_guard import SilentCorruption
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
 from msjax.writable import WriteFailed
 
@@ -104,7 +105,15 @@ SELF_CHECK_FAILED = FaultKind(
     "self_check_failed", "self_check_failed", MARK_SLOT_BAD, exit_codes.SELF_CHECK_FAILED
 )
 SILENT_CORRUPTION = FaultKind(
-    "silent_corruption", "silent_corruption", MARK_SLOT_BAD, exit_codes.SILENT_CORRUPTION
+    "silent_corruption",
+    "silent_corruption",
+    MARK_SLOT_BAD,
+    exit_codes.SILENT_CORRUPTION,
+    (SilentCorruption,),  # every process finds the same ranks bad (the rerun state machine)
+    reason=lambda error: (
+        "silent corruption on rank "
+        + (", ".join(map(str, getattr(error, "ranks", ()))) or "unknown")
+    ),
 )
 # the launcher's own code on a multi-node job; a process that exits with it (a check of the
 # whole node) marks its slot bad too

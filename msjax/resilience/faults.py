@@ -10,6 +10,8 @@
   slow           from step K on, rank R sleeps X percent of its step time after every step
   crash_in_save  the process exits while the checkpoint of step K is being written
   save_error     saves from step K on fail with OSError ENOSPC (a full disk), `times` saves
+  bitflip        after step K's update, one bit of rank R's copy of the first parameter flips
+                 in device memory (firing n flips element n of its first local block)
   corrupt_compute  every matmul rank R's process computes is slightly wrong, in every attempt
                  (step is not needed): a device with silent data corruption, for self-checks
 Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
@@ -44,9 +47,12 @@ KINDS = (
     "save_error",
     "bad_token",
     "corrupt_compute",
+    "bitflip",
 )
 PERSISTENT_KINDS = ("slow", "corrupt_compute")  # they act in every attempt, not `times` times
 CORRUPTION = 1e-2  # corrupt_compute: a matmul's relative error (msjax.ops.matmul)
+# bitflip: a mantissa bit per parameter width (bytes): the value changes by about 1/8, stays finite
+BITFLIP_BIT = {2: 4, 4: 20, 8: 49}
 CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught exception
 
 
@@ -248,7 +254,40 @@ class FaultInjector:
         placed = jax.make_array_from_single_device_arrays(inputs.shape, inputs.sharding, poisoned)
         return {**batch, "inputs": placed}
 
+    def after_update(self, step: int, state: Any) -> Any:
+        """The state after step `step`'s update, with one bit flipped on this rank if injected
+        (a replay of that step fires it again until it has fired `times` times)."""
+        for fault in self._pending:
+            if fault.kind == "bitflip" and fault.step == step:
+                firing = self._fired.get(fault.spec, 0)
+                self._record(fault, step)
+                self._fired[fault.spec] = firing + 1
+                if firing + 1 >= fault.times:
+                    self._pending.remove(fault)
+                return _flip_one_bit(state, firing)
+        return state
+
     def after_save_started(self, step: int) -> None:
         """Exit while the asynchronous save of step `step` is being written, as injected."""
         if self._take("crash_in_save", step):
             os._exit(CRASH_EXIT_CODE)
+
+
+def _flip_one_bit(state: Any, element: int) -> Any:
+    """state with a mantissa bit (BITFLIP_BIT) of one element of the first parameter's first
+    local block flipped on that device: the block is rebuilt there, every other one kept."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    leaves, treedef = jax.tree.flatten(state.params)
+    array = leaves[0]
+    shards = array.addressable_shards
+    block = np.array(shards[0].data)  # [block shape] of the first local device
+    unsigned = np.dtype(f"uint{8 * block.dtype.itemsize}")
+    words = block.reshape(-1).view(unsigned)  # the parameter's bits
+    words[element % words.size] ^= unsigned.type(1 << BITFLIP_BIT[block.dtype.itemsize])
+    blocks = [jax.device_put(block, shards[0].device), *(shard.data for shard in shards[1:])]
+    leaves[0] = jax.make_array_from_single_device_arrays(array.shape, array.sharding, blocks)
+    return dataclasses.replace(state, params=jax.tree.unflatten(treedef, leaves))

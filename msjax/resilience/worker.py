@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from msjax.distributed import ATTEMPT, PROCESS_ID
 from msjax.loop_events import LoopEvents, StepRecord
@@ -101,6 +102,11 @@ class WorkerResilience(LoopEvents):
     def batch(self, step: int, batch: dict) -> dict:
         """The batch of step `step` as the step sees it (an injected `bad_token` alters it)."""
         return self.faults.batch(step, batch, self.vocab_size) if self.faults.active else batch
+
+    def after_update(self, step: int, state: Any) -> Any:
+        """The state after step `step`'s update as this rank holds it (an injected `bitflip`
+        changes one bit of it on the device)."""
+        return self.faults.after_update(step, state) if self.faults.active else state
 
     def loss(self, step: int, loss: float) -> float:
         """The loss as this rank reads it back (an injected `nan` fault replaces it)."""

@@ -225,6 +225,8 @@ class CheckpointSaves:
         self.schedule = SaveSchedule(config.checkpoint)
         self.vote = process_vote("save")  # every process casts the same rounds, in order
         self.last_saved_step: int | None = None  # started and not failed (maybe in flight)
+        # step -> what the save records of its replicas (msjax.training.replica_checks)
+        self.replica_record: Callable[[int], dict[str, Any]] | None = None
         self._started_s = 0.0  # when the save in flight was started
         if config.checkpoint.enabled:
             # no save of this job has started yet, and the job holds the run lock
@@ -319,6 +321,7 @@ class CheckpointSaves:
             },
             "seed": self.config.run.seed,
             "msjax_version": __version__,
+            **({"replicas": self.replica_record(step)} if self.replica_record else {}),
         }
 
     def finish(self, state: Any, final_step: int) -> None:

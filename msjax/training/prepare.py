@@ -68,17 +68,20 @@ class PreparedRun:
     progress: ProgressLine
     started: float  # time.perf_counter() when preparing began
 
-    def batches(self) -> AbstractContextManager[Any]:
-        """The training batches from the starting step on, prefetched onto the devices."""
+    def batches(
+        self, step: int | None = None, first_sample: int | None = None
+    ) -> AbstractContextManager[Any]:
+        """The training batches from `step` (the starting step) on, prefetched onto the devices;
+        first_sample: that step's data position (a replay's checkpoint records it)."""
         from msjax.data.pipeline import sharded_batches
 
         return sharded_batches(
             self.data.train,
             self.program.batch_sharding,
-            self.start.step,
+            self.start.step if step is None else step,
             self.config.data.prefetch_batches,
             self.config.data.num_workers,
-            self.start.first_sample,
+            self.start.first_sample if first_sample is None else first_sample,
         )
 
 

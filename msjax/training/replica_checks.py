@@ -1,0 +1,138 @@
+"""The loop's side of the corruption guard: which steps are checked, what checkpoints record of
+it, and the in-process replay a mismatch asks for (msjax.resilience.replica_guard compares)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from msjax.parallel.agreement import agree_any, process_vote
+from msjax.resilience.replica_guard import (
+    MismatchLog,
+    Replay,
+    ReplicaFingerprints,
+    RerunStateMachine,
+    SilentCorruption,
+    compare,
+)
+from msjax.training.checkpoints import init_from_hf
+
+if TYPE_CHECKING:
+    from msjax.training.decisions import Decision
+    from msjax.training.prepare import PreparedRun
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where the loop (re)starts: the state, its step, and the data position of that step."""
+
+    state: Any
+    step: int
+    first_sample: int
+
+
+class ReplicaChecks:
+    """Every resilience.replica_check_every steps, before every save, a stop and the last step,
+    and after every step of a replay: the replicas compared (every process gets the same table
+    from one all-gather, so every process takes the same turn)."""
+
+    def __init__(self, run: PreparedRun):
+        import jax
+
+        resilience, mesh = run.config.resilience, run.program.mesh
+        self.every = resilience.replica_check_every
+        self.total_steps = run.config.train.steps
+        self.enabled = self.every > 0 and mesh.shape["data"] > 1
+        if self.every > 0 and not self.enabled:
+            run.progress.message(
+                "replica checks: mesh.data=1 holds no data-parallel replicas to compare; "
+                "silent corruption is left to the known-answer self-check"
+            )
+        self.fingerprints = None
+        if self.enabled:
+            self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings.params)
+            self.fingerprints.compile(run.program.abstract_state().params)
+        vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
+        log = MismatchLog(
+            run.run_dir.path,
+            jax.process_index() == 0,
+            run.progress.message,
+            barrier=lambda: agree_any(vote, False),
+        )
+        self.machine = RerunStateMachine(resilience.on_corruption, run.start.step, log)
+        self.devices = mesh.devices
+        self.agreed_at: int | None = None  # the step of the last check that agreed
+        run.saves.replica_record = self.record  # every checkpoint records its replicas' check
+
+    def due(self, step: int, decision: Decision) -> bool:
+        """Whether the state after `step` updates is checked now."""
+        if not self.enabled:
+            return False
+        return (
+            step % self.every == 0
+            or decision.save
+            or decision.stop_by is not None
+            or step == self.total_steps
+            or self.machine.checks_every_step(step)
+        )
+
+    def check(self, step: int, state: Any) -> Replay | None:
+        """Compare the replicas after `step` updates: None to go on, or the replay to start;
+        SilentCorruption once a rank is found bad."""
+        assert self.fingerprints is not None
+        table = self.fingerprints.table(state.params)
+        mismatch = compare(
+            table,
+            step,
+            self.machine.agreed_step,
+            self.fingerprints.tensor_names,
+            lambda place: self.devices[place].process_index,
+        )
+        self.agreed_at = step if mismatch is None else None
+        return self.machine.observe(step, table, mismatch)
+
+    def record(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of `step` records of its replicas (checked right before it)."""
+        if not self.enabled:
+            return {"checked": False}
+        return {"checked": True, "agreed": self.agreed_at == step}
+
+
+def replay_start(run: PreparedRun, replay: Replay) -> Segment:
+    """The state to replay from: the newest checkpoint at or before replay.at_most whose
+    replicas agreed (a fresh state where the run began from step 0 and saved none before)."""
+    import jax
+
+    message = run.progress.message
+    run.resilience.beat("restore")
+    checkpointer = run.saves.checkpointer
+    checkpointer.wait()  # the saves in flight are on disk: the newest one may be the one
+    restored = checkpointer.restore_newest_valid(
+        run.program.abstract_state(), message, at_most=replay.at_most
+    )
+    if restored is not None:
+        state = run.program.from_canonical(restored.state)
+        step = int(jax.device_get(state.step))
+        samples_seen = restored.meta.get("data", {}).get("samples_seen")
+        first_sample = (
+            step * run.config.train.global_batch if samples_seen is None else samples_seen
+        )
+        where = f"checkpoint {restored.path}"
+    elif run.start.restored is None and run.start.step == 0:
+        state = (
+            init_from_hf(run.config, run.program, message)
+            if run.config.model.init_from
+            else (run.program.init_state())
+        )
+        step, first_sample, where = 0, 0, "the initial state"
+    else:
+        raise SilentCorruption(
+            f"the replicas differ after step {replay.until}, and no checkpoint at or before "
+            f"step {replay.at_most} is left to replay from",
+            (),
+        )
+    message(
+        f"replica mismatch: replaying steps {step}..{replay.until} from {where}, checking the "
+        "replicas after every step"
+    )
+    return Segment(state, step, int(first_sample))
