@@ -242,8 +242,9 @@ def replica_stage(stage_fn: StageFunction, replicas: int) -> StageFunction:
 # a stage's activations [stages, microbatch, seq, embed], and the microbatch streams
 # [stages, slots, microbatch, seq, embed]: split over `pipe` by stage, along the sequence over
 # `tensor` under sequence parallelism as between any two blocks
-STAGE_ACTIVATIONS = ("stage", "batch", "seq", "act_embed")
-STREAMS = ("stage", None, "batch", "seq", "act_embed")
+# (Megatron's scatter/gather: each tensor rank sends 1 / tensor of a stage's activations)
+STAGE_ACTIVATIONS = ("stage", "batch", "residual_seq", "act_embed")
+STREAMS = ("stage", None, "batch", "residual_seq", "act_embed")
 
 
 def arrange_microbatches(x: jax.Array, cells: np.ndarray, count: int) -> jax.Array:
