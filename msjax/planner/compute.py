@@ -4,7 +4,8 @@ against the model FLOPs of `msjax.observe.flops` (which count no recomputation a
 What the compiled step runs beyond the model FLOPs: the XLA attention's full [seq, seq] scores
 (the model counts the causal half), what `model.remat` recomputes, a pipeline's bubble iterations
 (stages compute on zeros), 1F1B's stage forward again inside its vjp, and 1F1B's loss head on
-every pipe rank (GPipe and circular split the head's tokens over pipe). `tests/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
+every pipe rank (GPipe and circular split the head's tokens over pipe).
+`tests/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def estimate_compute(
     share (1 / tensor) of every matmul. On a pipe mesh it runs a microbatch through its stage's
     layers on every iteration of the schedule, bubble iterations included; the head runs on
     the ceil(M / P) microbatches its stage holds (GPipe, circular: 1 / P of the replica batch
-    when P divides M), or on every pipe rank on one microbatch per iteration (1F1B). `platform` decides the attention kernel, as in `estimate_memory`.
+    when P divides M), or on every pipe rank on one microbatch per iteration (1F1B).
+    `platform` decides the attention kernel, as in `estimate_memory`.
 
     Not modelled: with fsdp beside pipe the partitioner may split the head's weight gradient
     between pipe ranks (tiny, fsdp 2 x pipe 2 or 4: the compiled step does 1% less).

@@ -305,10 +305,16 @@ def estimate_memory(
     softmax = b * s * (1 if dims.fused_loss else dims.vocab) * F32_BYTES
     head = 3 * b * s * dims.embed * dims.act_bytes + softmax
     if mesh.pipe > 1:
-        # the pipeline's microbatched inputs, its finished outputs, and (circular) the buffer
-        # where microbatches wait to re-enter stage 0: each the replica's whole residual stream
-        buffers = 3 if PipelineLayout.of(config).repeats > 1 else 2
-        head += buffers * b * s * dims.embed * dims.act_bytes
+        # GPipe and circular: the embedding, the head and the loss run on the ceil(M / P)
+        # microbatches a stage holds, and the pipeline's streams (its inputs, then its finished
+        # outputs) and their gradient are that many; circular's microbatches wait to re-enter
+        # stage 0 in a ring of M - P + 1 (msjax.parallel.pipeline.run_streams)
+        layout = PipelineLayout.of(config)
+        held = layout.slots_per_stage / layout.microbatches
+        stream = dims.batch * s * dims.embed * dims.act_bytes / dims.residual_split
+        head = held * head + 2 * layout.slots_per_stage * stream
+        if layout.repeats > 1:
+            head += layout.return_slots * stream
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor). The
     # pipeline's loop keeps the stage's weights as sharded (see PIPELINE_WEIGHT_COPIES): no gathered
     # copy is among its buffers at the peak.
