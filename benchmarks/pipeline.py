@@ -20,11 +20,15 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
+import jax
+
 from msjax.config import load_config
+from msjax.observe.flops import flops_per_step
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import MeshShape, config_for_mesh
-from msjax.planner.sweep import measure_mesh
+from msjax.planner.compute import estimate_compute
+from msjax.planner.sweep import SweepRow, measure_mesh
 
 GIB = 2**30
 MB = 1e6
@@ -78,6 +82,24 @@ def pipe_bytes(config, mesh: MeshShape) -> tuple[float, float]:
     return in_loops, total - in_loops
 
 
+def measured(config, mesh: MeshShape, steps: int, compile_only: bool) -> SweepRow:
+    """The sweep's row for one layout; compile_only: its compiled counts, no steps run."""
+    if not compile_only:
+        return measure_mesh(config, mesh, steps, None)
+    step = compile_step(config, mesh)
+    return SweepRow(
+        mesh=mesh,
+        compile_s=step.compile_s,
+        memory={"total_bytes": step.memory.total_bytes},
+        model_memory_bytes=0,
+        collectives={},
+        fits=None,
+        work_ratio=step.flops.total * mesh.devices / flops_per_step(step.config),
+        planned_work_ratio=estimate_compute(config, mesh, jax.default_backend()).ratio,
+        tokens_per_s=float("nan"),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/small.yaml")
@@ -86,11 +108,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, every layout")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 layouts, 1 step")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides (key=value)")
+    parser.add_argument("--layouts", nargs="*", help="only the layouts with these labels")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="counts and memory only (no tokens/s)"
+    )
     args = parser.parse_args()
     layouts = LAYOUTS
     if args.smoke:
         args.quick, args.steps = True, 1
         layouts = [row for row in LAYOUTS if row[0] in SMOKE_LAYOUTS]
+    if args.layouts:
+        layouts = [row for row in LAYOUTS if row[0] in args.layouts]
     base = [f"train.global_batch={args.global_batch}", *args.set]
     if args.quick:
         base += ["model.num_layers=12", "model.embed_dim=64", "model.mlp_dim=128"]
@@ -116,7 +144,7 @@ def main() -> None:
         config = config_for_mesh(load_config(args.config, [*base, *overrides]), mesh, "cpu")
         layout = PipelineLayout.of(config)
         bubble = layout.bubble_fraction if mesh.pipe > 1 else 0.0
-        row = measure_mesh(config, mesh, args.steps, None)
+        row = measured(config, mesh, args.steps, args.compile_only)
         in_loop, outside = pipe_bytes(config, mesh)
         memory = row.memory["total_bytes"]
         memory_of[(mesh.pipe, layout.microbatches, layout.schedule)] = memory
