@@ -10,7 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from mesh_runs import fixed_batches, small_config, train_program
+from mesh_runs import fixed_batches, packed_batches, small_config, train_program
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
@@ -98,6 +98,36 @@ def test_pipelined_training_matches_the_straight_run(case: str):
         assert relative_error < 1e-5, (path, relative_error)
     # guards the comparison: the straight run learns, so a pipeline that froze would differ
     assert expected_losses[-1] < expected_losses[0] - 0.05
+
+
+_packed_straight_runs: dict[int, tuple] = {}
+
+
+@pytest.mark.parametrize(
+    "pipeline", [gpipe(4), circular(4), one_f_one_b(4)], ids=["gpipe", "circular", "1f1b"]
+)
+def test_every_schedule_matches_the_straight_run_on_packed_rows_with_eos_and_padding(pipeline):
+    steps = 3
+    straight = config_of((2, 2, 1, 2, False), FOUR_LAYERS)
+    batches = packed_batches(straight, steps)
+    # the rows really differ: several documents in a row, padding, and microbatches (rows
+    # i, i + 4, ...) with different positions, segments and token counts
+    first = batches[0]
+    assert first["segment_ids"].max() > 3 and (first["segment_ids"] == 0).any()
+    by_microbatch = [first["segment_ids"][i::4] for i in range(4)]
+    assert len({int((segments != 0).sum()) for segments in by_microbatch}) == 4
+    assert len({first["positions"][i::4].tobytes() for i in range(4)}) == 4
+    if steps not in _packed_straight_runs:
+        _packed_straight_runs[steps] = train_program(straight, batches)
+    expected_losses, expected_params = _packed_straight_runs[steps]
+    losses, params = train_program(config_of((2, 1, 2, 2, False), FOUR_LAYERS, pipeline), batches)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for path, expected in jax.tree_util.tree_leaves_with_path(expected_params):
+        actual = params
+        for key in path:
+            actual = actual[key.key]
+        relative_error = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+        assert relative_error < 1e-5, (path, relative_error)
 
 
 @pytest.mark.parametrize(
