@@ -1,6 +1,6 @@
-"""What the GPipe and circular pipelines' compiled programs do beyond the layers: the stage
-transfers run inside the loop, the loss head's tokens are split over pipe, each stage holds
-ceil(M / P) microbatches of the streams, and sequence parallelism splits the transfers.
+"""What the pipelines' compiled programs do beyond the layers: the stage transfers run inside
+the loop, and under GPipe and circular the loss head's tokens are split over pipe, each stage
+holds ceil(M / P) microbatches of the streams, and sequence parallelism splits the transfers.
 
 Compile-only, on configs/tiny.yaml (float32) at data 2 x pipe 2 x tensor 2; the compiles are
 cached per process (msjax.planner.aot), shared with test_communication_model's.
@@ -21,6 +21,7 @@ from msjax.planner.planning import ring_all_reduce_bytes
 MESH = "2,1,2,2"  # data, fsdp, pipe, tensor
 GPIPE = "pipeline.microbatches=4"
 CIRCULAR = "pipeline.schedule=circular pipeline.repeats=2 pipeline.microbatches=4"
+ONE_F_ONE_B = "pipeline.schedule=1f1b pipeline.microbatches=4"
 BATCH, SEQ, EMBED, VOCAB, DATA, PIPE, TENSOR = 8, 128, 128, 264, 2, 2, 2
 
 
@@ -33,22 +34,29 @@ def pipe_bytes(sent: dict[str, float]) -> float:
     return sum(value for axes, value in sent.items() if "pipe" in axes.split("+"))
 
 
-@pytest.mark.parametrize("overrides", [GPIPE, CIRCULAR], ids=["gpipe", "circular"])
+@pytest.mark.parametrize(
+    "overrides", [GPIPE, CIRCULAR, ONE_F_ONE_B], ids=["gpipe", "circular", "1f1b"]
+)
 def test_stage_transfers_are_collective_permutes_inside_the_loop(overrides: str):
     step = compiled(overrides)
     layout = PipelineLayout.of(step.config)
     # one microbatch's activations on a device: a row of the replica's 4, float32
     stream = BATCH // DATA // layout.microbatches * SEQ * EMBED * 4
+    permutes = step.collectives["collective-permute"]
+    assert permutes.executions == permutes.executions_in_loops >= 2 * layout.iterations
+    in_loop = pipe_bytes(step.sent_by_axes_in_loops)
+    if layout.interleaves_backward:  # activations on and cotangents back, every device
+        assert in_loop == 2 * layout.iterations * stream
+        return
     back = (PIPE - 1) / PIPE  # GPipe's last stage sends nothing on, stage 0 nothing back
     on = 1.0 if layout.repeats > 1 else back
     # each iteration forward and backward: the stage's output on, a stream column back
-    assert pipe_bytes(step.sent_by_axes_in_loops) == 2 * layout.iterations * stream * (on + back)
-    permutes = step.collectives["collective-permute"]
-    assert permutes.executions == permutes.executions_in_loops >= 4 * layout.iterations
+    assert in_loop == 2 * layout.iterations * stream * (on + back)
+    assert permutes.executions >= 4 * layout.iterations
     # outside the loop no activations cross pipe: the embedding and unembedding tables'
     # gradients (tensor-split, float32) are summed over data x pipe, and the loss's scalars
     tables = 2 * (VOCAB // TENSOR) * EMBED * 4 + EMBED * 4  # and the final norm
-    outside = pipe_bytes(step.sent_by_axes) - pipe_bytes(step.sent_by_axes_in_loops)
+    outside = pipe_bytes(step.sent_by_axes) - in_loop
     assert outside == pytest.approx(ring_all_reduce_bytes(tables, DATA * PIPE), abs=100)
 
 
