@@ -45,6 +45,8 @@ CASES = {
     "pipe2-data2-tensor2-gpipe-m2": ((2, 1, 2, 2, False), FOUR_LAYERS, gpipe(2)),
     "pipe2-data2-tensor2-circular-m4": ((2, 1, 2, 2, False), FOUR_LAYERS, circular(4)),
     "pipe4-data2-gpipe-m4": ((2, 1, 4, 1, False), FOUR_LAYERS, gpipe(4)),
+    # fewer microbatches than stages: two stages' streams hold none
+    "pipe4-data2-gpipe-m2": ((2, 1, 4, 1, False), FOUR_LAYERS, gpipe(2)),
     "pipe4-data2-circular-m8": ((2, 1, 4, 1, False), {"num_layers": 8}, circular(8)),
     "pipe2-fsdp2-tensor2-seqpar-gpipe-m8": ((1, 2, 2, 2, True), FOUR_LAYERS, gpipe(8)),
     "pipe2-fsdp2-tensor2-seqpar-circular-m2": ((1, 2, 2, 2, True), FOUR_LAYERS, circular(2)),
