@@ -29,13 +29,17 @@ from msjax.optim import (
     stacked_over_layers,
     weight_decay_mask,
 )
-from msjax.parallel.context import LogicalAxes
+from msjax.parallel.context import LogicalAxes, WeightGather, constrain
 from msjax.parallel.one_f_one_b import one_f_one_b_loss
 from msjax.parallel.pipeline import (
     PipelineLayout,
     StageFunction,
-    run_pipeline,
+    arrange_microbatches,
+    cells_to_rows,
+    rows_to_streams,
+    run_streams,
     split_microbatches,
+    streams_to_rows,
     to_canonical_order,
     to_memory_order,
 )
@@ -46,6 +50,7 @@ from msjax.parallel.rules import (
     logical_to_spec,
     placement_within_replica,
     shardings_for,
+    split_over_pipe,
     weight_gather,
 )
 
@@ -181,24 +186,43 @@ class TrainProgram:
     def pipeline(self) -> PipelineLayout:
         return PipelineLayout.of(self.config)
 
-    def features(self, model: Transformer, batch: Batch) -> jax.Array:
-        """The final norm's output [batch, seq, embed]: the layer stack whole, or pipelined."""
-        inputs, positions, segment_ids = batch["inputs"], batch["positions"], batch["segment_ids"]
+    def _pipelined_summed_loss(
+        self, model: Transformer, batch: Batch, weights: WeightGather
+    ) -> jax.Array:
+        """The summed loss with the layer stack as a GPipe or circular pipeline: the embedding,
+        the loss head and the loss each run on 1 / P of the tokens per pipe rank, the tokens a
+        stage holds in its streams (msjax.parallel.pipeline.run_streams)."""
         layout = self.pipeline
-        if layout.stages == 1:
-            return model.features(inputs, positions, segment_ids)
+        stages, count = layout.stages, layout.microbatches
+        split_rules = split_over_pipe(logical_axis_rules(self.config))
+
+        def rows(array: jax.Array, cells: Any) -> jax.Array:
+            """[batch, seq] -> [stages * microbatch * slots, seq] as the stages hold them."""
+            arranged = cells_to_rows(arrange_microbatches(array, cells, count), stages)
+            return constrain(arranged, ("batch", "seq"))
+
+        with activation_placement(self.mesh, split_rules, weights):
+            x = model.embed(rows(batch["inputs"], layout.input_cells()))  # [rows, seq, embed]
         stage, layer_params = self._stage_function(model)
-        x = run_pipeline(
+        outputs = run_streams(
             stage,
             layer_params,
-            model.embed(inputs),
-            positions,
-            segment_ids,
+            rows_to_streams(x, layout),  # [stages, slots, microbatch, seq, embed]
+            batch["positions"],
+            batch["segment_ids"],
             layout,
             checkpoint_policy=enclosing_checkpoint_policy(self.config.model.remat),
             replicas=self.config.mesh.data,
         )
-        return model.finish(x)
+        with activation_placement(self.mesh, split_rules, weights):
+            finished = layout.output_cells()
+            losses = ops.token_losses(
+                model.finish(streams_to_rows(outputs)),
+                model.unembedding_matrix(),
+                rows(batch["targets"], finished),
+                impl=self.config.model.loss_impl,
+            )  # [rows, seq]
+            return jnp.sum(losses * rows(real_token_weights(batch), finished))
 
     def _stage_function(self, model: Transformer) -> tuple[StageFunction, nnx.State]:
         """(a pipeline stage's function of its layers' parameters, the stacked layer params)."""
@@ -255,9 +279,11 @@ class TrainProgram:
             layout = self.pipeline
             if layout.stages > 1 and layout.interleaves_backward:
                 return self._one_f_one_b_summed_loss(model, params, batch)
-            features = self.features(model, batch)
+            if layout.stages > 1:
+                return self._pipelined_summed_loss(model, batch, weights)
+            inputs, positions = batch["inputs"], batch["positions"]
             losses = ops.token_losses(
-                features,
+                model.features(inputs, positions, batch["segment_ids"]),
                 model.unembedding_matrix(),
                 batch["targets"],
                 impl=self.config.model.loss_impl,

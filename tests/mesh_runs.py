@@ -66,15 +66,37 @@ def fixed_batches(config: Config) -> list[dict[str, np.ndarray]]:
     ]
 
 
-def train_program(config: Config) -> tuple[list[float], dict[str, Any]]:
-    """Losses of STEPS steps, and the final parameters in canonical layer order (numpy)."""
+def packed_batches(config: Config, steps: int) -> list[dict[str, np.ndarray]]:
+    """Rows packed from documents of different lengths, some padded: positions, segment ids and
+    real-token weights differ from row to row (and so between pipeline microbatches)."""
+    text = Path(__file__).read_bytes() * 40
+    tokens = ByteTokenizer().encode(text)
+    seq_len, rows, eos = config.data.seq_len, config.train.global_batch, ByteTokenizer.eos_id
+    windows, start = [], 0
+    for row in range(steps * rows):
+        length = seq_len + 1 - (row * 7) % (seq_len // 2)  # every other row padded, by more
+        window = np.array(tokens[start : start + length])
+        window[(row % 5) + 3 :: 9 + row % 6] = eos  # documents end at row-dependent places
+        windows.append(window)
+        start += length
+    return [
+        pack_rows(windows[step * rows : (step + 1) * rows], seq_len, eos, False)
+        for step in range(steps)
+    ]
+
+
+def train_program(
+    config: Config, batches: list[dict[str, np.ndarray]] | None = None
+) -> tuple[list[float], dict[str, Any]]:
+    """Losses of STEPS steps (or one per given batch), and the final parameters in canonical
+    layer order (numpy)."""
     device_count = math.prod(config.mesh.axis_sizes().values())
     config = resolve(config, device_count, jax.default_backend())  # as a run does: impls chosen
     mesh = build_mesh(config.mesh, jax.devices()[:device_count])
     program = build_program(config, mesh)
     state = program.init_state()
     losses = []
-    for batch in fixed_batches(config):
+    for batch in fixed_batches(config) if batches is None else batches:
         state, metrics = program.train_step(state, jax.device_put(batch, program.batch_sharding))
         losses.append(float(metrics["loss"]))
     params = jax.tree.map(np.asarray, program.to_canonical(state).params)

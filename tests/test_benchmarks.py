@@ -157,16 +157,20 @@ def check_observe_overhead(out: str, _: Path) -> None:
 
 def check_pipeline(out: str, _: Path) -> None:
     rows = {
-        label: line.split()[-7:]
+        label: line.split()[-9:]
         for line in out.splitlines()
         for label in ("pipe 1 (baseline)", "pipe 2 gpipe M=4", "pipe 2 1f1b M=4")
         if line.startswith(label)
     }
     assert len(rows) == 3, out  # the smoke form's three layouts and only those
     assert len([line for line in out.splitlines() if line.startswith("pipe ")]) == 4
-    for work, planned_work, *_ in rows.values():  # compiled / model FLOPs, and the plan's
+    for work, planned_work, in_loop, outside, *_ in rows.values():
+        # compiled / model FLOPs, and the plan's; pipe bytes only where there is a pipe
         assert 1 <= float(work) == pytest.approx(float(planned_work), rel=0.05)
-    rows = {label: row[2:] for label, row in rows.items()}
+        assert float(in_loop) >= 0 and float(outside) >= 0
+    assert float(rows["pipe 1 (baseline)"][2]) == float(rows["pipe 1 (baseline)"][3]) == 0
+    assert float(rows["pipe 2 gpipe M=4"][2]) > 0
+    rows = {label: row[4:] for label, row in rows.items()}
     for bubble, tokens_per_s, speed_ratio, gib, memory_ratio in rows.values():
         assert positive(float(tokens_per_s.replace(",", "")), float(gib), float(memory_ratio))
         assert positive(float(speed_ratio)) and bubble.endswith("%")

@@ -25,6 +25,11 @@ MESHES = {
     "pipe2-data2-tensor2-circular-m4": ("2,1,2,2", f"{CIRCULAR} pipeline.microbatches=4"),
     "pipe2-data2-tensor2-1f1b-m4": ("2,1,2,2", "pipeline.schedule=1f1b pipeline.microbatches=4"),
     "pipe2-fsdp2-tensor2-gpipe-m2": ("1,2,2,2", "pipeline.microbatches=2"),
+    # each tensor rank sends 1 / tensor of a stage's activations (issue 25: 1.13 MB before)
+    "pipe2-data2-tensor2-seqpar-gpipe-m4": (
+        "2,1,2,2",
+        "pipeline.microbatches=4 mesh.sequence_parallel=true",
+    ),
     # gradient accumulation: every microbatch gathers weights and reduces gradients again
     "data2-fsdp2-tensor2-accum2": ("2,2,2", "train.grad_accum_steps=2"),
     "accum2-pipe2-data2-tensor2-gpipe-m2": (

@@ -120,10 +120,11 @@ def test_175b_plan_prices_the_papers_shape_and_lowers_without_devices(capsys):
     assert main([*argv, "--top", "5", "--lower"]) == 0
     printed = capsys.readouterr().out
     # the paper's layout: data 192 x pipe 8 x tensor 8. The pipeline loop's float32 copy of a
-    # device's 12 layers of weights (10 GiB) puts it just over 80 GiB.
+    # device's 12 layers of weights (10 GiB) takes it past the 10% headroom the recommendation
+    # keeps, though it fits (the head and the pipeline's streams hold 1/8 of its tokens)
     own = next(line for line in printed.splitlines() if line.strip().startswith("192,1,8,8*"))
     state, total = float(own.split()[1]), float(own.split()[5])
-    assert 32 < state < 33 and 80 < total < 84 and " NO " in own
+    assert 32 < state < 33 and 72 < total < 78 and " yes " in own
     recommended = next(line for line in printed.splitlines() if line.startswith("recommended"))
     assert " x pipe " in recommended  # a pipelined mesh: fsdp across nodes gathers too much
     lowered = next(line for line in printed.splitlines() if line.startswith("lowered"))

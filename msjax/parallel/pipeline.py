@@ -102,6 +102,42 @@ class PipelineLayout:
         microbatch = iteration - (2 * self.stages - 2 - stage)
         return microbatch if 0 <= microbatch < self.microbatches else None
 
+    @property
+    def slots_per_stage(self) -> int:
+        """Microbatches each stage holds of the pipeline's inputs and outputs: ceil(M / P)."""
+        return -(-self.microbatches // self.stages)
+
+    @property
+    def return_slots(self) -> int:
+        """Circular: iterations a microbatch waits between leaving the last stage and entering
+        stage 0 again, M - P + 1, so the ring where it waits holds that many."""
+        return self.microbatches - self.stages + 1
+
+    def input_cells(self) -> np.ndarray:
+        """[stages * slots]: the microbatch each stream cell holds before the loop (-1: none).
+
+        Cell (s, i) holds microbatch s slots + i: stage 0 reads cell t mod slots at iteration
+        t, and each visit moves a column one stage back, so microbatch t is there in time.
+        """
+        cells = np.arange(self.stages * self.slots_per_stage)
+        return np.where(cells < self.microbatches, cells, -1)
+
+    def output_cells(self) -> np.ndarray:
+        """[stages * slots]: the microbatch whose finished output each stream cell holds after
+        the loop (-1: none), as run_streams moves them: iteration t shifts column t mod slots
+        one stage back and puts the last stage's output in its last cell."""
+        slots = self.slots_per_stage
+        cells = np.full((self.stages, slots), -1)
+        for iteration in range(self.forward_iterations):
+            column = iteration % slots
+            cells[:-1, column] = cells[1:, column]
+            work = self.work_at(iteration, self.stages - 1)
+            finished = work is not None and work[1] == self.repeats - 1
+            cells[-1, column] = work[0] if finished else -1
+        held = sorted(cells[cells >= 0].tolist())
+        assert held == list(range(self.microbatches)), f"outputs lost: {cells}"
+        return cells.reshape(-1)
+
     def work_at(self, iteration: int, stage: int) -> tuple[int, int] | None:
         """(microbatch, repeat) that a stage works on in an iteration, or None when idle."""
         virtual = iteration - stage  # the stage's count of (repeat, microbatch) pairs so far
@@ -203,6 +239,43 @@ def replica_stage(stage_fn: StageFunction, replicas: int) -> StageFunction:
     return run
 
 
+# a stage's activations [stages, microbatch, seq, embed], and the microbatch streams
+# [stages, slots, microbatch, seq, embed]: split over `pipe` by stage, along the sequence over
+# `tensor` under sequence parallelism as between any two blocks
+# (Megatron's scatter/gather: each tensor rank sends 1 / tensor of a stage's activations)
+STAGE_ACTIVATIONS = ("stage", "batch", "residual_seq", "act_embed")
+STREAMS = ("stage", None, "batch", "residual_seq", "act_embed")
+
+
+def arrange_microbatches(x: jax.Array, cells: np.ndarray, count: int) -> jax.Array:
+    """[batch, ...] -> [stages * slots, batch / count, ...]: cell c holds microbatch cells[c] of
+    split_microbatches(x, count) (-1: zeros). A static gather along the microbatch axis, so with
+    the rows split over `data` it moves nothing between devices."""
+    microbatches = split_microbatches(x, count)
+    padded = jnp.concatenate([microbatches, jnp.zeros_like(microbatches[:1])])
+    return jnp.take(padded, jnp.asarray(np.where(cells < 0, len(microbatches), cells)), axis=0)
+
+
+def cells_to_rows(cells: jax.Array, stages: int) -> jax.Array:
+    """[stages * slots, microbatch, ...] -> [stages * microbatch * slots, ...]: rows in an order
+    that splits them over `pipe` (stage-major) and then over `data` (within a microbatch)."""
+    slots, microbatch = cells.shape[0] // stages, cells.shape[1]
+    by_stage = cells.reshape(stages, slots, microbatch, *cells.shape[2:])
+    return jnp.swapaxes(by_stage, 1, 2).reshape(stages * microbatch * slots, *cells.shape[2:])
+
+
+def rows_to_streams(rows: jax.Array, layout: PipelineLayout) -> jax.Array:
+    """The inverse of cells_to_rows, as streams [stages, slots, microbatch, ...]."""
+    stages, slots = layout.stages, layout.slots_per_stage
+    by_stage = rows.reshape(stages, rows.shape[0] // (stages * slots), slots, *rows.shape[1:])
+    return jnp.swapaxes(by_stage, 1, 2)
+
+
+def streams_to_rows(streams: jax.Array) -> jax.Array:
+    """[stages, slots, microbatch, ...] -> rows as cells_to_rows orders them."""
+    return cells_to_rows(streams.reshape(-1, *streams.shape[2:]), streams.shape[0])
+
+
 def run_pipeline(
     stage_fn: StageFunction,
     layer_params: Any,
@@ -213,15 +286,47 @@ def run_pipeline(
     checkpoint_policy: Callable[..., bool] | None = None,
     replicas: int = 1,
 ) -> jax.Array:
-    """The layer stack over x [batch, seq, embed] as a pipeline; same result as running it whole.
+    """The layer stack over x [batch, seq, embed] as a pipeline (run_streams); same result as
+    running it whole, on every pipe rank (the outputs are gathered from the stages that hold
+    them: for a caller that needs them all, such as 1F1B's evaluation)."""
+    count = layout.microbatches
+    streams = arrange_microbatches(x, layout.input_cells(), count).reshape(
+        layout.stages, layout.slots_per_stage, x.shape[0] // count, *x.shape[1:]
+    )
+    outputs = run_streams(
+        stage_fn, layer_params, streams, positions, segment_ids, layout, checkpoint_policy, replicas
+    )
+    cells = outputs.reshape(-1, *outputs.shape[2:])  # [stages * slots, microbatch, ...]
+    where = [int(np.flatnonzero(layout.output_cells() == m)[0]) for m in range(count)]
+    return merge_microbatches(jnp.take(cells, jnp.asarray(where), axis=0))
+
+
+def run_streams(
+    stage_fn: StageFunction,
+    layer_params: Any,
+    streams: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    layout: PipelineLayout,
+    checkpoint_policy: Callable[..., bool] | None = None,
+    replicas: int = 1,
+) -> jax.Array:
+    """The layer stack as a pipeline over microbatch streams held by the stages.
+
+    streams [stages, slots, microbatch, seq, embed], split over `pipe`: cell (s, i) holds
+    microbatch input_cells()[s * slots + i]; each stage holds slots = ceil(M / P) microbatches
+    (MaxText's state_io), not all M. Returns the finished outputs in the same shape, cell c
+    holding microbatch output_cells()[c]'s (-1: nothing), each still on the stage that holds
+    it, so a loss head after the loop runs on 1 / P of the tokens per stage.
 
     layer_params: a pytree of [layers, ...] arrays in memory order (to_memory_order), their layer
-    axis sharded over `pipe`. Each iteration every stage runs its layers on its current
-    microbatch (one vmapped call, the stage axis split over `pipe`), then activations move one
-    stage on with a collective permute. The last stage's output of a microbatch that has repeats
-    left returns to stage 0 through a per-device buffer, read M - P + 1 iterations after it was
-    sent (MegaScale §3.3: send and receive decoupled); every other transfer is consumed in the
-    next iteration, where the next stage needs it.
+    axis sharded over `pipe`. Iteration t: stage 0 takes microbatch t from its own cell t mod
+    slots (circular, for a later repeat: what the last stage sent M - P + 1 iterations before,
+    kept in a ring of that many), every other stage what the previous stage sent; every stage
+    runs its layers (one vmapped call, the stage axis split over `pipe`); its output moves one
+    stage on, and column t mod slots of the streams moves one stage back, the last stage's
+    output joining it: two collective permutes of a microbatch per iteration, and no transfer
+    of the whole batch before or after the loop.
 
     checkpoint_policy (circular): what a stage run keeps for the backward pass, as the stage
     function's own remat would (a policy from msjax.models.transformer.enclosing_checkpoint_policy).
@@ -234,89 +339,64 @@ def run_pipeline(
     per step, after the loop, not once per iteration.
     """
     stages, repeats, count = layout.stages, layout.repeats, layout.microbatches
+    slots, ring = layout.slots_per_stage, layout.return_slots
     # [stages, replicas, repeats, layers_per_stage, ...]
     weights = stage_blocks(layer_params, layout, replicas)
-    # [microbatches, microbatch, seq, embed], on every stage's devices
-    inputs = constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed"))
+    streams = constrain(streams, STREAMS)
     positions = split_microbatches(positions, count)  # [microbatches, microbatch, seq]
     segments = None if segment_ids is None else split_microbatches(segment_ids, count)
     stage_ids = jnp.arange(stages)
-    # [stages, microbatches, microbatch, seq, embed]: one per stage, each on its own devices
-    per_stage_buffer = constrain(
-        jnp.zeros((stages, *inputs.shape), inputs.dtype),
-        ("stage", None, "batch", "seq", "act_embed"),
-    )
-    stage_activations = ("stage", "batch", "seq", "act_embed")
-
-    def work(stage: jax.Array, iteration: jax.Array) -> tuple[jax.Array, ...]:
-        virtual = iteration - stage
-        valid = (virtual >= 0) & (virtual < repeats * count)
-        virtual = jnp.clip(virtual, 0, repeats * count - 1)
-        return virtual % count, virtual // count, valid
-
+    first_stage = (stage_ids == 0).reshape(stages, *(1,) * (streams.ndim - 2))
     run_replicas = replica_stage(stage_fn, replicas)
 
-    def run_stage(stage_weights, repeat, state, microbatch_positions, microbatch_segments):
+    def run_stage(stage_weights, repeat, x, microbatch_positions, microbatch_segments):
         # [replicas, layers_per_stage, ...]; a static index when there is one repeat (no gather,
         # and no scatter of its gradient)
         chunk = jax.tree.map(lambda w: w[:, repeat] if repeats > 1 else w[:, 0], stage_weights)
         # [microbatch, seq, embed]
-        return run_replicas(chunk, state, microbatch_positions, microbatch_segments)
+        return run_replicas(chunk, x, microbatch_positions, microbatch_segments)
 
     if repeats > 1 and checkpoint_policy is not None:
         run_stage = jax.checkpoint(run_stage, policy=checkpoint_policy, prevent_cse=False)
 
-    def stage_step(stage, stage_weights, state, outputs, iteration):
-        """One stage's iteration (vmapped over stages): run its layers, keep finished outputs."""
-        microbatch, repeat, valid = work(stage, iteration)
+    def stage_step(stage, stage_weights, x, iteration):
+        """One stage's iteration (vmapped over stages): its layers on its current microbatch."""
+        virtual = jnp.clip(iteration - stage, 0, repeats * count - 1)
+        microbatch, repeat = virtual % count, virtual // count
         seg = None if segments is None else segments[microbatch]
-        out = run_stage(stage_weights, repeat, state, positions[microbatch], seg)
-        finished = valid & (repeat == repeats - 1)
-        outputs = outputs.at[microbatch].set(jnp.where(finished, out, outputs[microbatch]))
-        return out, outputs
+        return run_stage(stage_weights, repeat, x, positions[microbatch], seg)
 
-    # every stage's own view of the inputs (only stage 0 reads its): their gradients then
-    # accumulate per stage through the loop and are summed over `pipe` once, after it
-    inputs_by_stage = constrain(
-        jnp.broadcast_to(inputs, (stages, *inputs.shape)),
-        ("stage", None, "batch", "seq", "act_embed"),
-    )
-
-    def receive(stage, stage_inputs, arrived, returned, iteration):
-        """What a stage works on next: stage 0 a new microbatch or one returning for its next
-        repeat, every other stage what the previous stage just sent."""
-        next_iteration = iteration + 1
-        if repeats > 1:
-            # the last stage's output of this iteration waits here until its microbatch's turn
-            sent_microbatch, _, _ = work(jnp.int32(stages - 1), iteration)
-            returned = returned.at[sent_microbatch].set(arrived)
-        microbatch, repeat, _ = work(jnp.int32(0), next_iteration)
-        entering = jnp.where(next_iteration < count, stage_inputs[microbatch], 0)
-        if repeats > 1:
-            entering = jnp.where(repeat == 0, entering, returned[microbatch])
-        return jnp.where(stage == 0, entering, arrived), returned
-
-    vmapped_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
-    vmapped_receive = jax.vmap(receive, in_axes=(0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
+    vmapped_step = jax.vmap(stage_step, in_axes=(0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
 
     def iteration_body(carry, iteration):
-        state, returned, outputs = carry
-        out, outputs = vmapped_step(stage_ids, weights, state, outputs, iteration)
+        arrived, streams, returned = carry
+        column = streams[:, iteration % slots]  # [stages, microbatch, seq, embed]
+        entering = column  # stage 0's own cell: microbatch `iteration`, while there are new ones
+        if repeats > 1:  # a later repeat: what the last stage sent `ring` iterations ago
+            entering = jnp.where(iteration < count, column, returned[:, iteration % ring])
+        x = constrain(jnp.where(first_stage, entering, arrived), STAGE_ACTIVATIONS)
+        out = constrain(vmapped_step(stage_ids, weights, x, iteration), STAGE_ACTIVATIONS)
+        # the column moves one stage back (a collective permute; stage 0's cell was just read),
+        # and the last stage's output takes the last stage's cell
+        shifted = jnp.pad(column[1:], ((0, 1),) + ((0, 0),) * (column.ndim - 1))
+        last_stage = (stage_ids == stages - 1).reshape(first_stage.shape)
+        column = constrain(jnp.where(last_stage, out, shifted), STAGE_ACTIVATIONS)
+        streams = streams.at[:, iteration % slots].set(column)
         # stage s receives stage s - 1's output: a collective permute over `pipe`
         if repeats > 1:  # the last stage's output returns to stage 0 for its next repeat
             arrived = jnp.roll(out, 1, axis=0)
+            returned = returned.at[:, iteration % ring].set(arrived)
         else:  # GPipe: nothing wraps around, so the last stage sends nothing
             arrived = jnp.pad(out[:-1], ((1, 0),) + ((0, 0),) * (out.ndim - 1))
-        arrived = constrain(arrived, stage_activations)
-        state, returned = vmapped_receive(stage_ids, inputs_by_stage, arrived, returned, iteration)
-        state = constrain(state, stage_activations)
-        return (state, returned, outputs), None
+        return (constrain(arrived, STAGE_ACTIVATIONS), streams, returned), None
 
-    first = jnp.zeros((stages, *inputs.shape[1:]), inputs.dtype).at[0].set(inputs[0])
-    first = constrain(first, stage_activations)
-    returned = per_stage_buffer if repeats > 1 else jnp.zeros((stages, 1), inputs.dtype)
-    carry = (first, returned, per_stage_buffer)
-    (_, _, outputs), _ = jax.lax.scan(
-        iteration_body, carry, jnp.arange(layout.forward_iterations, dtype=jnp.int32)
+    arrived = constrain(jnp.zeros_like(streams[:, 0]), STAGE_ACTIVATIONS)
+    returned = jnp.zeros((stages, 1), streams.dtype)
+    if repeats > 1:  # [stages, ring, microbatch, seq, embed]; only stage 0 reads its own
+        returned = constrain(jnp.zeros((stages, ring, *streams.shape[2:]), streams.dtype), STREAMS)
+    (_, streams, _), _ = jax.lax.scan(
+        iteration_body,
+        (arrived, streams, returned),
+        jnp.arange(layout.forward_iterations, dtype=jnp.int32),
     )
-    return merge_microbatches(outputs[stages - 1])
+    return streams

@@ -146,6 +146,13 @@ def within_replica(rules: Rules) -> Rules:
     return dict(rules, batch=kept or None)
 
 
+def split_over_pipe(rules: Rules) -> Rules:
+    """The rules for the tokens outside a pipeline's loop (embedding, loss head, loss): the
+    batch split over `pipe` too, so every stage embeds and scores 1 / P of them."""
+    batch = rules["batch"]
+    return dict(rules, batch=("pipe", *((batch,) if isinstance(batch, str) else batch or ())))
+
+
 @contextmanager
 def placement_within_replica(mesh: Mesh, rules: Rules) -> Iterator[None]:
     """While tracing code vmapped over data-parallel replicas: activation hints and per-shard

@@ -3,8 +3,9 @@ against the model FLOPs of `msjax.observe.flops` (which count no recomputation a
 
 What the compiled step runs beyond the model FLOPs: the XLA attention's full [seq, seq] scores
 (the model counts the causal half), what `model.remat` recomputes, a pipeline's bubble iterations
-(stages compute on zeros), 1F1B's stage forward again inside its vjp, and the loss head on every
-pipe rank. `tests/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
+(stages compute on zeros), 1F1B's stage forward again inside its vjp, and 1F1B's loss head on
+every pipe rank (GPipe and circular split the head's tokens over pipe).
+`tests/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def estimate_compute(
     A device runs its replica's tokens (global_batch x seq / (data x fsdp)) through its tensor
     share (1 / tensor) of every matmul. On a pipe mesh it runs a microbatch through its stage's
     layers on every iteration of the schedule, bubble iterations included; the head runs on
-    every pipe rank, on the whole replica batch (GPipe, circular) or on one microbatch per
-    iteration (1F1B). `platform` decides the attention kernel, as in `estimate_memory`.
+    the ceil(M / P) microbatches its stage holds (GPipe, circular: 1 / P of the replica batch
+    when P divides M), or on every pipe rank on one microbatch per iteration (1F1B).
+    `platform` decides the attention kernel, as in `estimate_memory`.
 
     Not modelled: with fsdp beside pipe the partitioner may split the head's weight gradient
     between pipe ranks (tiny, fsdp 2 x pipe 2 or 4: the compiled step does 1% less).
@@ -98,6 +100,8 @@ def estimate_compute(
         layer_runs = per_microbatch * layout.layers_per_stage
         if layout.interleaves_backward:
             head_runs = per_microbatch
+        else:
+            head_runs = layout.slots_per_stage / layout.microbatches
     head = 6.0 * model.vocab_size * model.embed_dim  # forward and backward, per token
     return ComputeEstimate(
         model_flops=flops_per_step(config),

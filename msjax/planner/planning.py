@@ -305,10 +305,16 @@ def estimate_memory(
     softmax = b * s * (1 if dims.fused_loss else dims.vocab) * F32_BYTES
     head = 3 * b * s * dims.embed * dims.act_bytes + softmax
     if mesh.pipe > 1:
-        # the pipeline's microbatched inputs, its finished outputs, and (circular) the buffer
-        # where microbatches wait to re-enter stage 0: each the replica's whole residual stream
-        buffers = 3 if PipelineLayout.of(config).repeats > 1 else 2
-        head += buffers * b * s * dims.embed * dims.act_bytes
+        # GPipe and circular: the embedding, the head and the loss run on the ceil(M / P)
+        # microbatches a stage holds, and the pipeline's streams (its inputs, then its finished
+        # outputs) and their gradient are that many; circular's microbatches wait to re-enter
+        # stage 0 in a ring of M - P + 1 (msjax.parallel.pipeline.run_streams)
+        layout = PipelineLayout.of(config)
+        held = layout.slots_per_stage / layout.microbatches
+        stream = dims.batch * s * dims.embed * dims.act_bytes / dims.residual_split
+        head = held * head + 2 * layout.slots_per_stage * stream
+        if layout.repeats > 1:
+            head += layout.return_slots * stream
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor). The
     # pipeline's loop keeps the stage's weights as sharded (see PIPELINE_WEIGHT_COPIES): no gathered
     # copy is among its buffers at the peak.
@@ -435,11 +441,14 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         # gradients into the fused q/k/v and gate/up inputs in the backward pass; plus the
         # vocab-split embedding lookup and the gradient of the unembedding's input, both in
         # float32 (the table's dtype, the loss's); under 1F1B every stage runs the head each
-        # iteration.
+        # iteration, under GPipe and circular on the tokens its stage holds.
         per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream * split, mesh.tensor)
-        head_runs = dims.stage_runs * dims.batch / dims.replica_batch if one_f_one_b else 1
+        # GPipe and circular embed and score only the microbatches a stage holds
+        held = 1.0 if layout is None else layout.slots_per_stage / layout.microbatches
+        head_runs = dims.stage_runs * dims.batch / dims.replica_batch if one_f_one_b else held
+        lookups = 1.0 if one_f_one_b else held
         head_stream = replica_stream * split * F32_BYTES / dims.act_bytes
-        tensor_bytes = layer_runs * per_layer + (1 + head_runs) * ring_all_reduce_bytes(
+        tensor_bytes = layer_runs * per_layer + (lookups + head_runs) * ring_all_reduce_bytes(
             head_stream, mesh.tensor
         )
     state = _state_bytes(config, mesh)
@@ -468,8 +477,16 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         grad_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize if narrow else F32_BYTES
         reduced = (tables + stacked_runs * stacked) * grad_itemsize / F32_BYTES
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
-    data_bytes = ring_all_reduce_bytes(state.params, mesh.data) if mesh.data > 1 else 0.0
-    pipe_bytes = 0.0 if layout is None else _pipe_bytes(layout, dims, stream, replica_stream)
+    # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
+    tables = state.params - state.stacked
+    if split > 1:  # sequence-parallel lookups: each tensor rank's gradient of the whole table
+        tables += (split - 1) * dims.vocab * dims.embed / mesh.fsdp * F32_BYTES
+    split_head = layout is not None and not one_f_one_b
+    data_reduced = state.params - (tables if split_head else 0)
+    data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data) if mesh.data > 1 else 0.0
+    pipe_bytes = 0.0
+    if layout is not None:
+        pipe_bytes = _pipe_bytes(layout, dims, stream, replica_stream, tables, mesh.data)
     passes_per_step = dims.accum_steps
     return CommEstimate(
         round(passes_per_step * tensor_bytes),
@@ -481,29 +498,33 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
 
 
 def _pipe_bytes(
-    layout: PipelineLayout, dims: LocalDims, stream: float, replica_stream: float
+    layout: PipelineLayout,
+    dims: LocalDims,
+    stream: float,
+    replica_stream: float,
+    tables: float,
+    data: int,
 ) -> float:
     """Bytes a device sends over `pipe` per step (msjax.parallel.pipeline, .one_f_one_b).
 
-    stream: one stage run's activations on a device, replica_stream: its replica's whole batch.
-    Every iteration each stage sends its output on (forward) and its input's gradient back
-    (backward), one collective permute each way: under GPipe the last stage sends nothing on and
-    stage 0 nothing back, (P - 1) / P of the devices; circular and 1F1B roll on every device.
-    Once per step, outside the loop: GPipe and circular broadcast the last stage's outputs to
-    every stage (an all-reduce; the head runs on all of them) and sum the inputs' gradient over
-    the stages (an all-reduce and an all-gather), with two permutes of 1 / P of the replica's
-    stream (and, circular, one of a microbatch's); 1F1B sums stage 0's input gradients and the
-    head's parameter gradients over the stages. The inputs' gradient is summed in float32 (the
-    embedding's dtype).
+    stream: one stage run's activations on a device (1 / tensor of them under sequence
+    parallelism), replica_stream: its replica's whole batch; tables: a device's float32 share
+    of the parameters outside the layer stack (embedding, unembedding, final norm).
+    GPipe and circular, every iteration: each stage sends its output on, and the streams'
+    column one stage back (run_streams), with the gradients of both the other way: one
+    collective permute each. The last stage sends nothing on under GPipe and stage 0 nothing
+    back, (P - 1) / P of the devices; circular rolls on every device. Once per step the tables'
+    gradients, each stage's from its own tokens, are summed over pipe within the data-parallel
+    all-reduce (one all-reduce over data x pipe). 1F1B also permutes each way every iteration,
+    then sums stage 0's input gradients and the head's parameter gradients over the stages,
+    the input gradients in float32 (the embedding's dtype).
     """
     stages, iterations = layout.stages, layout.iterations
-    all_reduce = ring_all_reduce_bytes(replica_stream, stages)
-    input_grads = all_reduce * F32_BYTES / dims.act_bytes
     if layout.interleaves_backward:
+        all_reduce = ring_all_reduce_bytes(replica_stream, stages)
+        input_grads = all_reduce * F32_BYTES / dims.act_bytes
         head_params = _head_param_bytes(dims)
         return 2 * iterations * stream + input_grads + ring_all_reduce_bytes(head_params, stages)
-    once = all_reduce + input_grads + ring_all_gather_bytes(replica_stream, stages)
-    once += 2 * replica_stream / stages
-    if layout.repeats > 1:  # every stage sends on: the last stage's output returns to stage 0
-        return 2 * iterations * stream + once + stream / stages
-    return 2 * iterations * stream * (stages - 1) / stages + once
+    back = (stages - 1) / stages
+    on = 1.0 if layout.repeats > 1 else back
+    return 2 * iterations * stream * (on + back) + ring_all_reduce_bytes(tables, data * stages)
