@@ -237,7 +237,7 @@ class TrainProgram:
                 )
             return jnp.sum(losses * weights)
 
-        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.config.mesh.data)
+        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.mesh, self.config.mesh.data)
         labels = (
             batch["targets"],
             real_token_weights(batch),
