@@ -233,7 +233,11 @@ class TrainProgram:
                 head_model = self.model(head_params)
                 features = head_model.finish(x)
                 losses = ops.token_losses(
-                    features, head_model.unembedding_matrix(), targets, impl=loss_impl
+                    features,
+                    head_model.unembedding_matrix(),
+                    targets,
+                    impl=loss_impl,
+                    pick_by_mask=True,  # it runs in a branch of the loop's shard_map
                 )
             return jnp.sum(losses * weights)
 

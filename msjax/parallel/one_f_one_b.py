@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from msjax.parallel.context import constrain
 from msjax.parallel.pipeline import (
@@ -19,13 +19,13 @@ from msjax.parallel.pipeline import (
     PipelineLayout,
     StageFunction,
     merge_microbatches,
-    over_replicas,
-    replica_stage,
     run_pipeline,
     split_microbatches,
     stage_blocks,
 )
-from msjax.parallel.schedules import FORWARD, one_f_one_b_pairs
+from msjax.parallel.schedules import FORWARD, HEAD_BRANCH, one_f_one_b_pairs
+
+DATA_AXIS = "data"
 
 # (head parameters, the last stage's output x [batch, seq, embed], targets [batch, seq] int,
 #  token weights [batch, seq] float32) -> the weighted sum of the token losses, float32 scalar
@@ -34,9 +34,6 @@ HeadFunction = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 # (layer parameters in memory order, head parameters, x [batch, seq, embed],
 #  (targets, token weights, positions, segment ids or None)) -> summed loss
 SummedLoss = Callable[[Any, Any, jax.Array, tuple], jax.Array]
-
-# the per-device switch's branches, in order: the table's kinds, then the last stage's forward
-IDLE_BRANCH, FORWARD_BRANCH, BACKWARD_BRANCH, HEAD_BRANCH = range(4)
 
 
 def one_f_one_b_loss(
@@ -52,7 +49,8 @@ def one_f_one_b_loss(
     gradients it computed to autodiff, scaled by the incoming cotangent; so the caller stays
     `jax.value_and_grad(loss)` and the embedding before x gets its gradient as usual. Evaluated
     without a gradient, it runs the GPipe forward, which keeps no activations anyway.
-    mesh: the mesh whose `pipe` axis the loop is manual over; replicas: the size of `data`.
+    mesh: the mesh whose `pipe` and `data` axes the loop is manual over; replicas: the size of
+    `data` (for the forward alone, see run_pipeline).
     """
 
     @jax.custom_vjp
@@ -66,7 +64,7 @@ def one_f_one_b_loss(
     def forward(
         layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
     ) -> tuple[jax.Array, tuple]:
-        loop = OneFOneB(stage_fn, head_fn, layout, mesh, replicas)
+        loop = OneFOneB(stage_fn, head_fn, layout, mesh)
         return loop.run(layer_params, head_params, x, labels)
 
     def backward(gradients: tuple, cotangent: jax.Array) -> tuple:
@@ -104,7 +102,6 @@ class OneFOneB:
     head_fn: HeadFunction
     layout: PipelineLayout
     mesh: Any
-    replicas: int
 
     def run(
         self, layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
@@ -112,19 +109,19 @@ class OneFOneB:
         """(summed loss, (gradients of layer_params, of head_params, of x)).
 
         layer_params: a pytree of [layers, ...] arrays, their layer axis sharded over `pipe`.
-        The loop is a shard_map manual over `pipe` alone (fsdp, tensor and data stay with the
-        partitioner): each device reads its stage's weights and every microbatch, and returns
-        its weight gradients; the last stage's loss and head gradients and stage 0's input
-        gradients are read from those stages after it.
+        The loop is a shard_map manual over `pipe` and `data` (fsdp and tensor stay with the
+        partitioner): each device reads its stage's weights, whole over `data` (each
+        data-parallel replica its own copy) and its replica's rows of every microbatch. The
+        gradients are summed over `data` once, after the loop; the last stage's loss and head
+        gradients and stage 0's input gradients are read from those stages.
         """
-        count, stages, replicas = self.layout.microbatches, self.layout.stages, self.replicas
+        count, stages = self.layout.microbatches, self.layout.stages
         targets, weights, positions, segment_ids = labels
-        # [stages, replicas, layers_per_stage, ...]: device s's block is [s], a copy per
-        # data-parallel replica whose gradients are summed over `data` after the loop
+        # [stages, layers_per_stage, ...]: device s's block is [s]
         stage_weights = jax.tree.map(
-            lambda w: w[:, :, 0], stage_blocks(layer_params, self.layout, replicas)
+            lambda w: w[:, 0, 0], stage_blocks(layer_params, self.layout, 1)
         )
-        microbatches = {  # [microbatches, microbatch, ...], on every stage's devices
+        microbatches = {  # [microbatches, microbatch, ...], a replica's rows on its devices
             "inputs": constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed")),
             "positions": split_microbatches(positions, count),
             "targets": split_microbatches(targets, count),
@@ -132,31 +129,24 @@ class OneFOneB:
         }
         if segment_ids is not None:
             microbatches["segments"] = split_microbatches(segment_ids, count)
-        # [replicas, ...]: a copy per replica, its gradients summed over `data` after the loop
-        replica_head = jax.tree.map(
-            lambda p: jnp.broadcast_to(p, (replicas, *p.shape)), head_params
-        )
-        pipe, whole = PartitionSpec(PIPE_AXIS), PartitionSpec()
+        pipe, whole, rows = P(PIPE_AXIS), P(), P(None, DATA_AXIS)
         loop = jax.shard_map(
             self._device_loop,
             mesh=self.mesh,
-            in_specs=(pipe, whole, whole),
-            out_specs=pipe,
-            axis_names={PIPE_AXIS},
+            in_specs=(pipe, whole, rows),
+            out_specs=(pipe, pipe, pipe, P(PIPE_AXIS, None, DATA_AXIS)),
+            axis_names={PIPE_AXIS, DATA_AXIS},
             check_vma=False,
         )
-        grads, head_grads, loss, input_grads = loop(stage_weights, replica_head, microbatches)
-        layer_grads = jax.tree.map(
-            lambda grad, w: jnp.sum(grad, axis=1).reshape(w.shape), grads, layer_params
-        )
-        head_grads = jax.tree.map(lambda grad: jnp.sum(grad[stages - 1], axis=0), head_grads)
+        grads, head_grads, loss, input_grads = loop(stage_weights, head_params, microbatches)
+        layer_grads = jax.tree.map(lambda grad, w: grad.reshape(w.shape), grads, layer_params)
+        head_grads = jax.tree.map(lambda grad: grad[stages - 1], head_grads)
         return loss[stages - 1], (layer_grads, head_grads, merge_microbatches(input_grads[0]))
 
     def _run_stage(self, chunk: Any, x: jax.Array, microbatches: dict, index: jax.Array) -> Any:
         segments = microbatches.get("segments")
         segment_ids = None if segments is None else segments[index]
-        run = replica_stage(self.stage_fn, self.replicas)
-        return run(chunk, x, microbatches["positions"][index], segment_ids)
+        return self.stage_fn(chunk, x, microbatches["positions"][index], segment_ids)
 
     def _forward(self, chunk: Any, x: jax.Array, microbatches: dict, index: jax.Array) -> tuple:
         """(stage output, its vjp's leaves): the stage runs once, its residuals kept."""
@@ -185,10 +175,11 @@ class OneFOneB:
 
     def _device_loop(self, stage_weights: Any, head_params: Any, microbatches: dict) -> tuple:
         """One device's loop over the table (inside the shard_map): its stage's weights
-        [1, replicas, layers_per_stage, ...] -> its sums, each with a leading axis of 1."""
+        [1, layers_per_stage, ...] -> its sums over its replica's rows, each summed over
+        `data` and given a leading axis of 1 (stage 0's input gradients stay its replica's)."""
         layout, table = self.layout, self.layout.table
         stage = jax.lax.axis_index(PIPE_AXIS)
-        chunk = jax.tree.map(lambda w: w[0], stage_weights)  # [replicas, layers_per_stage, ...]
+        chunk = jax.tree.map(lambda w: w[0], stage_weights)  # [layers_per_stage, ...]
         residuals, shapes = self._residuals(chunk, microbatches)
         inputs = microbatches["inputs"]
         stash = [jnp.zeros((table.stash_slots, *s.shape), s.dtype) for s in shapes]
@@ -206,9 +197,13 @@ class OneFOneB:
             kind, microbatch, _, slot = (actions[index, stage, c] for c in range(4))
             last_forward = (kind == FORWARD) & (stage == layout.stages - 1)
             branch = jnp.where(last_forward, HEAD_BRANCH, kind)
-            send, keep, stash, sums = jax.lax.switch(
-                branch, branches, arrived, stash, sums, microbatch, jnp.maximum(slot, 0)
+            slot = jnp.maximum(slot, 0)
+            # the branch reads and writes one slot, updated in place here, outside it
+            held = [s[slot] for s in stash]
+            send, keep, held, sums = jax.lax.switch(
+                branch, branches, arrived, held, sums, microbatch
             )
+            stash = [s.at[slot].set(h) for s, h in zip(stash, held, strict=True)]
             received = jax.lax.ppermute(send, PIPE_AXIS, one_f_one_b_pairs(layout.stages, parity))
             # the last stage's forward turns its microbatch round: the head's gradient is what
             # its next iteration, that microbatch's backward, starts from
@@ -222,49 +217,43 @@ class OneFOneB:
         carry = (jnp.zeros_like(inputs[0]), stash, sums)
         pairs = jnp.arange(table.iterations // 2, dtype=jnp.int32)
         (_, _, sums), _ = jax.lax.scan(two_iterations, carry, pairs)
-        return jax.tree.map(lambda a: a[None], sums)
+        grads, head_grads, loss, input_grads = jax.lax.psum(sums[:3], DATA_AXIS) + sums[3:]
+        return jax.tree.map(lambda a: a[None], (grads, head_grads, loss, input_grads))
 
     def _branches(
         self, chunk: Any, head_params: Any, microbatches: dict, residuals: Residuals, stage: Any
     ) -> list[Callable]:
-        """The switch's branches: (arrived, stash, sums, microbatch, slot) -> (what to send,
-        what the device keeps for its next iteration, stash, sums)."""
+        """The switch's branches: (arrived, the action's stash slot, sums, microbatch) -> (what
+        to send, what the device keeps for its next iteration, the slot, sums)."""
         inputs = microbatches["inputs"]
-        run_head = over_replicas(self.head_fn, self.replicas)
         zeros = jnp.zeros_like(inputs[0])
 
-        def store(stash: list, slot: jax.Array, leaves: list) -> list:
-            return [
-                s.at[slot].set(leaf)
-                for s, leaf in zip(stash, residuals.stashed(leaves), strict=True)
-            ]
+        def idle(arrived, held, sums, microbatch):
+            return zeros, zeros, held, sums
 
-        def idle(arrived, stash, sums, microbatch, slot):
-            return zeros, zeros, stash, sums
-
-        def forward(arrived, stash, sums, microbatch, slot):
+        def forward(arrived, held, sums, microbatch):
             x = jnp.where(stage == 0, inputs[microbatch], arrived)
             out, leaves = self._forward(chunk, x, microbatches, microbatch)
-            return out, zeros, store(stash, slot, leaves), sums
+            return out, zeros, residuals.stashed(leaves), sums
 
-        def forward_and_head(arrived, stash, sums, microbatch, slot):
+        def forward_and_head(arrived, held, sums, microbatch):
             out, leaves = self._forward(chunk, arrived, microbatches, microbatch)
             labels = (microbatches["targets"][microbatch], microbatches["weights"][microbatch])
             head_loss, head_vjp = jax.vjp(
-                lambda params, y: jnp.sum(run_head(params, y, *labels)), head_params, out
+                lambda params, y: self.head_fn(params, y, *labels), head_params, out
             )
             head_grads, cotangent = head_vjp(jnp.ones_like(head_loss))
             grads, total_head_grads, loss, input_grads = sums
             total_head_grads = jax.tree.map(jnp.add, total_head_grads, head_grads)
             sums = (grads, total_head_grads, loss + head_loss, input_grads)
-            return zeros, cotangent.astype(zeros.dtype), store(stash, slot, leaves), sums
+            return zeros, cotangent.astype(zeros.dtype), residuals.stashed(leaves), sums
 
-        def backward(arrived, stash, sums, microbatch, slot):
-            vjp = residuals.vjp([s[slot] for s in stash], chunk)
+        def backward(arrived, held, sums, microbatch):
+            vjp = residuals.vjp(held, chunk)
             chunk_grads, input_grad = vjp(arrived)
             grads, head_grads, loss, input_grads = sums
             grads = jax.tree.map(jnp.add, grads, chunk_grads)
             input_grads = input_grads.at[microbatch].set(input_grad)  # read from stage 0 only
-            return input_grad, zeros, stash, (grads, head_grads, loss, input_grads)
+            return input_grad, zeros, held, (grads, head_grads, loss, input_grads)
 
-        return [idle, forward, backward, forward_and_head]
+        return [idle, forward, backward, forward_and_head]  # IDLE_BRANCH ... HEAD_BRANCH

@@ -13,6 +13,9 @@ import numpy as np
 IDLE, FORWARD, BACKWARD = 0, 1, 2  # an action's kind
 # columns of ScheduleTable.actions
 KIND, MICROBATCH, REPEAT, STASH_SLOT = range(4)
+# the branches of a loop that branches per device (1F1B's), in switch order: the table's kinds,
+# then the last stage's forward, which runs the loss head too
+IDLE_BRANCH, FORWARD_BRANCH, BACKWARD_BRANCH, HEAD_BRANCH = range(4)
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,13 @@ class ScheduleTable:
         counted in msjax.planner.planning."""
         return (self.stages - 1) / self.stages
 
-    def branch_shares(self, branches: int) -> tuple[float, ...]:
-        """1F1B's loop: how often each branch of its per-device switch (idle, forward, backward,
-        forward with the head) runs, as a share of the switch's executions over all devices."""
+    def branch_shares(self) -> tuple[float, ...] | None:
+        """How often each branch of the per-device switch runs (IDLE_BRANCH ... HEAD_BRANCH), as
+        a share of the switch's runs over all devices; None for loops that do not branch."""
+        if not self.branches_per_stage:
+            return None
         kinds = self.actions[..., KIND]
-        last = np.zeros_like(kinds, dtype=bool)
+        last = np.zeros(kinds.shape, bool)
         last[:, -1] = True
         counts = [
             np.sum(kinds == IDLE),
@@ -89,7 +94,6 @@ class ScheduleTable:
             np.sum(kinds == BACKWARD),
             np.sum((kinds == FORWARD) & last),
         ]
-        assert branches == len(counts), (branches, counts)
         return tuple(float(count) / kinds.size for count in counts)
 
     def at(self, iteration: int, stage: int) -> tuple[int, int, int, int]:

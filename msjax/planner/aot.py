@@ -32,6 +32,7 @@ from msjax.observe.collectives import (
 from msjax.observe.compiled_flops import CompiledFlops, compiled_flops
 from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.parallel.mesh import MESH_AXES, build_mesh
+from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.step import TrainProgram, build_program
 
@@ -103,8 +104,17 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         collectives=count_collectives(ops),
         sent_by_axes=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape),
         sent_by_axes_in_loops=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape, True),
-        flops=compiled_flops(compiled.as_text()),  # the optimised program, as it runs
+        # the optimised program, as it runs; a loop that branches per device counts each branch
+        # as often as the schedule runs it
+        flops=compiled_flops(compiled.as_text(), _branch_shares(config)),
     )
+
+
+def _branch_shares(config: Config) -> tuple[float, ...] | None:
+    """How often each branch of the pipeline's per-device switch runs (None: no such switch)."""
+    if config.mesh.pipe == 1:
+        return None
+    return PipelineLayout.of(config).table.branch_shares()
 
 
 def _program_as_counted(dump: Path) -> str:
