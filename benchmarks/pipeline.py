@@ -65,18 +65,22 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, every layout")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 3 layouts, 1 step")
+    parser.add_argument("--remat", default="none", help="model.remat for every layout")
     args = parser.parse_args()
     layouts = LAYOUTS
     if args.smoke:
         args.quick, args.steps = True, 1
         layouts = [row for row in LAYOUTS if row[0] in SMOKE_LAYOUTS]
-    base = [f"train.global_batch={args.global_batch}"]
+    base = [f"train.global_batch={args.global_batch}", f"model.remat={args.remat}"]
     if args.quick:
         base += ["model.num_layers=12", "model.embed_dim=64", "model.mlp_dim=128"]
         base += ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=64"]
     if args.smoke:
         base += ["model.num_layers=4"]  # 2 layers per stage at pipe 2
-    print(f"{args.config}, global batch {args.global_batch}, {args.steps} timed steps per layout")
+    print(
+        f"{args.config}, global batch {args.global_batch}, remat {args.remat}, {args.steps} "
+        "timed steps per layout"
+    )
     print(
         "work: the compiled step's dot FLOPs (per device x devices) / model FLOPs; plan: the "
         "planner's figure for it (msjax.planner.compute)"
