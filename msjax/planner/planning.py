@@ -355,10 +355,10 @@ def _one_f_one_b_buffers(
     step (msjax.parallel.one_f_one_b), per device.
 
     A stage keeps the vjp residuals of min(M, P) stage runs (its in-flight microbatches), and
-    the running one's on their way into the stash. Outside the layers: the embedding output, its microbatched copy and stage 0's
-    gradients of it. The loop accumulates the head's parameter gradients and runs the head (and
-    its loss buffers) on one microbatch at a time. Read off XLA's buffer assignment on tiny and
-    small, pipe 2 and 4, every remat (tests/test_plan.py).
+    the running one's on their way into the stash. Outside the layers: the embedding output,
+    its microbatched copy and stage 0's gradients of it. The loop accumulates the head's
+    parameter gradients and runs the head (and its loss buffers) on one microbatch at a time.
+    Not yet refitted to XLA's buffer assignment of the branching loop (tests/test_plan.py).
     """
     layout = PipelineLayout.of(config)
     microbatch_stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / dims.residual_split
