@@ -355,17 +355,18 @@ def _one_f_one_b_buffers(
     step (msjax.parallel.one_f_one_b), per device.
 
     A stage keeps the vjp residuals of min(M, P) stage runs (its in-flight microbatches), and
-    the running one's on their way into the stash. Outside the layers: the embedding output,
-    its microbatched copy and stage 0's gradients of it. The loop accumulates the head's
-    parameter gradients and runs the head (and its loss buffers) on one microbatch at a time.
-    Not yet refitted to XLA's buffer assignment of the branching loop (tests/test_plan.py).
+    the slot its iteration's branch reads and writes twice more. Outside the layers: the
+    embedding output, its microbatched copy and stage 0's gradients of it. The loop accumulates
+    the head's parameter gradients and runs the head (and its loss buffers) on one microbatch at
+    a time. Checked against XLA's buffer assignment on tiny, pipe 2 and 4 (tests/test_plan.py).
     """
     layout = PipelineLayout.of(config)
     microbatch_stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / dims.residual_split
     replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes
-    # each in-flight microbatch's vjp residuals, and the running one's before they are stashed
+    # each in-flight microbatch's vjp residuals, and two runs' more: the slot read out for the
+    # iteration's branch and the branch's result before it is written back
     run_saved = microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
-    saved = (layout.stash_slots + 1) * run_saved
+    saved = (layout.stash_slots + 2) * run_saved
     head_params = _head_param_bytes(dims)
     # the loop's copy of the stage's weights and its gradient accumulator come with a layer scan
     # in the stage, as under GPipe (PIPELINE_WEIGHT_COPIES)
