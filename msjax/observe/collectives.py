@@ -180,9 +180,11 @@ def program_runs(hlo_text: str, branch_shares: tuple[float, ...] | None = None) 
     return ProgramRuns(dict(runs), dict(loop_runs), dict(body_lines))
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+def collective_ops(
+    hlo_text: str, branch_shares: tuple[float, ...] | None = None
+) -> list[CollectiveOp]:
     """Every collective instruction of a program, with its executions per step."""
-    program = program_runs(hlo_text)
+    program = program_runs(hlo_text, branch_shares)  # see program_runs
     body_lines, runs, loop_runs = program.lines, program.runs, program.loop_runs
     found: dict[str, list[tuple[str, int, str]]] = defaultdict(list)  # computation -> ops
     for computation, lines in body_lines.items():

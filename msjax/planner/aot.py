@@ -92,7 +92,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         compiled = lowered.compile(dumped if on_cpu else None)
         program_text = _program_as_counted(Path(dump)) if on_cpu else compiled.as_text()
     mesh_shape = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
-    ops = collective_ops(program_text)
+    ops = collective_ops(program_text, _branch_shares(config))
     compile_s = time.perf_counter() - started
     return CompiledStep(
         config=config,
