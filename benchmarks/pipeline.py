@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument(
         "--compile-only", action="store_true", help="counts and memory only (no tokens/s)"
     )
+    parser.add_argument("--remat", default="none", help="model.remat for every layout")
     args = parser.parse_args()
     layouts = LAYOUTS
     if args.smoke:
@@ -119,7 +120,7 @@ def main() -> None:
         layouts = [row for row in LAYOUTS if row[0] in SMOKE_LAYOUTS]
     if args.layouts:
         layouts = [row for row in LAYOUTS if row[0] in args.layouts]
-    base = [f"train.global_batch={args.global_batch}", *args.set]
+    base = [f"train.global_batch={args.global_batch}", f"model.remat={args.remat}", *args.set]
     if args.quick:
         base += ["model.num_layers=12", "model.embed_dim=64", "model.mlp_dim=128"]
         base += ["model.num_heads=4", "model.num_kv_heads=2", "data.seq_len=64"]
@@ -127,7 +128,7 @@ def main() -> None:
         base += ["model.num_layers=4"]  # 2 layers per stage at pipe 2
     print(
         f"{args.config} {' '.join(args.set)}, global batch {args.global_batch}, "
-        f"{args.steps} timed steps per layout"
+        f"remat {args.remat}, {args.steps} timed steps per layout"
     )
     print(
         "work: the compiled step's dot FLOPs (per device x devices) / model FLOPs; plan: the "

@@ -257,11 +257,15 @@ class TrainProgram:
                 head_model = self.model(head_params)
                 features = head_model.finish(x)
                 losses = ops.token_losses(
-                    features, head_model.unembedding_matrix(), targets, impl=loss_impl
+                    features,
+                    head_model.unembedding_matrix(),
+                    targets,
+                    impl=loss_impl,
+                    pick_by_mask=True,  # it runs in a branch of the loop's shard_map
                 )
             return jnp.sum(losses * weights)
 
-        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.config.mesh.data)
+        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.mesh, self.config.mesh.data)
         labels = (
             batch["targets"],
             real_token_weights(batch),

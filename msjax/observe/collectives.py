@@ -96,8 +96,14 @@ class ProgramRuns:
     lines: dict[str, list[str]]  # computation -> its instruction lines
 
 
-def program_runs(hlo_text: str) -> ProgramRuns:
-    """The executions per step of every computation in `hlo_text` (HLO as text)."""
+def program_runs(hlo_text: str, branch_shares: tuple[float, ...] | None = None) -> ProgramRuns:
+    """The executions per step of every computation in `hlo_text` (HLO as text).
+
+    A conditional's branches each run once per run of it (an upper bound), unless
+    `branch_shares` gives, for conditionals with that many branches, the share of runs each
+    branch takes on average over devices (a pipeline that branches per device: the schedule
+    table knows them, msjax.parallel.schedules.ScheduleTable.branch_shares).
+    """
     computation = None
     entry = None
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -107,6 +113,7 @@ def program_runs(hlo_text: str) -> ProgramRuns:
     counted_by: dict[str, bool] = {}
     unannotated: list[tuple[str, str]] = []  # (computation holding the while, its condition)
     body_lines: dict[str, list[str]] = defaultdict(list)
+    branch_bodies: set[str] = set()  # a conditional's branches: weighted, but not loop bodies
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")):
             header = _HEADER.match(line)
@@ -134,8 +141,11 @@ def program_runs(hlo_text: str) -> ProgramRuns:
                 calls[computation].append((callee["name"], factor))
         branches = _BRANCHES.search(line)
         if branches:
-            for name in branches["names"].split(","):
-                calls[computation].append((name.strip().lstrip("%"), 1))
+            names = [name.strip().lstrip("%") for name in branches["names"].split(",")]
+            shares = branch_shares if branch_shares and len(branch_shares) == len(names) else None
+            for index, name in enumerate(names):
+                calls[computation].append((name, shares[index] if shares else 1))
+                branch_bodies.add(name)
 
     def loop_trips(marker: int) -> int:
         _, condition = unannotated[-marker - 1]
@@ -148,7 +158,12 @@ def program_runs(hlo_text: str) -> ProgramRuns:
         ]
     runs: dict[str, int] = defaultdict(int)
     loop_runs: dict[str, int] = defaultdict(int)
-    bodies = {callee for name in calls for callee, factor in calls[name] if factor != 1}
+    bodies = {
+        callee
+        for name in calls
+        for callee, factor in calls[name]
+        if factor != 1 and callee not in branch_bodies
+    }
 
     def visit(name: str, times: int, depth: int = 0, in_loop: bool = False) -> None:
         if depth > 64:  # HLO call graphs are acyclic; this only guards against a bad parse
@@ -165,9 +180,11 @@ def program_runs(hlo_text: str) -> ProgramRuns:
     return ProgramRuns(dict(runs), dict(loop_runs), dict(body_lines))
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+def collective_ops(
+    hlo_text: str, branch_shares: tuple[float, ...] | None = None
+) -> list[CollectiveOp]:
     """Every collective instruction of a program, with its executions per step."""
-    program = program_runs(hlo_text)
+    program = program_runs(hlo_text, branch_shares)  # see program_runs
     body_lines, runs, loop_runs = program.lines, program.runs, program.loop_runs
     found: dict[str, list[tuple[str, int, str]]] = defaultdict(list)  # computation -> ops
     for computation, lines in body_lines.items():

@@ -99,9 +99,10 @@ class CompiledFlops:
     instructions: int  # dot and convolution instructions in the program text
 
 
-def compiled_flops(hlo_text: str) -> CompiledFlops:
-    """Per device and step: every dot and convolution, times its computation's executions."""
-    program = program_runs(hlo_text)
+def compiled_flops(hlo_text: str, branch_shares: tuple[float, ...] | None = None) -> CompiledFlops:
+    """Per device and step: every dot and convolution, times its computation's executions
+    (a conditional's branches weighted by `branch_shares`, as in `program_runs`)."""
+    program = program_runs(hlo_text, branch_shares)
     total = in_loops = 0.0
     instructions = 0
     for computation, lines in program.lines.items():

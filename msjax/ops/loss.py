@@ -28,7 +28,12 @@ def logits(hidden: jax.Array, unembedding: jax.Array) -> jax.Array:
 
 
 def token_losses(
-    hidden: jax.Array, unembedding: jax.Array, targets: jax.Array, *, impl: str = "xla"
+    hidden: jax.Array,
+    unembedding: jax.Array,
+    targets: jax.Array,
+    *,
+    impl: str = "xla",
+    pick_by_mask: bool = False,
 ) -> jax.Array:
     """-log softmax(hidden @ unembedding)[target] per token: [batch, seq] float32.
 
@@ -36,9 +41,18 @@ def token_losses(
     takes optax's cross-entropy of them. `pallas` streams the vocabulary through the fused kernel
     per shard; with the vocabulary split over `tensor`, the shards merge their partial
     log-sum-exps (vocab-parallel cross-entropy).
+
+    pick_by_mask (`xla`): each target's logit is picked by a one-hot mask, not a gather: the same
+    numbers, and what XLA's partitioner can split along a vocab split over `tensor` inside a
+    branch of a shard_map manual over other axes (1F1B's loop), where the gather fails.
     """
     if resolved_impl(impl, "loss_impl") == "xla":
-        return optax.softmax_cross_entropy_with_integer_labels(logits(hidden, unembedding), targets)
+        token_logits = logits(hidden, unembedding)
+        if not pick_by_mask:
+            return optax.softmax_cross_entropy_with_integer_labels(token_logits, targets)
+        mask = jax.nn.one_hot(targets, token_logits.shape[-1], dtype=token_logits.dtype)
+        picked = jnp.sum(token_logits * mask, axis=-1)
+        return jax.nn.logsumexp(token_logits, axis=-1) - picked
     mesh = kernel_mesh()
     vocab_axes = None if mesh is None else mesh.spec(("vocab",))[0]
 

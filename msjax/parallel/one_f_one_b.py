@@ -1,15 +1,17 @@
-"""The 1F1B pipeline schedule as one SPMD program: every iteration each stage runs the forward of
-one microbatch and the backward (an explicit vjp) of an earlier one, so a stage keeps the inputs
-of at most 2P - 1 microbatches for its backward passes instead of every microbatch's activations.
+"""The 1F1B pipeline schedule: each device runs its stage's actions from the schedule table
+(msjax.parallel.schedules), one forward or one backward per iteration, branching on its own
+action, and keeps each in-flight microbatch's vjp residuals until its backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from msjax.parallel.context import constrain
 from msjax.parallel.pipeline import (
@@ -17,12 +19,13 @@ from msjax.parallel.pipeline import (
     PipelineLayout,
     StageFunction,
     merge_microbatches,
-    over_replicas,
-    replica_stage,
     run_pipeline,
     split_microbatches,
     stage_blocks,
 )
+from msjax.parallel.schedules import FORWARD, HEAD_BRANCH, one_f_one_b_pairs
+
+DATA_AXIS = "data"
 
 # (head parameters, the last stage's output x [batch, seq, embed], targets [batch, seq] int,
 #  token weights [batch, seq] float32) -> the weighted sum of the token losses, float32 scalar
@@ -32,11 +35,13 @@ HeadFunction = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 #  (targets, token weights, positions, segment ids or None)) -> summed loss
 SummedLoss = Callable[[Any, Any, jax.Array, tuple], jax.Array]
 
-STAGE_ACTIVATIONS = ("stage", "batch", "seq", "act_embed")
-
 
 def one_f_one_b_loss(
-    stage_fn: StageFunction, head_fn: HeadFunction, layout: PipelineLayout, replicas: int = 1
+    stage_fn: StageFunction,
+    head_fn: HeadFunction,
+    layout: PipelineLayout,
+    mesh: Any,
+    replicas: int = 1,
 ) -> SummedLoss:
     """The summed token loss of the layer stack run as a pipeline, then the head.
 
@@ -44,7 +49,8 @@ def one_f_one_b_loss(
     gradients it computed to autodiff, scaled by the incoming cotangent; so the caller stays
     `jax.value_and_grad(loss)` and the embedding before x gets its gradient as usual. Evaluated
     without a gradient, it runs the GPipe forward, which keeps no activations anyway.
-    replicas: the size of `data` (see run_pipeline).
+    mesh: the mesh whose `pipe` and `data` axes the loop is manual over; replicas: the size of
+    `data` (for the forward alone, see run_pipeline).
     """
 
     @jax.custom_vjp
@@ -58,9 +64,8 @@ def one_f_one_b_loss(
     def forward(
         layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
     ) -> tuple[jax.Array, tuple]:
-        return run_one_f_one_b(
-            stage_fn, head_fn, layout, layer_params, head_params, x, labels, replicas
-        )
+        loop = OneFOneB(stage_fn, head_fn, layout, mesh)
+        return loop.run(layer_params, head_params, x, labels)
 
     def backward(gradients: tuple, cotangent: jax.Array) -> tuple:
         scaled = jax.tree.map(lambda grad: (grad * cotangent).astype(grad.dtype), gradients)
@@ -70,144 +75,185 @@ def one_f_one_b_loss(
     return summed_loss
 
 
-def run_one_f_one_b(
-    stage_fn: StageFunction,
-    head_fn: HeadFunction,
-    layout: PipelineLayout,
-    layer_params: Any,
-    head_params: Any,
-    x: jax.Array,
-    labels: tuple,
-    replicas: int = 1,
-) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
-    """(summed loss, (gradients of layer_params, of head_params, of x)) by the 1F1B schedule.
+@dataclass(frozen=True)
+class Residuals:
+    """Where the leaves of a stage run's vjp come from: the stage's weights (leaf index into
+    them, read again at the backward) or the stash (None), and the vjp's tree structure."""
 
-    layer_params: a pytree of [layers, ...] arrays, their layer axis sharded over `pipe`.
-    Iteration t, stage s (PipelineLayout.forward_at / backward_at):
-    - forward of microbatch t - s on what arrived from stage s - 1 (stage 0: the microbatch of
-      x), stashing that input in slot m mod stash_slots; the last stage then runs the head and
-      its vjp, which gives the cotangent of the microbatch it has just run;
-    - backward of microbatch t - (2P - 2 - s): the vjp of the stage function at its stashed
-      input (the stage forward is recomputed: stage-level remat) with the cotangent that arrived
-      from stage s + 1; weight gradients add up in the loop, the input gradient goes to s - 1.
-    Both directions move with one collective permute each per iteration; bubble iterations
-    compute on stale values and are masked out, so no stage ever branches.
-    """
-    targets, weights, positions, segment_ids = labels
-    stages, count, slots = layout.stages, layout.microbatches, layout.stash_slots
-    # [stages, replicas, layers_per_stage, ...]: device s's block is [s], sharded over `pipe`,
-    # a copy per data-parallel replica whose gradients are summed over `data` after the loop
-    stage_weights = jax.tree.map(lambda w: w[:, :, 0], stage_blocks(layer_params, layout, replicas))
-    # [microbatches, microbatch, seq, embed], on every stage's devices
-    inputs = constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed"))
-    positions = split_microbatches(positions, count)  # [microbatches, microbatch, seq]
-    segments = None if segment_ids is None else split_microbatches(segment_ids, count)
-    targets = split_microbatches(targets, count)  # [microbatches, microbatch, seq]
-    weights = split_microbatches(weights, count)  # [microbatches, microbatch, seq]
-    stage_ids = jnp.arange(stages)
+    treedef: Any
+    weight_leaf: tuple[int | None, ...]
 
-    def microbatch_of(offset: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(index clipped into range, whether it names a real microbatch)."""
-        return jnp.clip(offset, 0, count - 1), (offset >= 0) & (offset < count)
+    def stashed(self, leaves: list) -> list:
+        return [
+            leaf for leaf, weight in zip(leaves, self.weight_leaf, strict=True) if weight is None
+        ]
 
-    run_replicas = replica_stage(stage_fn, replicas)
-    run_head = over_replicas(head_fn, replicas)
-    # [replicas, ...]: as the stage weights, a copy per replica made before the loop, so the
-    # head's gradients are summed over `data` once, after it
-    replica_head_params = jax.tree.map(
-        lambda p: jnp.broadcast_to(p, (replicas, *p.shape)), head_params
-    )
+    def vjp(self, stashed: list, chunk: Any) -> Callable:
+        weights, kept = jax.tree.leaves(chunk), iter(stashed)
+        leaves = [next(kept) if i is None else weights[i] for i in self.weight_leaf]
+        return jax.tree.unflatten(self.treedef, leaves)
 
-    def run_stage(chunk: Any, x: jax.Array, microbatch: jax.Array) -> jax.Array:
-        seg = None if segments is None else segments[microbatch]
-        return run_replicas(chunk, x, positions[microbatch], seg)
 
-    def stage_step(stage, chunk, arrived, cotangent_in, stash, sums, iteration):
-        """One stage's iteration (vmapped over stages): a forward, the head, a backward."""
-        grads, head_grads, loss, input_grads = sums
-        last = stage == stages - 1
-        forward_microbatch, forward_valid = microbatch_of(iteration - stage)
-        out = run_stage(chunk, arrived, forward_microbatch)  # [microbatch, seq, embed]
-        slot = forward_microbatch % slots
-        stash = stash.at[slot].set(jnp.where(forward_valid, arrived, stash[slot]))
+@dataclass(frozen=True)
+class OneFOneB:
+    """The 1F1B loop of one step: `run` maps parameters and inputs to the loss and gradients."""
 
-        def head(params: Any, y: jax.Array) -> jax.Array:  # params: a copy per replica
-            labels = (targets[forward_microbatch], weights[forward_microbatch])
-            if replicas == 1:
-                return head_fn(jax.tree.map(lambda p: p[0], params), y, *labels)
-            return jnp.sum(run_head(params, y, *labels))
+    stage_fn: StageFunction
+    head_fn: HeadFunction
+    layout: PipelineLayout
+    mesh: Any
 
-        head_loss, head_vjp = jax.vjp(head, replica_head_params, out)
-        head_param_grads, head_cotangent = head_vjp(jnp.ones_like(head_loss))
-        scored = last & forward_valid
-        loss = loss + jnp.where(scored, head_loss, 0.0)
-        head_grads = jax.tree.map(
-            lambda total, grad: total + jnp.where(scored, grad, 0), head_grads, head_param_grads
+    def run(
+        self, layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
+    ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+        """(summed loss, (gradients of layer_params, of head_params, of x)).
+
+        layer_params: a pytree of [layers, ...] arrays, their layer axis sharded over `pipe`.
+        The loop is a shard_map manual over `pipe` and `data` (fsdp and tensor stay with the
+        partitioner): each device reads its stage's weights, whole over `data` (each
+        data-parallel replica its own copy) and its replica's rows of every microbatch. The
+        gradients are summed over `data` once, after the loop; the last stage's loss and head
+        gradients and stage 0's input gradients are read from those stages.
+        """
+        count, stages = self.layout.microbatches, self.layout.stages
+        targets, weights, positions, segment_ids = labels
+        # [stages, layers_per_stage, ...]: device s's block is [s]
+        stage_weights = jax.tree.map(
+            lambda w: w[:, 0, 0], stage_blocks(layer_params, self.layout, 1)
         )
+        microbatches = {  # [microbatches, microbatch, ...], a replica's rows on its devices
+            "inputs": constrain(split_microbatches(x, count), (None, "batch", "seq", "act_embed")),
+            "positions": split_microbatches(positions, count),
+            "targets": split_microbatches(targets, count),
+            "weights": split_microbatches(weights, count),
+        }
+        if segment_ids is not None:
+            microbatches["segments"] = split_microbatches(segment_ids, count)
+        pipe, whole, rows = P(PIPE_AXIS), P(), P(None, DATA_AXIS)
+        loop = jax.shard_map(
+            self._device_loop,
+            mesh=self.mesh,
+            in_specs=(pipe, whole, rows),
+            out_specs=(pipe, pipe, pipe, P(PIPE_AXIS, None, DATA_AXIS)),
+            axis_names={PIPE_AXIS, DATA_AXIS},
+            check_vma=False,
+        )
+        grads, head_grads, loss, input_grads = loop(stage_weights, head_params, microbatches)
+        layer_grads = jax.tree.map(lambda grad, w: grad.reshape(w.shape), grads, layer_params)
+        head_grads = jax.tree.map(lambda grad: grad[stages - 1], head_grads)
+        return loss[stages - 1], (layer_grads, head_grads, merge_microbatches(input_grads[0]))
 
-        backward_microbatch, backward_valid = microbatch_of(iteration - (2 * stages - 2 - stage))
-        cotangent = jnp.where(last, head_cotangent, cotangent_in)
-        _, stage_vjp = jax.vjp(
-            lambda c, x: run_stage(c, x, backward_microbatch),
-            chunk,
-            stash[backward_microbatch % slots],
-        )
-        chunk_grads, input_grad = stage_vjp(cotangent)
-        grads = jax.tree.map(
-            lambda total, grad: total + jnp.where(backward_valid, grad, 0), grads, chunk_grads
-        )
-        finished = (stage == 0) & backward_valid  # the gradient w.r.t. x of this microbatch
-        input_grads = input_grads.at[backward_microbatch].set(
-            jnp.where(finished, input_grad, input_grads[backward_microbatch])
-        )
-        return out, input_grad, stash, (grads, head_grads, loss, input_grads)
+    def _run_stage(self, chunk: Any, x: jax.Array, microbatches: dict, index: jax.Array) -> Any:
+        segments = microbatches.get("segments")
+        segment_ids = None if segments is None else segments[index]
+        return self.stage_fn(chunk, x, microbatches["positions"][index], segment_ids)
 
-    vmapped_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
+    def _forward(self, chunk: Any, x: jax.Array, microbatches: dict, index: jax.Array) -> tuple:
+        """(stage output, its vjp's leaves): the stage runs once, its residuals kept."""
+        out, vjp = jax.vjp(lambda c, x: self._run_stage(c, x, microbatches, index), chunk, x)
+        return out, jax.tree.leaves(vjp)
 
-    def iteration_body(carry, iteration):
-        arrived, cotangent, stash, sums = carry
-        out, input_grad, stash, sums = vmapped_step(
-            stage_ids, stage_weights, arrived, cotangent, stash, sums, iteration
-        )
-        # stage s receives stage s - 1's output and stage s + 1's input gradient: one collective
-        # permute over `pipe` each way; stage 0 takes the next microbatch instead
-        next_microbatch, next_valid = microbatch_of(iteration + 1)
-        entering = jnp.where(next_valid, inputs[next_microbatch], 0)  # [microbatch, seq, embed]
-        sent = jnp.roll(out, 1, axis=0)
-        arrived = constrain(
-            jnp.where((stage_ids == 0)[:, None, None, None], entering[None], sent),
-            STAGE_ACTIVATIONS,
-        )
-        cotangent = constrain(jnp.roll(input_grad, -1, axis=0), STAGE_ACTIVATIONS)
-        stash = constrain(stash, ("stage", None, "batch", "seq", "act_embed"))
-        return (arrived, cotangent, stash, sums), None
+    def _residuals(self, chunk: Any, microbatches: dict) -> tuple[Residuals, list]:
+        """The vjp's structure (traced once, on microbatch 0) and its stashed leaves' shapes."""
+        found: list[Residuals] = []
+        x = microbatches["inputs"][0]
 
-    activation = jnp.zeros((stages, *inputs.shape[1:]), inputs.dtype)
-    first = constrain(activation.at[0].set(inputs[0]), STAGE_ACTIVATIONS)
-    # [stages, stash_slots, microbatch, seq, embed]: each stage's inputs awaiting their backward
-    stash = constrain(
-        jnp.zeros((stages, slots, *inputs.shape[1:]), inputs.dtype),
-        ("stage", None, "batch", "seq", "act_embed"),
-    )
-    sums = (
-        jax.tree.map(jnp.zeros_like, stage_weights),
-        jax.tree.map(lambda p: jnp.zeros((stages, *p.shape), p.dtype), replica_head_params),
-        jnp.zeros((stages,), jnp.float32),
-        # [stages, microbatches, microbatch, seq, embed]: stage 0's gradients w.r.t. x
-        constrain(
-            jnp.zeros((stages, *inputs.shape), inputs.dtype),
-            ("stage", None, "batch", "seq", "act_embed"),
-        ),
-    )
-    carry = (first, constrain(jnp.zeros_like(activation), STAGE_ACTIVATIONS), stash, sums)
-    (_, _, _, sums), _ = jax.lax.scan(
-        iteration_body, carry, jnp.arange(layout.iterations, dtype=jnp.int32)
-    )
-    grads, head_grads, loss, input_grads = sums
-    layer_grads = jax.tree.map(
-        lambda grad, w: jnp.sum(grad, axis=1).reshape(w.shape), grads, layer_params
-    )
-    # only the last stage's head ran on real microbatches (the others' sums stayed zero)
-    head_grads = jax.tree.map(lambda grad: jnp.sum(grad, axis=(0, 1)), head_grads)
-    x_grad = merge_microbatches(input_grads[0])
-    return jnp.sum(loss), (layer_grads, head_grads, x_grad)
+        def probe(chunk: Any, x: jax.Array) -> list:
+            _, vjp = jax.vjp(
+                lambda c, x: self._run_stage(c, x, microbatches, jnp.int32(0)), chunk, x
+            )
+            leaves, treedef = jax.tree.flatten(vjp)
+            weights = jax.tree.leaves(chunk)
+            weight_leaf = tuple(
+                next((i for i, w in enumerate(weights) if leaf is w), None) for leaf in leaves
+            )
+            found.append(Residuals(treedef, weight_leaf))
+            return found[0].stashed(leaves)
+
+        shapes = jax.eval_shape(probe, chunk, x)
+        return found[0], shapes
+
+    def _device_loop(self, stage_weights: Any, head_params: Any, microbatches: dict) -> tuple:
+        """One device's loop over the table (inside the shard_map): its stage's weights
+        [1, layers_per_stage, ...] -> its sums over its replica's rows, each summed over
+        `data` and given a leading axis of 1 (stage 0's input gradients stay its replica's)."""
+        layout, table = self.layout, self.layout.table
+        stage = jax.lax.axis_index(PIPE_AXIS)
+        chunk = jax.tree.map(lambda w: w[0], stage_weights)  # [layers_per_stage, ...]
+        residuals, shapes = self._residuals(chunk, microbatches)
+        inputs = microbatches["inputs"]
+        stash = [jnp.zeros((table.stash_slots, *s.shape), s.dtype) for s in shapes]
+        sums = (
+            jax.tree.map(jnp.zeros_like, chunk),
+            jax.tree.map(jnp.zeros_like, head_params),
+            jnp.zeros((), jnp.float32),
+            jnp.zeros_like(inputs),  # stage 0's gradients of the microbatches' inputs
+        )
+        branches = self._branches(chunk, head_params, microbatches, residuals, stage)
+        actions = jnp.asarray(table.actions)
+
+        def iteration(carry: tuple, index: jax.Array, parity: int) -> tuple:
+            arrived, stash, sums = carry
+            kind, microbatch, _, slot = (actions[index, stage, c] for c in range(4))
+            last_forward = (kind == FORWARD) & (stage == layout.stages - 1)
+            branch = jnp.where(last_forward, HEAD_BRANCH, kind)
+            slot = jnp.maximum(slot, 0)
+            # the branch reads and writes one slot, updated in place here, outside it
+            held = [s[slot] for s in stash]
+            send, keep, held, sums = jax.lax.switch(
+                branch, branches, arrived, held, sums, microbatch
+            )
+            stash = [s.at[slot].set(h) for s, h in zip(stash, held, strict=True)]
+            received = jax.lax.ppermute(send, PIPE_AXIS, one_f_one_b_pairs(layout.stages, parity))
+            # the last stage's forward turns its microbatch round: the head's gradient is what
+            # its next iteration, that microbatch's backward, starts from
+            return jnp.where(last_forward, keep, received), stash, sums
+
+        def two_iterations(carry: tuple, pair: jax.Array) -> tuple[tuple, None]:
+            # the transfer's pairs alternate with the iteration's parity (one_f_one_b_pairs)
+            carry = iteration(carry, 2 * pair, 0)
+            return iteration(carry, 2 * pair + 1, 1), None
+
+        carry = (jnp.zeros_like(inputs[0]), stash, sums)
+        pairs = jnp.arange(table.iterations // 2, dtype=jnp.int32)
+        (_, _, sums), _ = jax.lax.scan(two_iterations, carry, pairs)
+        grads, head_grads, loss, input_grads = jax.lax.psum(sums[:3], DATA_AXIS) + sums[3:]
+        return jax.tree.map(lambda a: a[None], (grads, head_grads, loss, input_grads))
+
+    def _branches(
+        self, chunk: Any, head_params: Any, microbatches: dict, residuals: Residuals, stage: Any
+    ) -> list[Callable]:
+        """The switch's branches: (arrived, the action's stash slot, sums, microbatch) -> (what
+        to send, what the device keeps for its next iteration, the slot, sums)."""
+        inputs = microbatches["inputs"]
+        zeros = jnp.zeros_like(inputs[0])
+
+        def idle(arrived, held, sums, microbatch):
+            return zeros, zeros, held, sums
+
+        def forward(arrived, held, sums, microbatch):
+            x = jnp.where(stage == 0, inputs[microbatch], arrived)
+            out, leaves = self._forward(chunk, x, microbatches, microbatch)
+            return out, zeros, residuals.stashed(leaves), sums
+
+        def forward_and_head(arrived, held, sums, microbatch):
+            out, leaves = self._forward(chunk, arrived, microbatches, microbatch)
+            labels = (microbatches["targets"][microbatch], microbatches["weights"][microbatch])
+            head_loss, head_vjp = jax.vjp(
+                lambda params, y: self.head_fn(params, y, *labels), head_params, out
+            )
+            head_grads, cotangent = head_vjp(jnp.ones_like(head_loss))
+            grads, total_head_grads, loss, input_grads = sums
+            total_head_grads = jax.tree.map(jnp.add, total_head_grads, head_grads)
+            sums = (grads, total_head_grads, loss + head_loss, input_grads)
+            return zeros, cotangent.astype(zeros.dtype), residuals.stashed(leaves), sums
+
+        def backward(arrived, held, sums, microbatch):
+            vjp = residuals.vjp(held, chunk)
+            chunk_grads, input_grad = vjp(arrived)
+            grads, head_grads, loss, input_grads = sums
+            grads = jax.tree.map(jnp.add, grads, chunk_grads)
+            input_grads = input_grads.at[microbatch].set(input_grad)  # read from stage 0 only
+            return input_grad, zeros, held, (grads, head_grads, loss, input_grads)
+
+        return [idle, forward, backward, forward_and_head]  # IDLE_BRANCH ... HEAD_BRANCH

@@ -18,6 +18,7 @@ import numpy as np
 
 from msjax.config import Config
 from msjax.parallel.context import constrain
+from msjax.parallel.schedules import IDLE, ScheduleTable, schedule_table
 
 PIPE_AXIS = "pipe"
 
@@ -53,9 +54,15 @@ class PipelineLayout:
         )
 
     @property
+    def table(self) -> ScheduleTable:
+        """What every stage runs in every iteration, and the schedule's facts
+        (msjax.parallel.schedules); the loops execute it."""
+        return schedule_table(self.schedule, self.stages, self.repeats, self.microbatches)
+
+    @property
     def interleaves_backward(self) -> bool:
         """Whether the loop runs each microbatch's backward pass too (1F1B), not autodiff."""
-        return self.schedule == "1f1b"
+        return self.table.runs_backward
 
     @property
     def layers_per_stage(self) -> int:
@@ -69,38 +76,19 @@ class PipelineLayout:
     @property
     def iterations(self) -> int:
         """Loop iterations of the schedule: R M + P - 1 (each run once forward, once backward
-        under autodiff), or M + 2P - 2 for 1F1B (each a forward and a backward)."""
-        if self.interleaves_backward:
-            return self.microbatches + 2 * self.stages - 2
-        return self.forward_iterations
+        under autodiff), or 2(M + P - 1) for 1F1B (each one forward or one backward)."""
+        return self.table.iterations
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of stage-iterations idle: (P - 1) / (R M + P - 1), or for 1F1B
-        (2P - 2) / (M + 2P - 2): a microbatch's cotangent needs 2(P - 1 - s) iterations to come
-        back to stage s, one hop per iteration each way."""
-        return (self.iterations - self.repeats * self.microbatches) / self.iterations
+        """Share of stage-iterations idle: (P - 1) / (R M + P - 1), and for 1F1B
+        (P - 1) / (M + P - 1) as well (its iterations are half as long)."""
+        return self.table.bubble_fraction
 
     @property
     def stash_slots(self) -> int:
-        """1F1B: stage inputs a stage keeps for its backward passes, min(M, 2P - 1).
-
-        Stage s forwards microbatch m at iteration m + s and runs its backward at
-        m + 2P - 2 - s, so it holds 2(P - 1 - s) + 1 consecutive microbatches at most
-        (stage 0 the most); microbatch m lives in slot m mod stash_slots.
-        """
-        return min(self.microbatches, 2 * self.stages - 1)
-
-    def forward_at(self, iteration: int, stage: int) -> int | None:
-        """1F1B: the microbatch a stage runs forward in an iteration (t - s), or None."""
-        microbatch = iteration - stage
-        return microbatch if 0 <= microbatch < self.microbatches else None
-
-    def backward_at(self, iteration: int, stage: int) -> int | None:
-        """1F1B: the microbatch a stage runs backward in an iteration (t - (2P - 2 - s)), or
-        None. The last stage runs the backward of the microbatch it has just run forward."""
-        microbatch = iteration - (2 * self.stages - 2 - stage)
-        return microbatch if 0 <= microbatch < self.microbatches else None
+        """1F1B: microbatches a stage keeps what their backward needs for, min(M, P)."""
+        return self.table.stash_slots
 
     @property
     def slots_per_stage(self) -> int:
@@ -140,10 +128,8 @@ class PipelineLayout:
 
     def work_at(self, iteration: int, stage: int) -> tuple[int, int] | None:
         """(microbatch, repeat) that a stage works on in an iteration, or None when idle."""
-        virtual = iteration - stage  # the stage's count of (repeat, microbatch) pairs so far
-        if not 0 <= virtual < self.repeats * self.microbatches:
-            return None
-        return virtual % self.microbatches, virtual // self.microbatches
+        kind, microbatch, repeat, _ = self.table.at(iteration, stage)
+        return None if kind == IDLE else (microbatch, repeat)
 
     def memory_order(self) -> np.ndarray:
         """The canonical layer index held at each position of the stacked layer axis in memory.

@@ -100,6 +100,15 @@ def without_storage_axes(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(*(keep(entry) for entry in spec))
 
 
+def placed_on(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
+    """A NamedSharding on `mesh`; inside a shard_map that is manual over some axes (1F1B's loop
+    over `pipe`), on the mesh in context, which marks those axes manual."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return NamedSharding(context, spec)
+    return NamedSharding(mesh, spec)
+
+
 def weight_gather(mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32") -> WeightGather:
     """Cast each weight on its shard, then gather it: the all-gather moves compute-dtype bytes.
 
@@ -113,8 +122,8 @@ def weight_gather(mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32") 
     def gather(weight: jax.Array, axes: LogicalAxes, dtype: jnp.dtype) -> jax.Array:
         if weight.dtype == dtype:
             return weight
-        stored = NamedSharding(mesh, logical_to_spec(axes, rules))
-        computed = NamedSharding(mesh, without_storage_axes(stored.spec))
+        stored = placed_on(mesh, logical_to_spec(axes, rules))
+        computed = placed_on(mesh, without_storage_axes(stored.spec))
         param_dtype = weight.dtype
 
         @jax.custom_vjp
@@ -160,9 +169,7 @@ def placement_within_replica(mesh: Mesh, rules: Rules) -> Iterator[None]:
     inner = within_replica(rules)
 
     def place(x: jax.Array, axes: LogicalAxes) -> jax.Array:
-        return jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, logical_to_spec(axes, inner))
-        )
+        return jax.lax.with_sharding_constraint(x, placed_on(mesh, logical_to_spec(axes, inner)))
 
     kernels = KernelMesh(mesh, lambda axes: logical_to_spec(axes, inner))
     with use_placement(place), use_kernel_mesh(kernels):
@@ -178,9 +185,7 @@ def activation_placement(
     weights with `weights` (None: casts placed by XLA)."""
 
     def place(x: jax.Array, axes: LogicalAxes) -> jax.Array:
-        return jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, logical_to_spec(axes, rules))
-        )
+        return jax.lax.with_sharding_constraint(x, placed_on(mesh, logical_to_spec(axes, rules)))
 
     kernels = KernelMesh(mesh, lambda axes: logical_to_spec(axes, rules))
     with use_placement(place), use_kernel_mesh(kernels), use_weight_gather(weights):

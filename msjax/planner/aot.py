@@ -35,6 +35,7 @@ from msjax.observe.collectives import (
 from msjax.observe.compiled_flops import CompiledFlops, compiled_flops
 from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.parallel.mesh import MESH_AXES, build_mesh
+from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.step import TrainProgram, build_program
 
@@ -94,7 +95,7 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         compiled = lowered.compile(dumped if on_cpu else None)
         program_text = _program_as_counted(Path(dump)) if on_cpu else compiled.as_text()
     mesh_shape = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
-    ops = collective_ops(program_text)
+    ops = collective_ops(program_text, _branch_shares(config))
     compile_s = time.perf_counter() - started
     return CompiledStep(
         config=config,
@@ -106,7 +107,9 @@ def _compile_resolved(config: Config, mesh: MeshShape) -> CompiledStep:
         collectives=count_collectives(ops),
         sent_by_axes=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape),
         sent_by_axes_in_loops=bytes_sent_by_axes(ops, MESH_AXES, mesh_shape, True),
-        flops=compiled_flops(compiled.as_text()),  # the optimised program, as it runs
+        # the optimised program, as it runs; a loop that branches per device counts each branch
+        # as often as the schedule runs it
+        flops=compiled_flops(compiled.as_text(), _branch_shares(config)),
     )
 
 
@@ -125,6 +128,13 @@ def _no_persistent_cache(needed: bool) -> Iterator[None]:
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
         compilation_cache.reset_cache()
+
+
+def _branch_shares(config: Config) -> tuple[float, ...] | None:
+    """How often each branch of the pipeline's per-device switch runs (None: no such switch)."""
+    if config.mesh.pipe == 1:
+        return None
+    return PipelineLayout.of(config).table.branch_shares()
 
 
 def _program_as_counted(dump: Path) -> str:

@@ -3,9 +3,10 @@ against the model FLOPs of `msjax.observe.flops` (which count no recomputation a
 
 What the compiled step runs beyond the model FLOPs: the XLA attention's full [seq, seq] scores
 (the model counts the causal half), what `model.remat` recomputes, a pipeline's bubble iterations
-(stages compute on zeros), 1F1B's stage forward again inside its vjp, and 1F1B's loss head on
-every pipe rank (GPipe and circular split the head's tokens over pipe).
-`tests/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
+(stages compute on zeros; 1F1B's branch, so its idle stages do not), and the loss head: GPipe
+and circular split its tokens over pipe (the ceil(M / P) microbatches a stage holds), 1F1B runs
+it on the last stage alone. `tests/test_compiled_flops.py` holds it to the compiled program's
+dots within 5%.
 """
 
 from __future__ import annotations
@@ -60,17 +61,11 @@ def _layer_step_flops(config: Config, mesh: MeshShape) -> float:
     """Per token and layer run: forward, backward (twice the forward) and recomputation."""
     forward, attention, last = _layer_forward_flops(config)
     remat = config.model.remat
-    if mesh.pipe > 1 and remat == "dots":
-        remat = "full"  # the pipeline's vmap gives every matmul a batch dimension
+    if mesh.pipe > 1 and remat == "dots" and not PipelineLayout.of(config).table.branches_per_stage:
+        remat = "full"  # the pipeline's vmap over stages gives every matmul a batch dimension
     recompute = {"none": 0.0, "full": forward - last, "dots": attention}[remat]
-    if mesh.pipe > 1 and PipelineLayout.of(config).interleaves_backward:
-        # 1F1B runs the stage forward, then its vjp at the stashed input: a second forward,
-        # whose output nothing reads. With a layer scan in the stage it runs whole, and remat
-        # recomputes inside it as well; with one layer per stage (no scan) XLA drops its last
-        # projection, and that forward is the only recompute, whatever `model.remat` says.
-        if PipelineLayout.of(config).layers_per_stage == 1:
-            return 4.0 * forward - last
-        return 4.0 * forward + recompute
+    # 1F1B stashes each stage run's vjp residuals: one forward, one backward, and what remat
+    # recomputes inside the backward, as without a pipeline
     return 3.0 * forward + recompute
 
 
@@ -81,9 +76,10 @@ def estimate_compute(
 
     A device runs its replica's tokens (global_batch x seq / (data x fsdp)) through its tensor
     share (1 / tensor) of every matmul. On a pipe mesh it runs a microbatch through its stage's
-    layers on every iteration of the schedule, bubble iterations included; the head runs on
-    the ceil(M / P) microbatches its stage holds (GPipe, circular: 1 / P of the replica batch
-    when P divides M), or on every pipe rank on one microbatch per iteration (1F1B).
+    layers on every iteration of the schedule, bubble iterations included (GPipe, circular), or
+    on each microbatch once each way (1F1B, which branches per device); the head runs on the
+    ceil(M / P) microbatches its stage holds (GPipe, circular: 1 / P of the replica batch when
+    P divides M), or on the last stage alone (1F1B).
     `platform` decides the attention kernel, as in `estimate_memory`.
 
     Not modelled: with fsdp beside pipe the partitioner may split the head's weight gradient
@@ -96,10 +92,13 @@ def estimate_compute(
     head_runs = 1.0
     if mesh.pipe > 1:
         layout = PipelineLayout.of(config)
-        per_microbatch = layout.iterations / layout.microbatches
+        table = layout.table
+        # stage runs a device computes per microbatch (bubble runs included where idle stages
+        # compute on zeros), and its share of the head (the last stage's alone under 1F1B)
+        per_microbatch = table.stage_runs / table.microbatches
         layer_runs = per_microbatch * layout.layers_per_stage
         if layout.interleaves_backward:
-            head_runs = per_microbatch
+            head_runs = table.head_share
         else:
             head_runs = layout.slots_per_stage / layout.microbatches
     head = 6.0 * model.vocab_size * model.embed_dim  # forward and backward, per token

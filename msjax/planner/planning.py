@@ -122,7 +122,8 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
     layers, stage_runs, microbatches = model.num_layers, 1, 1
     if mesh.pipe > 1:
         layout = PipelineLayout.of(config)
-        layers, stage_runs = layout.layers_per_stage, layout.iterations
+        # stage forwards a device computes per step (msjax.parallel.schedules)
+        layers, stage_runs = layout.layers_per_stage, layout.table.stage_runs
         microbatches = layout.microbatches
     return LocalDims(
         batch=replica_batch // microbatches,
@@ -359,17 +360,19 @@ def _one_f_one_b_buffers(
     """(saved activations, buffers outside the layers, the loop's working copies) of a 1F1B
     step (msjax.parallel.one_f_one_b), per device.
 
-    A stage keeps min(M, 2P - 1) stage inputs, not what its runs saved: each backward pass
-    recomputes its stage from the stashed input, so one stage run's residuals are alive at a
-    time. Outside the layers: the embedding output, its microbatched copy and stage 0's
-    gradients of it. The loop accumulates the head's parameter gradients and runs the head (and
-    its loss buffers) on one microbatch at a time. Read off XLA's buffer assignment on tiny and
-    small, pipe 2 and 4, every remat (tests/test_plan.py).
+    A stage keeps the vjp residuals of min(M, P) stage runs (its in-flight microbatches), and
+    the slot its iteration's branch reads and writes twice more. Outside the layers: the
+    embedding output, its microbatched copy and stage 0's gradients of it. The loop accumulates
+    the head's parameter gradients and runs the head (and its loss buffers) on one microbatch at
+    a time. Checked against XLA's buffer assignment on tiny, pipe 2 and 4 (tests/test_plan.py).
     """
     layout = PipelineLayout.of(config)
     microbatch_stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / dims.residual_split
     replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes
-    saved = layout.stash_slots * microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
+    # each in-flight microbatch's vjp residuals, and two runs' more: the slot read out for the
+    # iteration's branch and the branch's result before it is written back
+    run_saved = microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
+    saved = (layout.stash_slots + 2) * run_saved
     head_params = _head_param_bytes(dims)
     # the loop's copy of the stage's weights and its gradient accumulator come with a layer scan
     # in the stage, as under GPipe (PIPELINE_WEIGHT_COPIES)
@@ -429,8 +432,6 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     layout = PipelineLayout.of(config) if mesh.pipe > 1 else None
     one_f_one_b = layout is not None and layout.interleaves_backward
     passes = forward_passes(config.model.remat)
-    if one_f_one_b:  # the loop's forward, and the stage's forward again inside its vjp
-        passes += 1
     layer_runs = dims.stage_runs * dims.layers  # layers run per step on this device
     split = dims.residual_split
     stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / split  # one run's stream
@@ -445,7 +446,7 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream * split, mesh.tensor)
         # GPipe and circular embed and score only the microbatches a stage holds
         held = 1.0 if layout is None else layout.slots_per_stage / layout.microbatches
-        head_runs = dims.stage_runs * dims.batch / dims.replica_batch if one_f_one_b else held
+        head_runs = layout.table.head_share if one_f_one_b else held
         lookups = 1.0 if one_f_one_b else held
         head_stream = replica_stream * split * F32_BYTES / dims.act_bytes
         tensor_bytes = layer_runs * per_layer + (lookups + head_runs) * ring_all_reduce_bytes(
@@ -515,16 +516,17 @@ def _pipe_bytes(
     collective permute each. The last stage sends nothing on under GPipe and stage 0 nothing
     back, (P - 1) / P of the devices; circular rolls on every device. Once per step the tables'
     gradients, each stage's from its own tokens, are summed over pipe within the data-parallel
-    all-reduce (one all-reduce over data x pipe). 1F1B also permutes each way every iteration,
-    then sums stage 0's input gradients and the head's parameter gradients over the stages,
+    all-reduce (one all-reduce over data x pipe). 1F1B sends one tensor per iteration to the
+    neighbour it pairs with (an output on or a gradient back), then sums stage 0's input gradients and the head's parameter gradients over the stages,
     the input gradients in float32 (the embedding's dtype).
     """
     stages, iterations = layout.stages, layout.iterations
-    if layout.interleaves_backward:
+    if layout.interleaves_backward:  # one tensor per iteration to the neighbour it pairs with
         all_reduce = ring_all_reduce_bytes(replica_stream, stages)
         input_grads = all_reduce * F32_BYTES / dims.act_bytes
         head_params = _head_param_bytes(dims)
-        return 2 * iterations * stream + input_grads + ring_all_reduce_bytes(head_params, stages)
+        in_loop = iterations * stream * layout.table.sends_per_iteration
+        return in_loop + input_grads + ring_all_reduce_bytes(head_params, stages)
     back = (stages - 1) / stages
     on = 1.0 if layout.repeats > 1 else back
     return 2 * iterations * stream * (on + back) + ring_all_reduce_bytes(tables, data * stages)

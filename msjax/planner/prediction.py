@@ -86,10 +86,7 @@ def recompute_factor(config: Config) -> float:
     "full" runs every layer's forward twice: 8 instead of 6 FLOPs per parameter and token.
     "dots" keeps the projections and recomputes the attention's score and value products.
     """
-    if config.mesh.pipe > 1 and config.pipeline.schedule == "1f1b":
-        # the stage's forward runs again inside its vjp (msjax.parallel.one_f_one_b): 2 more of
-        # the 6 FLOPs per parameter and token, on top of what remat recomputes inside it
-        return _layer_recompute_factor(config) + 1.0 / 3.0
+    # every schedule recomputes only what remat asks (1F1B stashes its stages' vjp residuals)
     return _layer_recompute_factor(config)
 
 
@@ -144,8 +141,8 @@ def _prediction(
 
 def predict_mesh_step(config: Config, mesh: MeshShape, hardware: Hardware) -> StepPrediction:
     """msjax's own layout: data x fsdp x pipe x tensor, tensor innermost (ConfigError if
-    invalid). A pipe mesh adds its bubble: (P - 1) / (R M) of the compute, (2P - 2) / M under
-    1F1B, the iterations in which stages run on nothing."""
+    invalid). A pipe mesh adds its bubble: (P - 1) / (R M) of the compute (R = 1 for gpipe and
+    1F1B), the iterations in which stages run on nothing."""
     config = config_for_mesh(config, mesh)
     comm = estimate_communication(config, mesh)
     strides = {
@@ -161,10 +158,9 @@ def predict_mesh_step(config: Config, mesh: MeshShape, hardware: Hardware) -> St
     layout = mesh.describe()
     if mesh.pipe > 1:
         pipeline = PipelineSchedule.of(config)
-        # idle stage-iterations over busy ones; every iteration of 1F1B runs a forward and a
-        # backward, so its 2P - 2 idle iterations cost twice GPipe's P - 1
-        busy = pipeline.repeats * pipeline.microbatches
-        bubble_s = compute_s * (pipeline.iterations - busy) / busy
+        # idle stage-iterations over busy ones, read off the schedule's table
+        bubble = pipeline.bubble_fraction
+        bubble_s = compute_s * bubble / (1.0 - bubble)
         layout += f" ({config.pipeline.schedule}, {pipeline.microbatches} microbatches"
         layout += f" x {pipeline.repeats} repeats)" if pipeline.repeats > 1 else ")"
     return _prediction(

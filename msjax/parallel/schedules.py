@@ -1,0 +1,161 @@
+"""Pipeline schedules as data: per iteration and stage, which microbatch (and repeat) runs forward
+or backward, or nothing, and the facts that a schedule's costs are read from (iterations, bubble,
+stash, what idle stages compute, what crosses `pipe`). The traced loops execute these tables.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2  # an action's kind
+# columns of ScheduleTable.actions
+KIND, MICROBATCH, REPEAT, STASH_SLOT = range(4)
+# the branches of a loop that branches per device (1F1B's), in switch order: the table's kinds,
+# then the last stage's forward, which runs the loss head too
+IDLE_BRANCH, FORWARD_BRANCH, BACKWARD_BRANCH, HEAD_BRANCH = range(4)
+
+
+@dataclass(frozen=True)
+class ScheduleTable:
+    """What every stage does in every iteration of one pipeline schedule.
+
+    actions[t, s] = (kind, microbatch, repeat, stash slot): stage s runs the forward or backward
+    of (microbatch, repeat) in iteration t; the stash slot is where a forward keeps what its
+    backward needs and where that backward reads it (-1 where nothing is kept). Idle entries hold
+    zeros in every other column.
+    """
+
+    name: str  # PipelineConfig.schedule: gpipe, circular or 1f1b
+    stages: int
+    repeats: int
+    microbatches: int
+    actions: np.ndarray  # int32 [iterations, stages, 4]
+    # the loop runs each microbatch's backward itself (1F1B) instead of leaving it to autodiff
+    runs_backward: bool
+    # each device branches on its own action, so an idle stage computes nothing; without
+    # branching (one vmapped program over the stages) an idle stage computes on zeros
+    branches_per_stage: bool
+
+    @property
+    def iterations(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def busy(self) -> int:
+        """Stage-iterations that run something."""
+        return int(np.sum(self.actions[..., KIND] != IDLE))
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of stage-iterations idle."""
+        return 1.0 - self.busy / (self.iterations * self.stages)
+
+    @property
+    def stash_slots(self) -> int:
+        """Microbatches a stage holds at most between their forward and their backward."""
+        return int(self.actions[..., STASH_SLOT].max()) + 1
+
+    @property
+    def stage_runs(self) -> int:
+        """Stage forwards a device computes per step, idle iterations included where idle stages
+        compute on zeros (the loop's forward under autodiff, whose backward mirrors it)."""
+        if self.branches_per_stage:
+            return self.repeats * self.microbatches
+        return self.iterations
+
+    @property
+    def head_share(self) -> float:
+        """Share of a replica's batch whose loss head one device runs on average: the last stage
+        alone runs it where the loop owns the backward, every pipe rank the whole batch else."""
+        return 1.0 / self.stages if self.runs_backward else 1.0
+
+    @property
+    def sends_per_iteration(self) -> float:
+        """Stage activations (or their gradients) a device sends per iteration over `pipe`, on
+        average over devices: 1F1B sends one tensor per iteration to the neighbour it pairs with
+        (pairs alternate, see one_f_one_b_pairs), so (P - 1) / P; the forward-only loops are
+        counted in msjax.planner.planning."""
+        return (self.stages - 1) / self.stages
+
+    def branch_shares(self) -> tuple[float, ...] | None:
+        """How often each branch of the per-device switch runs (IDLE_BRANCH ... HEAD_BRANCH), as
+        a share of the switch's runs over all devices; None for loops that do not branch."""
+        if not self.branches_per_stage:
+            return None
+        kinds = self.actions[..., KIND]
+        last = np.zeros(kinds.shape, bool)
+        last[:, -1] = True
+        counts = [
+            np.sum(kinds == IDLE),
+            np.sum((kinds == FORWARD) & ~last),
+            np.sum(kinds == BACKWARD),
+            np.sum((kinds == FORWARD) & last),
+        ]
+        return tuple(float(count) / kinds.size for count in counts)
+
+    def at(self, iteration: int, stage: int) -> tuple[int, int, int, int]:
+        return tuple(int(value) for value in self.actions[iteration, stage])  # type: ignore[return-value]
+
+
+def forward_table(stages: int, repeats: int, microbatches: int) -> np.ndarray:
+    """GPipe (R = 1) and circular: stage s runs its (r M + m)-th pair at iteration r M + m + s."""
+    iterations = repeats * microbatches + stages - 1
+    actions = np.zeros((iterations, stages, 4), np.int32)
+    actions[..., STASH_SLOT] = -1
+    for iteration in range(iterations):
+        for stage in range(stages):
+            virtual = iteration - stage
+            if 0 <= virtual < repeats * microbatches:
+                microbatch, repeat = virtual % microbatches, virtual // microbatches
+                actions[iteration, stage] = (FORWARD, microbatch, repeat, -1)
+    return actions
+
+
+def one_f_one_b_table(stages: int, microbatches: int) -> np.ndarray:
+    """1F1B in unit iterations, one forward or one backward each: stage s runs microbatch m
+    forward at iteration s + 2m and backward at 2P - 1 - s + 2m, so an activation reaches the next
+    stage, and a gradient the previous one, just in time for the next iteration. Forwards fall on
+    iterations t with t - s even, backwards on the others: 2(M + P - 1) iterations, P - 1 idle
+    pairs per stage, bubble (P - 1) / (M + P - 1). Stage s holds P - s microbatches between their
+    forward and backward (stage 0 the most), in slot m mod min(M, P).
+    """
+    iterations = 2 * (microbatches + stages - 1)
+    slots = min(microbatches, stages)
+    actions = np.zeros((iterations, stages, 4), np.int32)
+    for stage in range(stages):
+        for microbatch in range(microbatches):
+            slot = microbatch % slots
+            actions[stage + 2 * microbatch, stage] = (FORWARD, microbatch, 0, slot)
+            actions[2 * stages - 1 - stage + 2 * microbatch, stage] = (
+                BACKWARD,
+                microbatch,
+                0,
+                slot,
+            )
+    return actions
+
+
+def one_f_one_b_pairs(stages: int, parity: int) -> list[tuple[int, int]]:
+    """The (source, target) stages of 1F1B's transfer after an iteration of this parity: a stage
+    that ran a forward (t - s even) sends its output to s + 1, one that ran a backward sends its
+    input's gradient to s - 1; so the stages pair up, (0, 1), (2, 3), ... after even iterations
+    and (1, 2), (3, 4), ... after odd ones, and each sends one tensor."""
+    pairs = []
+    for stage in range(stages):
+        target = stage + 1 if (parity - stage) % 2 == 0 else stage - 1
+        if 0 <= target < stages:
+            pairs.append((stage, target))
+    return pairs
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_table(name: str, stages: int, repeats: int, microbatches: int) -> ScheduleTable:
+    """The table of a schedule by its config name."""
+    if name == "1f1b":
+        actions = one_f_one_b_table(stages, microbatches)
+        return ScheduleTable(name, stages, 1, microbatches, actions, True, True)
+    actions = forward_table(stages, repeats, microbatches)
+    return ScheduleTable(name, stages, repeats, microbatches, actions, False, False)
