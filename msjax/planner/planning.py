@@ -517,8 +517,9 @@ def _pipe_bytes(
     back, (P - 1) / P of the devices; circular rolls on every device. Once per step the tables'
     gradients, each stage's from its own tokens, are summed over pipe within the data-parallel
     all-reduce (one all-reduce over data x pipe). 1F1B sends one tensor per iteration to the
-    neighbour it pairs with (an output on or a gradient back), then sums stage 0's input gradients and the head's parameter gradients over the stages,
-    the input gradients in float32 (the embedding's dtype).
+    neighbour it pairs with (an output on or a gradient back), then sums stage 0's input
+    gradients and the head's parameter gradients over the stages, the input gradients in
+    float32 (the embedding's dtype).
     """
     stages, iterations = layout.stages, layout.iterations
     if layout.interleaves_backward:  # one tensor per iteration to the neighbour it pairs with
