@@ -43,11 +43,15 @@ def test_stage_transfers_are_collective_permutes_inside_the_loop(overrides: str)
     # one microbatch's activations on a device: a row of the replica's 4, float32
     stream = BATCH // DATA // layout.microbatches * SEQ * EMBED * 4
     permutes = step.collectives["collective-permute"]
-    assert permutes.executions == permutes.executions_in_loops >= 2 * layout.iterations
     in_loop = pipe_bytes(step.sent_by_axes_in_loops)
-    if layout.interleaves_backward:  # activations on and cotangents back, every device
-        assert in_loop == 2 * layout.iterations * stream
+    if layout.interleaves_backward:
+        # each iteration a stage pairs with one neighbour and sends it one tensor, an output
+        # on or a gradient back: the schedule table's sends per iteration, in the loop
+        assert permutes.executions_in_loops >= layout.iterations
+        assert layout.table.sends_per_iteration == 0.5
+        assert in_loop == layout.iterations * stream * layout.table.sends_per_iteration
         return
+    assert permutes.executions == permutes.executions_in_loops >= 2 * layout.iterations
     back = (PIPE - 1) / PIPE  # GPipe's last stage sends nothing on, stage 0 nothing back
     on = 1.0 if layout.repeats > 1 else back
     # each iteration forward and backward: the stage's output on, a stream column back

@@ -182,13 +182,15 @@ def test_communication_volume_follows_the_axes():
     )
     pipelined = estimate_communication(two_microbatches, MeshShape(2, 2, 1, pipe=2))
     assert pipelined.tensor_bytes == 0 and min(pipelined.fsdp_bytes, pipelined.data_bytes) > 0
-    # 3 iterations (M + P - 1) of one-sequence microbatches, forward and backward, stage 0
-    # sending nothing back and stage 1 nothing on; then, once, the replica's 2 sequences of
-    # outputs broadcast from the last stage and their gradient summed (two ring all-reduces of
-    # 2 (P - 1) / P, one all-gather of (P - 1) / P) and two permutes of 1 / P of them
-    stream = two_microbatches.data.seq_len * two_microbatches.model.embed_dim * 4  # float32
-    replica = 2 * stream
-    assert pipelined.pipe_bytes == 2 * 3 * stream / 2 + (2 + 0.5 + 1) * replica
+    # 3 iterations (M + P - 1) of one-sequence microbatches, forward and backward: each stage's
+    # output on (stage 1 sends nothing on) and a column of the stage-held streams back (stage 0
+    # sends nothing back), so one microbatch per device each way; then, once, the gradients of
+    # the tables outside the layer stack (embedding, unembedding, final norm; float32, split
+    # over fsdp 2) summed over data x pipe, 4 devices, in one ring all-reduce of 2 (4 - 1) / 4
+    model = two_microbatches.model
+    stream = two_microbatches.data.seq_len * model.embed_dim * 4  # float32
+    tables = (2 * model.vocab_size * model.embed_dim + model.embed_dim) * 4 / 2
+    assert pipelined.pipe_bytes == 2 * 3 * stream + 2 * (4 - 1) / 4 * tables
 
 
 def test_pipeline_bubble_is_priced_in_the_prediction():

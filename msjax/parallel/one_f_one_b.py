@@ -5,6 +5,7 @@ action, and keeps each in-flight microbatch's vjp residuals until its backward.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,11 +54,13 @@ def one_f_one_b_loss(
     `data` (for the forward alone, see run_pipeline).
     """
 
+    forward_only = dataclasses.replace(layout, schedule="gpipe")  # evaluation's forward
+
     @jax.custom_vjp
     def summed_loss(layer_params: Any, head_params: Any, x: jax.Array, labels: tuple) -> jax.Array:
         targets, weights, positions, segment_ids = labels
         y = run_pipeline(
-            stage_fn, layer_params, x, positions, segment_ids, layout, replicas=replicas
+            stage_fn, layer_params, x, positions, segment_ids, forward_only, replicas=replicas
         )
         return head_fn(head_params, y, targets, weights)
 
