@@ -67,7 +67,7 @@ from msjax.parallel.agreement import job_secret
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
 from msjax.resilience.faults import SLOT_ENV_VAR
-from msjax.resilience.skips import read_skipped_steps, record_skipped_step
+from msjax.resilience.skips import read_skipped_steps_here, record_skipped_step
 from msjax.run_dir import RunDir
 from msjax.writable import warn_write_dropped
 
@@ -283,7 +283,7 @@ class Supervisor:
 
     def _skipped_steps(self) -> frozenset[int]:
         try:
-            return read_skipped_steps(self.run_dir.path)
+            return read_skipped_steps_here(self.run_dir.path)  # never JAX in the supervisor
         except (OSError, ValueError, KeyError, TypeError):
             return frozenset()  # the workers refuse a garbled skip list themselves
 

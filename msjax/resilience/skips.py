@@ -52,6 +52,12 @@ def _read_own_copy(run_dir: Path) -> tuple[frozenset[int], str | None]:
         return frozenset(), str(error)
 
 
+def read_skipped_steps_here(run_dir: Path) -> frozenset[int]:
+    """This host's copy of the run's skip list, without a vote and without JAX (the supervisor's
+    view); empty where it is garbled (the workers refuse it themselves)."""
+    return _read_own_copy(run_dir)[0]
+
+
 def read_skipped_steps(run_dir: Path) -> frozenset[int]:
     """The run's skip list, the same on every process of the job: process 0's copy of the file.
 
