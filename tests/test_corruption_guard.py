@@ -332,8 +332,8 @@ def test_a_flip_that_comes_back_on_rank_1_is_persistent_its_workers_exit_11_nami
     last = persistent.events[-1]
     assert last["event"] == "persistent" and last["bad_ranks"] == [1], persistent.logs[0][-3000:]
     assert "a second replay reproduced every other replica bitwise" in last["how"]
-    for worker_log in persistent.logs[1:]:
-        assert "rank 1 marked bad" in worker_log
+    for worker_log in persistent.logs[1:]:  # its own line, or process 0's ending the job
+        assert "rank 1 marked bad" in worker_log or "silent corruption on rank 1" in worker_log
     checkpoints = RunDir(persistent.run_dir).checkpoints
     assert 8 not in [int(name) for name in os.listdir(checkpoints) if name.isdigit()]
 

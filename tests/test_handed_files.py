@@ -450,7 +450,13 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(
     limited = 'trap "" XFSZ; ulimit -f 16; exec "$@"'
     result = subprocess.run(
         ["bash", "-c", limited, "bash", sys.executable, "-m", "msjax.hf", "export", saved_run, out],
-        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"},
+        # without the tests' shared JAX compile cache, which JAX would warn it cannot write
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
+            | {"JAX_COMPILATION_CACHE_DIR": ""},
+            "PYTHONPATH": str(REPO),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
         capture_output=True,
         text=True,
         timeout=300,
