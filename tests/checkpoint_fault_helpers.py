@@ -3,6 +3,7 @@ them, and read the metrics and checkpoints they leave on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -146,3 +147,17 @@ def stopped_step(output: str) -> int:
     match = re.search(r"stopped by SIGTERM after step (\d+)", output)
     assert match, output
     return int(match.group(1))
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of size_mib mounted at mount (made if missing; root only, else the test skips),
+    unmounted after the block: a disk that fills for real."""
+    mount.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mount)])
+    if made.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -11,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from checkpoint_fault_helpers import mounted_tmpfs
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
@@ -222,15 +224,8 @@ def test_a_temporary_file_left_by_a_killed_writer_does_not_make_the_run_dir_fore
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs mounted for the test (root only), unmounted after it."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)])
-    if made.returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", 16) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(disk: Path) -> None:
@@ -243,6 +238,28 @@ def fill(disk: Path) -> None:
         (disk / "probe").write_bytes(chunk)
     assert full.value.errno == errno.ENOSPC
     (disk / "probe").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def kept_full(disk: Path) -> Iterator[None]:
+    """Fill the disk, and take back every page a writer frees while the block runs (a cut-back
+    append frees one), as the other writers of a shared full disk would."""
+    fill(disk)
+    stop = threading.Event()
+
+    def top_up() -> None:
+        with (disk / "filler").open("ab", buffering=0) as filler:
+            while not stop.wait(0.002):
+                with contextlib.suppress(OSError):
+                    filler.write(b"\0" * 4096)
+
+    keeper = threading.Thread(target=top_up, daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        keeper.join()
 
 
 def test_a_failed_atomic_write_removes_its_temporary_file_and_is_one_line(
@@ -354,9 +371,9 @@ def test_training_on_a_disk_that_fills_up_goes_on_and_exits_0(
             wait_for(lambda: metrics_lines(run_dir) >= 1 or job.poll() is not None, "step 0")
             job.send_signal(signal.SIGSTOP)  # the disk fills between two steps
             lines_before = metrics_lines(run_dir)
-            fill(small_disk)
-            job.send_signal(signal.SIGCONT)
-            code = job.wait(timeout=600)
+            with kept_full(small_disk):
+                job.send_signal(signal.SIGCONT)
+                code = job.wait(timeout=600)
         finally:
             job.kill()
         out.seek(0)
@@ -397,12 +414,12 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
         try:
             stepping = lambda: read_beat(run_dir).get("phase") == "step"  # noqa: E731
             wait_for(lambda: stepping() and read_beat(run_dir)["step"] > 0, "the first steps")
-            fill(small_disk)
-            step_at_fill = read_beat(run_dir)["step"]
-            time.sleep(3.0)  # metrics, ranks, flight, heartbeat and log writes hit the full disk
-            beat = read_beat(run_dir)
-            os.kill(beat["pid"], signal.SIGKILL)
-            code = job.wait(timeout=300)
+            with kept_full(small_disk):
+                step_at_fill = read_beat(run_dir)["step"]
+                time.sleep(3.0)  # metrics, ranks, flight, heartbeat and log writes hit it
+                beat = read_beat(run_dir)
+                os.kill(beat["pid"], signal.SIGKILL)
+                code = job.wait(timeout=300)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job.pid, signal.SIGKILL)

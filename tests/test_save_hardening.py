@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -15,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoint_fault_helpers import SMALL_RUN, committed_on_disk, unfinished_on_disk
+from checkpoint_fault_helpers import (
+    SMALL_RUN,
+    committed_on_disk,
+    mounted_tmpfs,
+    unfinished_on_disk,
+)
 
 from msjax.config import CheckpointConfig
 from msjax.resilience import exit_codes
@@ -24,23 +28,17 @@ from msjax.training.save_schedule import SaveSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 600
-FILE_SIZE_LIMIT_BYTES = 3 << 20  # the corpus's token files fit; a checkpoint's array files do not
+CHECKPOINT_DISK_MIB = (
+    4  # the checkpoints' own disk: the tiny model's state (about 10 MB) never fits
+)
 
 
 def worker_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **extra}
 
 
-def run_train(
-    run_dir: Path, overrides: list[str], file_size_limit: int | None = None, **env: str
-) -> tuple[int, str]:
-    """`python -m msjax.train`, its files held to file_size_limit bytes (RLIMIT_FSIZE: a write
-    past it fails with EFBIG, as on a full disk); its exit code and output."""
-
-    def limit_files() -> None:
-        if file_size_limit is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
+def run_train(run_dir: Path, overrides: list[str], **env: str) -> tuple[int, str]:
+    """`python -m msjax.train`: its exit code and output."""
     done = subprocess.run(
         [sys.executable, "-m", "msjax.train", *overrides, f"run.dir={run_dir}"],
         stdout=subprocess.PIPE,
@@ -48,7 +46,6 @@ def run_train(
         text=True,
         env=worker_env(**env),
         cwd=run_dir.parent,
-        preexec_fn=limit_files,
         timeout=RUN_TIMEOUT_S,
     )
     return done.returncode, done.stdout
@@ -64,9 +61,10 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_saves_failing_in_the_background_end_the_attempt_after_max_unsaved_minutes(tmp_path):
-    """Every save starts (the arrays reach the host) and fails while being written: none is
-    committed, so the failures and the unsaved clock keep running until exit 6, long before the
-    run's last step; each failed save's partial files are removed once it is known failed."""
+    """Every save starts (the arrays reach the host) and fails while being written, on a disk too
+    small for any: none is committed, so the failures and the unsaved clock keep running until
+    exit 6, long before the run's last step; each failed save's partial files are removed once it
+    is known failed."""
     run_dir = tmp_path / "run"
     steps = 400
     overrides = [
@@ -76,22 +74,27 @@ def test_saves_failing_in_the_background_end_the_attempt_after_max_unsaved_minut
         "checkpoint.every_steps=2",
         "checkpoint.max_unsaved_minutes=0.25",
     ]
-    started = time.monotonic()
-    code, output = run_train(run_dir, overrides, FILE_SIZE_LIMIT_BYTES)
-    wall_s = time.monotonic() - started
+    checkpoints = RunDir(run_dir).checkpoints
+    with mounted_tmpfs(checkpoints, CHECKPOINT_DISK_MIB):
+        started = time.monotonic()
+        code, output = run_train(run_dir, overrides)
+        wall_s = time.monotonic() - started
+        committed, unfinished = committed_on_disk(checkpoints), unfinished_on_disk(checkpoints)
     assert code == exit_codes.SAVES_FAILED, output[-4000:]
     assert "kept failing for checkpoint.max_unsaved_minutes=0.25" in output, output[-4000:]
     failed = [line for line in output.splitlines() if "failed (not committed" in line]
-    # the write's own error, or (when Orbax logged it and went on) the step found unfinalized
-    reasons = ("File too large", "was not finalized")
+    # the write's own error (ENOSPC, whatever Orbax wrapped it in), or (when Orbax logged it and
+    # went on) the step found unfinalized
+    reasons = ("No space left on device", "os_error_code='28'", "was not finalized")
     assert failed and all(any(r in line for r in reasons) for line in failed), failed
     # the back-off spaces the retries (1 s, 2 s, 4 s, 8 s within 15 s), not one per step
+    pauses = [float(line.rsplit("retried in ", 1)[1].split()[0]) for line in failed]
+    assert pauses == [2.0**n for n in range(len(pauses))], pauses
     assert 2 <= len(failed) <= 6, output[-4000:]
     trained = max(record["step"] for record in step_records(run_dir)) + 1
     assert trained < steps, f"ran to the end ({trained} steps in {wall_s:.0f} s)"
-    checkpoints = RunDir(run_dir).checkpoints
-    assert committed_on_disk(checkpoints) == []
-    assert len(unfinished_on_disk(checkpoints)) <= 1  # at most the save in flight at the exit
+    assert committed == []
+    assert len(unfinished) <= 1  # at most the save in flight at the exit
 
 
 # --- a save that fails on one process of two ----------------------------------------------------
