@@ -32,6 +32,7 @@ from msjax.checkpoint.fingerprint import (
     compile_fingerprints,
     fingerprints,
 )
+from msjax.checkpoint.orbax_noise import quiet_failed_saves
 from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure, read_error_reason
 from msjax.checkpoint.record import record_problem, seal_record
 from msjax.config import CheckpointConfig
@@ -153,6 +154,8 @@ class Checkpointer:
     def __init__(self, directory: Path, options: CheckpointConfig, read_only: bool = False):
         self.directory = directory
         self.options = options
+        if not read_only:
+            quiet_failed_saves()  # a failed save is msjax's one-line warning, not pages of Orbax's
         # float weights and moments barely compress; zstd would only take host CPU from the
         # steps that overlap the write
         self._state_handler = ocp.PyTreeCheckpointHandler(use_compression=False)
