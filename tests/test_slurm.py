@@ -542,9 +542,13 @@ def test_time_limit_signal_saves_before_the_limit_and_requeues(runs):
     assert first["ended_unix_s"] - first["started_unix_s"] < TIME_LIMIT_MIN * 60
 
 
-def sbatch_with_stand_ins(tmp_path: Path, args: list[str], srun_output: str, srun_code: int):
+def sbatch_with_stand_ins(
+    tmp_path: Path, args: list[str], srun_output: str, srun_code: int, failing: str = ""
+):
     """train.sbatch run by bash with stand-ins for srun (its output and code given) and
-    scontrol; returns the script's exit code, the srun command line and the script's output."""
+    scontrol (KillWait 6 s; its `failing` command, e.g. "update", fails as Slurm's does);
+    returns the script's exit code, the srun command line, the script's output and whether it
+    requeued the job."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     calls = tmp_path / "calls"
@@ -552,7 +556,16 @@ def sbatch_with_stand_ins(tmp_path: Path, args: list[str], srun_output: str, sru
     (bin_dir / "srun").write_text(
         f'#!/bin/sh\necho "srun $*" >> {calls}\nprintf "{srun_output}"\nexit {srun_code}\n'
     )
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "scontrol $*" >> {calls}\n')
+    failure = (
+        f'  {failing}\\ *) echo "{failing}: Job is no longer pending execution" >&2; exit 1;;\n'
+        if failing
+        else ""
+    )
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/sh\necho "scontrol $*" >> {calls}\ncase "$*" in\n'
+        '  "show config") echo "KillWait                = 6 sec";;\n'
+        f"{failure}esac\n"
+    )
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
@@ -561,7 +574,7 @@ def sbatch_with_stand_ins(tmp_path: Path, args: list[str], srun_output: str, sru
     )
     lines = calls.read_text().splitlines()
     srun = next(line for line in lines if line.startswith("srun "))
-    requeued = "scontrol requeue 42" in lines
+    requeued = "scontrol requeue 42" in lines or "scontrol requeuehold 42" in lines
     return done.returncode, srun, done.stdout + done.stderr, requeued
 
 
@@ -609,9 +622,33 @@ def test_sbatch_script_requeues_the_job_without_a_node_whose_launcher_exits_bad_
     )
     calls = (tmp_path / "calls").read_text().splitlines()
     assert (code, requeued) == (9, True), output
-    requeue = calls.index("scontrol requeue 42")
-    assert "scontrol update JobId=42 ExcNodeList=n2" in calls[requeue:], calls
+    # requeued held, so that it cannot start again before the exclusion applies, then released
+    exclude = "scontrol update JobId=42 ExcNodeList=n2"
+    hold, update = calls.index("scontrol requeuehold 42"), calls.index(exclude)
+    assert hold < update < calls.index("scontrol release 42") and calls.count(exclude) == 1
+    assert "scontrol requeue 42" not in calls
     assert "bad node(s) n2; requeueing without them" in output
+    assert "job 42 requeued and held; ExcNodeList=n2 set" in output
+    # an update Slurm refuses is retried within its share of KillWait; the job is released
+    # all the same, and the output says the node may be used again
+    started_s = time.monotonic()
+    code, _, output, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node, 143, failing="update"
+    )
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert (code, requeued) == (9, True) and time.monotonic() - started_s < 6, output
+    assert calls.count(exclude) >= 2 and calls[-1] == "scontrol release 42", calls
+    assert (
+        "could not exclude n2 (scontrol update: update: Job is no longer pending execution): "
+        "the rerun may use them again" in output
+    )
+    # a requeue Slurm refuses leaves the job alone, and says so
+    code, _, output, _ = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node, 143, failing="requeuehold"
+    )
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert code == 9 and not [call for call in calls if "update" in call or "release" in call]
+    assert "could not requeue job 42 (scontrol requeuehold: requeuehold: Job is no longer" in output
     # a node that is not bad (exit 5) is requeued onto the same nodes, as before
     code, _, _, requeued = sbatch_with_stand_ins(
         tmp_path, ["--config", "c.yaml"], per_node.replace("code 9", "code 5"), 143
@@ -635,6 +672,8 @@ def test_a_bad_node_is_excluded_by_requeue_and_the_job_finishes_on_the_spare(run
     named = f"node {bad} is marked bad: the named cause of 2 faults in a row"
     assert stopped and named in stopped[0], output
     assert f"bad node(s) {bad}; requeueing without them" in output
+    assert f"requeued and held; ExcNodeList={bad} set" in output, output
+    assert f"job {job.job_id} released" in output, output
     # the requeued job ran without it, on the cluster's spare node
     assert job.final["ExcNodeList"] == bad
     nodes = subprocess.run(
