@@ -3,7 +3,7 @@ a save; what each fault costs in wall time (detection, restart and catch-up toge
 effective training time of both runs.
 
     python benchmarks/fault_drill.py [--steps 4000] [--save-every 200] [--out DIR]
-    python benchmarks/fault_drill.py --smoke   # 60 steps, one crash: about a minute
+    python benchmarks/fault_drill.py --smoke   # 12 steps of a smaller model, one crash
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2` on the tiny model with
 the compilation caches on and every deadline at its default (measured deadlines included). The
@@ -14,21 +14,18 @@ extra wall time divided by the number of faults. Prints one table and the ratio.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from msjax.run_dir import RunDir  # noqa: E402
+from benchmarks.supervised_job import finished_job, tiny_job_args  # noqa: E402
 
 FAULT_KINDS = ("crash", "hang", "crash")  # the drill's faults, in order, alternating ranks
+SMOKE_STEPS, SMOKE_SAVE_EVERY = 12, 4
 
 
 def drill_faults(steps: int, save_every: int, count: int) -> str:
@@ -43,45 +40,12 @@ def drill_faults(steps: int, save_every: int, count: int) -> str:
     return ";".join(faults)
 
 
-def job_args(run_dir: Path, cache_dir: Path, steps: int, save_every: int) -> list[str]:
-    return [
-        "model.num_layers=2",
-        "data.seq_len=64",
-        "data.max_corpus_mib=1",
-        "train.global_batch=8",
-        f"train.steps={steps}",
-        "train.eval_every=0",
-        "train.peak_tflops=0.5",
-        f"checkpoint.every_steps={save_every}",
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.tensor=1",
-        f"resilience.compile_cache_dir={cache_dir}",
-        f"run.dir={run_dir}",
-    ]
-
-
 def run_job(
-    run_dir: Path, cache_dir: Path, steps: int, save_every: int, faults: str | None
+    run_dir: Path, cache_dir: Path, args: argparse.Namespace, faults: str | None
 ) -> dict[str, Any]:
-    command = [sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2"]
-    if faults:
-        command.append(f"--fault={faults}")
-    command += ["--", *job_args(run_dir, cache_dir, steps, save_every)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log = run_dir.parent / f"{run_dir.name}.log"
-    started = time.perf_counter()
-    with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-    wall_s = time.perf_counter() - started
-    if code != 0:
-        raise SystemExit(f"the job in {run_dir} exited {code}; see {log}")
-    files = RunDir(run_dir)
-    incidents = []
-    if files.incidents_log.exists():
-        incidents = [json.loads(line) for line in files.incidents_log.read_text().splitlines()]
-    goodput = json.loads(files.goodput.read_text())
-    return {"wall_s": wall_s, "incidents": incidents, "goodput": goodput}
+    flags = [f"--fault={faults}"] if faults else []
+    job = tiny_job_args(run_dir, args.steps, args.save_every, args.smoke)
+    return finished_job(run_dir, flags, [*job, f"resilience.compile_cache_dir={cache_dir}"])
 
 
 def main() -> None:
@@ -90,10 +54,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--faults", type=int, default=3, help="how many faults the drill injects")
     parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
-    parser.add_argument("--smoke", action="store_true", help="60 steps, one crash")
+    parser.add_argument("--smoke", action="store_true", help="12 steps, one crash")
     args = parser.parse_args()
     if args.smoke:
-        args.steps, args.save_every, args.faults = 60, 20, 1
+        args.steps, args.save_every, args.faults = SMOKE_STEPS, SMOKE_SAVE_EVERY, 1
     base = args.out or Path(tempfile.mkdtemp(prefix="msjax-drill-"))
     base.mkdir(parents=True, exist_ok=True)
     cache_dir = base / "compile-cache"
@@ -105,9 +69,9 @@ def main() -> None:
     )
     # the clean run first: it fills the compilation cache both runs then load from
     print("running the clean job ...", flush=True)
-    clean = run_job(base / "clean", cache_dir, args.steps, args.save_every, None)
+    clean = run_job(base / "clean", cache_dir, args, None)
     print("running the job with faults ...", flush=True)
-    faulty = run_job(base / "faults", cache_dir, args.steps, args.save_every, faults)
+    faulty = run_job(base / "faults", cache_dir, args, faults)
 
     print()
     print("| incident | cause | rank | detection latency | detection to first step |")

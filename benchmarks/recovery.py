@@ -2,7 +2,7 @@
 without the compilation caches; detection latency, restart-to-first-step, catch-up, goodput.
 
     python benchmarks/recovery.py [--steps 24] [--out DIR]
-    python benchmarks/recovery.py --smoke   # 8 steps, a 4 s step deadline: about a minute
+    python benchmarks/recovery.py --smoke   # 8 steps of a smaller model, a 4 s step deadline
     python benchmarks/recovery.py --bad-slot [--steps 24]   # a crash-looping slot, 4 processes
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2`. The job with caches
@@ -18,71 +18,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.supervised_job import finished_job, incidents, launch, tiny_job_args  # noqa: E402
 from msjax.run_dir import RunDir  # noqa: E402
 
 STEP_DEADLINE_S = 10.0
 SMOKE_STEP_DEADLINE_S = 4.0  # the tiny model's steps take milliseconds; the hang costs this
 
 
-def job_args(run_dir: Path, steps: int, cache: bool, step_deadline_s: float) -> list[str]:
+def job_args(run_dir: Path, steps: int, cache: bool, step_deadline_s: float, smoke: bool):
     return [
-        "model.num_layers=2",
-        "data.seq_len=64",
-        "data.max_corpus_mib=1",
-        "train.global_batch=8",
-        f"train.steps={steps}",
-        "train.eval_every=0",
-        "train.peak_tflops=0.5",
-        f"checkpoint.every_steps={steps // 4}",
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.tensor=1",
+        *tiny_job_args(run_dir, steps, steps // 4, smoke),
         "resilience.heartbeat_every_s=0.1",
         f"resilience.step_deadline_s={step_deadline_s}",
         "resilience.stop_grace_s=3",
         "resilience.restart_backoff_s=0.5",
         f"resilience.compile_cache={'true' if cache else 'false'}",
-        f"run.dir={run_dir}",
     ]
 
 
-def run_job(run_dir: Path, steps: int, cache: bool, step_deadline_s: float) -> dict[str, Any]:
+def run_job(run_dir: Path, steps: int, cache: bool, smoke: bool) -> dict[str, Any]:
     """One supervised job with a crash (rank 1) and a hang (rank 0) injected."""
     crash_at, hang_at = steps // 3, 2 * steps // 3
     faults = f"crash@step={crash_at},rank=1;hang@step={hang_at},rank=0"
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=2",
-        "--devices-per-proc=2",
-        f"--fault={faults}",
-        "--",
-        *job_args(run_dir, steps, cache, step_deadline_s),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log = run_dir.parent / f"{run_dir.name}.log"
-    started = time.perf_counter()
-    with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-    wall_s = time.perf_counter() - started
-    if code != 0:
-        raise SystemExit(f"the job in {run_dir} exited {code}; see {log}")
-    files = RunDir(run_dir)
-    incidents = [json.loads(line) for line in files.incidents_log.read_text().splitlines()]
-    goodput = json.loads(files.goodput.read_text())
-    return {"wall_s": wall_s, "incidents": incidents, "goodput": goodput}
+    step_deadline_s = SMOKE_STEP_DEADLINE_S if smoke else STEP_DEADLINE_S
+    args = job_args(run_dir, steps, cache, step_deadline_s, smoke)
+    return finished_job(run_dir, [f"--fault={faults}"], args)
 
 
 def row(name: str, with_cache: float | None, without: float | None, unit: str = "s") -> str:
@@ -116,7 +84,7 @@ def main() -> None:
         print(
             f"running the job {'with' if cache else 'without'} compilation caches ...", flush=True
         )
-        results[name] = run_job(base / name, args.steps, cache, step_deadline_s)
+        results[name] = run_job(base / name, args.steps, cache, args.smoke)
 
     def incident(name: str, cause: str, key: str) -> float | None:
         found = [i for i in results[name]["incidents"] if i["cause"] == cause]
@@ -181,35 +149,25 @@ def run_bad_slot_job(run_dir: Path, steps: int, how: str) -> dict[str, Any]:
     ]
     # a compile cache of this job's own (restarts load from it), not one others have written
     cache_dir = f"resilience.compile_cache_dir={run_dir.parent / f'{run_dir.name}-cache'}"
-    args = [*job_args(run_dir, steps, True, STEP_DEADLINE_S), *overrides, cache_dir]
-    command = [
-        *(sys.executable, "-m", "msjax.launch", "--nprocs=4", "--devices-per-proc=2", *flags),
-        f"--fault=crash@step={save_every + 2},rank=3,times=99",
-        "--",
-        *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log = run_dir.parent / f"{run_dir.name}.log"
-    started = time.perf_counter()
-    with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-    files = RunDir(run_dir)
-    incidents = [json.loads(line) for line in files.incidents_log.read_text().splitlines()]
-    membership = next((i["membership"] for i in incidents if "membership" in i), {})
+    args = [*job_args(run_dir, steps, True, STEP_DEADLINE_S, False), *overrides, cache_dir]
+    fault = f"--fault=crash@step={save_every + 2},rank=3,times=99"
+    code, wall_s = launch(run_dir, 4, [*flags, fault], args)
+    faults = incidents(run_dir)
+    membership = next((i["membership"] for i in faults if "membership" in i), {})
     first_step = membership.get("first_step_unix_s")
     excluded = membership.get("excluded_unix_s")
     return {
         "exit code": code,
-        "faults": len(incidents),
+        "faults": len(faults),
         "first fault to first step on the new mesh (s)": membership.get(
             "first_fault_to_new_mesh_s"
         ),
         "exclusion to first step on the new mesh (s)": (
             round(first_step - excluded, 3) if first_step and excluded else None
         ),
-        "steps lost": sum(i.get("steps_lost") or 0 for i in incidents),
-        "wall time (s)": round(time.perf_counter() - started, 1),
-        "effective training time ratio": json.loads(files.goodput.read_text())[
+        "steps lost": sum(i.get("steps_lost") or 0 for i in faults),
+        "wall time (s)": round(wall_s, 1),
+        "effective training time ratio": json.loads(RunDir(run_dir).goodput.read_text())[
             "effective_training_time_ratio"
         ],
     }

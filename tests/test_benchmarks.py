@@ -19,7 +19,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
-HELPER_MODULES = {"kernel_timing.py", "smoke.py"}  # imported by the scripts, not run
+# imported by the scripts, not run
+HELPER_MODULES = {"kernel_timing.py", "smoke.py", "supervised_job.py"}
 NUMBER = r"([-\d,.]+|nan|inf)"
 JAX_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_")  # conftest.py sets these
 
@@ -203,7 +204,7 @@ def check_fault_drill(out: str, _: Path) -> None:
     assert re.search(r"\| 1 \| crash \| 1 \| [\d.]+ s \| [\d.]+ s \|", out), out
     for ratio in re.findall(r"\| effective training time \| ([\d.]+) \| ([\d.]+) \|", out)[0]:
         assert 0.0 < float(ratio) <= 1.0
-    assert "60 steps, a checkpoint every 20" in out
+    assert "12 steps, a checkpoint every 4" in out
 
 
 def check_step_overhead(out: str, _: Path) -> None:

@@ -76,11 +76,11 @@ def test_hang_after_many_fast_steps_is_found_by_the_measured_step_deadline(tmp_p
         "resilience.step_deadline_s=120",
         "resilience.checkpoint_deadline_s=120",
         "resilience.measured_deadline_floor_s=3",
-        "resilience.measured_deadline_after_steps=20",
+        "resilience.measured_deadline_after_steps=8",
     ]
-    # the second hang comes 3 steps into the restart (resumed at checkpoint 44): the steps the
+    # the second hang comes 3 steps into the restart (resumed at checkpoint 12): the steps the
     # first attempt timed count for it
-    faults = "hang@step=45,rank=1;hang@step=47,rank=0"
+    faults = "hang@step=13,rank=1;hang@step=15,rank=0"
     incidents = launch(tmp_path / "run", cache_dir, faults, overrides, max_restarts=1)
     assert len(incidents) == 2, incidents
     for incident in incidents:
@@ -88,7 +88,7 @@ def test_hang_after_many_fast_steps_is_found_by_the_measured_step_deadline(tmp_p
         assert incident["detection_latency_s"] < 30, incident
         assert "measured: max(3 s, 5 x the slowest step" in incident["detail"], incident
         assert "ranks past their deadline: " in incident["detail"], incident
-    assert incidents[0]["resumed_from_step"] == 44
+    assert incidents[0]["resumed_from_step"] == 12
 
 
 def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path):

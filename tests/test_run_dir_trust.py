@@ -356,7 +356,7 @@ def test_training_on_a_disk_that_fills_up_goes_on_and_exits_0(
     """Metrics, rank timing, the flight recorder and the heartbeat drop (or rewrite in place)
     their writes with one warning per file; the run reaches train.steps and exits 0."""
     run_dir = RunDir(small_disk / "run")
-    steps = 400
+    steps = 50  # all but the first on the full disk: dozens of writes of each file to drop
     args = [*QUICK_RUN, *ONE_DEVICE, f"train.steps={steps}", "train.eval_every=0"]
     args += [f"run.dir={run_dir.path}", "checkpoint.enabled=false"]
     args += ["observe.straggler_window_steps=2", "resilience.heartbeat_every_s=0.01"]
