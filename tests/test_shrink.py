@@ -99,18 +99,24 @@ def test_replan_refuses_in_one_line_where_no_mesh_fits_the_healthy_processes():
     assert "1 healthy processes x 2 devices" in message and "pipe x tensor = 4" in message
 
 
-def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_on_time():
+def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_when_checked():
     slots = Slots(nprocs=4, spares=1)
     assert slots.exclude(3, now_unix_s=100.0) == 4  # the spare takes rank 3
     assert (slots.rank_slots, slots.slot_of(3)) == ([0, 1, 2, 4], 4)
     assert slots.exclude(1, now_unix_s=200.0) is None  # no spare left
     slots.arrange(2)  # a mesh on 2 of the 3 healthy slots
     assert slots.describe() == {"active": [0, 2], "spare": [], "idle": [4], "excluded": [1, 3]}
-    assert slots.readmit_due(now_unix_s=250.0, after_s=0) == []  # 0: never
+    assert slots.readmit_due(now_unix_s=350.0, after_s=0) == []  # 0: never
     assert slots.readmit_due(now_unix_s=250.0, after_s=100.0) == [3]  # slot 1: not yet
-    assert slots.healthy() == [0, 2, 3, 4]
+    assert slots.readmit_due(now_unix_s=350.0, after_s=100.0) == [3, 1]  # longest out first
+    # due is not re-admitted: slot 3 failed its check and waits another time out, 1 passed
+    slots.keep_out(3, now_unix_s=350.0)
+    slots.readmit(1)
+    assert slots.readmit_due(now_unix_s=400.0, after_s=100.0) == []
+    assert slots.healthy() == [0, 1, 2, 4]
     slots.arrange(4)
-    assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 2, 3, 4], [1])
+    assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 1, 2, 4], [3])
+    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == [3]
 
 
 # --- a job with a crash-looping slot -------------------------------------------------------------

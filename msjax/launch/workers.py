@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,13 @@ def group_states(pgid: int) -> dict[int, str]:
         if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
             states[int(entry.name)] = fields[0]
     return states
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a coordinator's, for one node)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def describe_exit(code: int) -> str:
