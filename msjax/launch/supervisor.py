@@ -22,6 +22,7 @@ from typing import IO, Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
+from msjax.doctor import HealthRound
 from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
@@ -52,7 +53,7 @@ from msjax.launch.launches import (
 from msjax.launch.layout import JobLayout
 from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
 from msjax.launch.policy import Action, FaultHistory, decide
-from msjax.launch.readmission import Readmission, kept_out_incident
+from msjax.launch.readmission import Readmission, SlotCheck, kept_out_incident
 from msjax.launch.slots import (
     SlotFault,
     mark_bad,
@@ -528,7 +529,10 @@ class Supervisor:
         self._regrow_ready = bool(committed) and committed[-1] > self._regrow_after_step
         return self._regrow_ready
 
-    def _take_readmission_verdict(self, attempt: Attempt, check: Any, health: Any) -> None:
+    def _take_readmission_verdict(
+        self, attempt: Attempt, check: SlotCheck, health: HealthRound
+    ) -> None:
+        """Re-admit the checked slot (passed) or keep it out another time out (failed)."""
         slot = check.slot
         after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
         verdict = str(health.path.relative_to(self.run_dir.path))
@@ -542,12 +546,12 @@ class Supervisor:
             )
             return
         self.slots.readmit(slot)
-        self._readmitted[str(slot)] = {"checked_unix_s": time.time(), "health": verdict}
         if self.plan == self.full_plan:
             self.slots.make_spare(slot)
             self._keep_spares_ready(attempt.number)
             self.say(f"slot {slot} re-admitted after {after}, its self-check passed: a spare now")
             return
+        self._readmitted[str(slot)] = {"checked_unix_s": time.time(), "health": verdict}
         if self._regrow_after_step is None:
             committed = committed_steps(self.run_dir.checkpoints)
             self._regrow_after_step = committed[-1] if committed else -1
