@@ -243,6 +243,11 @@ class ResilienceConfig:
     # or corrupts persistently; exclude: leave it out (a multi-node job's launcher exits 9, bad
     # node), restart: restart on it as on any fault (the marking is still recorded)
     on_bad_node: Literal["exclude", "restart"] = "exclude"
+    # The job's limits are checked before exclusion: a slot that crashes before any new
+    # checkpoint at every start is excluded only when max_faults_per_slot is below
+    # max_attempts_without_progress; not above it (the defaults: equal) the job stops first,
+    # exit 8 (or 2 for the same crash before the first step, as a mistake's). Above it still
+    # counts for slots whose attempts progress between their faults.
     max_faults_per_slot: int = 3
     # On one node an excluded slot's rank goes to a spare (--spares), else the mesh shrinks onto
     # the healthy slots; after readmit_after_s (0: never) the slot rejoins (the full mesh again)

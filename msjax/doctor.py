@@ -24,6 +24,7 @@ from msjax.launch.workers import WorkerProcess, describe_exit, stop_workers
 from msjax.resilience import exit_codes
 from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
 from msjax.resilience.faults import ENV_VAR as FAULT_ENV_VAR
+from msjax.resilience.faults import SLOT_ENV_VAR
 from msjax.resilience.health import (
     Bounds,
     Failure,
@@ -61,11 +62,134 @@ class HealthRound:
 
 
 def next_health_number(run_dir: RunDir, attempt: int) -> int:
-    """The attempt's number, or the next free one past it (a requeued job counts again from 0)."""
+    """The attempt's number, or the next free one past it (a requeued job counts again from 0; a
+    round still running, a slot's check for re-admission, holds its folder already)."""
     number = attempt
-    while run_dir.health_verdict(number).exists() or run_dir.health_rank(number, 0).exists():
+    while run_dir.health_verdict(number).exists() or run_dir.health_rank(number, 0).parent.exists():
         number += 1
     return number
+
+
+class SelfCheckRound:
+    """One round of self-checks under way: its processes started at once, polled with settled()
+    (never blocking), judged by finish(). `slots`: the launcher slot each rank checks (its
+    MSJAX_SLOT: injected faults follow the slot); `logs`: each rank's output, else its rank log."""
+
+    def __init__(
+        self,
+        config: Config,
+        ranks: Sequence[int],
+        num_processes: int,
+        devices_per_proc: int | None,
+        coordinator: str,
+        attempt: int = 0,
+        faults: str | None = None,
+        budget_s: float | None = None,
+        slots: Sequence[int] | None = None,
+        logs: Sequence[Path] | None = None,
+        collectives: bool = True,
+    ):
+        self.config = config
+        self.attempt = attempt
+        self.budget_s = budget_s or config.resilience.check_budget_s or DOCTOR_BUDGET_S
+        self.run_dir = RunDir(Path(config.run.dir))
+        self.number = next_health_number(self.run_dir, attempt)
+        folder = self.run_dir.health_rank(self.number, 0).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        job_config = folder / "job.yaml"
+        write_text_atomically(job_config, config.to_yaml())
+        command = [
+            sys.executable,
+            "-m",
+            "msjax.resilience.self_checks",
+            "--config",
+            str(job_config),
+            "--number",
+            str(self.number),
+            "--wait-s",
+            f"{COLLECTIVE_SHARE * self.budget_s:g}",
+            "--end-unix-s",
+            f"{time.time() + self.budget_s:.3f}",
+            *([] if collectives else ["--no-collectives"]),
+        ]
+        self.started = time.monotonic()
+        self.deadline = self.started + self.budget_s
+        self.workers: list[WorkerProcess] = []
+        for index, rank in enumerate(ranks):
+            env = {
+                **os.environ,
+                **worker_env(coordinator, num_processes, rank, attempt),
+                "PYTHONUNBUFFERED": "1",
+            }
+            if devices_per_proc is not None:
+                env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
+            if faults:
+                env[FAULT_ENV_VAR] = faults
+            if slots is not None:
+                env[SLOT_ENV_VAR] = str(slots[index])
+            log = logs[index] if logs is not None else self.run_dir.log(rank)
+            self.workers.append(WorkerProcess(rank, command, env, log, attempt, echo=None))
+        self.reports: dict[int, dict[str, Any] | None] = {}
+
+    def settled(self) -> bool:
+        """Whether every rank is done, or each rank not done is named missing by a rank that is,
+        or has exited, or the deadline has passed: nothing waits on a silent process."""
+        workers = self.workers
+        self.reports = {
+            w.rank: _read_report(self.run_dir.health_rank(self.number, w.rank)) for w in workers
+        }
+        done = _done(self.reports)
+        named = {rank for report in done.values() for rank in report.get("missing", [])}
+        pending = [w for w in workers if w.rank not in done]
+        settled = all(w.rank in named or w.poll() is not None for w in pending)
+        return not pending or settled or time.monotonic() > self.deadline
+
+    def finish(self) -> HealthRound:
+        """Once settled: stop what is left, judge the figures, write RUN_DIR/health/N.json."""
+        reports = self._end_workers()
+        wall_s = time.monotonic() - self.started
+        bounds = Bounds(self.config.resilience.slow_device_factor, self.budget_s)
+        failures = judge(reports, bounds)
+        summary = _summary(reports, failures, bounds, len(self.workers))
+        verdict = {
+            "number": self.number,
+            "attempt": self.attempt,
+            "passed": not failures,
+            "failed_ranks": failed_ranks(failures),
+            "failures": as_records(failures),
+            "summary": summary,
+            "wall_s": round(wall_s, 3),
+            "unix_s": time.time(),
+            "spawned_unix_s": min(worker.spawned_unix_s for worker in self.workers),
+            "bounds": asdict(bounds),
+            "majority_fingerprint": majority_fingerprint(_done(reports)),
+            "median_device_s": median_device_s(_done(reports)),
+            "ranks": {str(rank): report for rank, report in reports.items()},
+        }
+        path = self.run_dir.health_verdict(self.number)
+        write_text_atomically(path, json.dumps(verdict, indent=1))
+        return HealthRound(self.number, path, failures, wall_s, summary)
+
+    def cancel(self) -> None:
+        """Stop the round's processes without a verdict (the job ended first)."""
+        stop_workers(self.workers, grace_s=2.0)
+
+    def _end_workers(self) -> dict[int, dict[str, Any] | None]:
+        reports = self.reports
+        done = _done(reports)
+        end = min(self.deadline, time.monotonic() + END_GRACE_S)
+        for worker in self.workers:  # those done exit by themselves; leave them a moment to
+            if worker.rank in done:
+                worker.wait(end - time.monotonic())
+        for worker in self.workers:
+            if worker.rank not in done and worker.poll() is not None:
+                reports[worker.rank] = {
+                    "phase": "start",
+                    **(reports[worker.rank] or {}),
+                    "exited": describe_exit(worker.exit_code or 0),
+                }
+        stop_workers(self.workers, grace_s=2.0)
+        return reports
 
 
 def run_self_checks(
@@ -77,66 +201,24 @@ def run_self_checks(
     attempt: int = 0,
     faults: str | None = None,
     budget_s: float | None = None,
+    slots: Sequence[int] | None = None,
 ) -> HealthRound:
     """Run the self-checks on `ranks` (this node's processes of the job) and judge them; no wait
     goes past budget_s (resilience.check_budget_s unless given)."""
-    budget_s = budget_s or config.resilience.check_budget_s or DOCTOR_BUDGET_S
-    run_dir = RunDir(Path(config.run.dir))
-    number = next_health_number(run_dir, attempt)
-    folder = run_dir.health_rank(number, 0).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    job_config = folder / "job.yaml"
-    write_text_atomically(job_config, config.to_yaml())
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.resilience.self_checks",
-        "--config",
-        str(job_config),
-        "--number",
-        str(number),
-        "--wait-s",
-        f"{COLLECTIVE_SHARE * budget_s:g}",
-        "--end-unix-s",
-        f"{time.time() + budget_s:.3f}",
-    ]
-    started = time.monotonic()
-    workers = []
-    for rank in ranks:
-        env = {
-            **os.environ,
-            **worker_env(coordinator, num_processes, rank, attempt),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if devices_per_proc is not None:
-            env["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
-        if faults:
-            env[FAULT_ENV_VAR] = faults
-        workers.append(WorkerProcess(rank, command, env, run_dir.log(rank), attempt, echo=None))
-    reports = _wait_for_reports(run_dir, number, workers, started + budget_s)
-    stop_workers(workers, grace_s=2.0)
-    wall_s = time.monotonic() - started
-    bounds = Bounds(config.resilience.slow_device_factor, budget_s)
-    failures = judge(reports, bounds)
-    summary = _summary(reports, failures, bounds, len(workers))
-    verdict = {
-        "number": number,
-        "attempt": attempt,
-        "passed": not failures,
-        "failed_ranks": failed_ranks(failures),
-        "failures": as_records(failures),
-        "summary": summary,
-        "wall_s": round(wall_s, 3),
-        "unix_s": time.time(),
-        "spawned_unix_s": min(worker.spawned_unix_s for worker in workers),
-        "bounds": asdict(bounds),
-        "majority_fingerprint": majority_fingerprint(_done(reports)),
-        "median_device_s": median_device_s(_done(reports)),
-        "ranks": {str(rank): report for rank, report in reports.items()},
-    }
-    path = run_dir.health_verdict(number)
-    write_text_atomically(path, json.dumps(verdict, indent=1))
-    return HealthRound(number, path, failures, wall_s, summary)
+    checks = SelfCheckRound(
+        config,
+        ranks,
+        num_processes,
+        devices_per_proc,
+        coordinator,
+        attempt,
+        faults,
+        budget_s,
+        slots=slots,
+    )
+    while not checks.settled():
+        time.sleep(POLL_S)
+    return checks.finish()
 
 
 def _done(reports: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any]]:
@@ -148,34 +230,6 @@ def _read_report(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _wait_for_reports(
-    run_dir: RunDir, number: int, workers: list[WorkerProcess], deadline: float
-) -> dict[int, dict[str, Any] | None]:
-    """Every rank's figures once all are done, or once each rank not done is named missing by a
-    rank that is, or has exited, or at the deadline: nothing waits on a silent process."""
-    while True:
-        reports = {w.rank: _read_report(run_dir.health_rank(number, w.rank)) for w in workers}
-        done = _done(reports)
-        named = {rank for report in done.values() for rank in report.get("missing", [])}
-        pending = [w for w in workers if w.rank not in done]
-        settled = all(w.rank in named or w.poll() is not None for w in pending)
-        if not pending or settled or time.monotonic() > deadline:
-            break
-        time.sleep(POLL_S)
-    end = min(deadline, time.monotonic() + END_GRACE_S)
-    for worker in workers:  # those done exit by themselves; leave them a moment to
-        if worker.rank in done:
-            worker.wait(end - time.monotonic())
-    for worker in pending:
-        if worker.poll() is not None:
-            reports[worker.rank] = {
-                "phase": "start",
-                **(reports[worker.rank] or {}),
-                "exited": describe_exit(worker.exit_code or 0),
-            }
-    return reports
 
 
 def _summary(

@@ -173,6 +173,10 @@ class RunDir:
     def log(self, rank: int) -> Path:
         return self.path / "logs" / f"rank{rank}.log"
 
+    def check_log(self, slot: int) -> Path:
+        """The output of a slot's self-check for re-admission (resilience.readmit_after_s)."""
+        return self.path / "logs" / f"check-slot{slot}.log"
+
     def spare_log(self, slot: int) -> Path:
         """A spare worker's output, before and after it takes a rank (msjax.launch --spares)."""
         return self.path / "logs" / f"spare-slot{slot}.log"

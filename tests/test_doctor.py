@@ -312,24 +312,48 @@ def test_launch_checks_before_the_start_and_the_restart(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_launch_stops_before_training_on_a_failed_self_check(tmp_path) -> None:
+def test_launch_excludes_a_slot_failing_its_self_check_and_keeps_it_out_while_it_fails(tmp_path):
     run_dir = tmp_path / "corrupt"
     code, output = run_launch(
-        run_dir, "corrupt_compute@rank=1", "resilience.max_attempts_without_progress=1"
+        run_dir, "corrupt_compute@rank=1", "train.steps=30", "resilience.readmit_after_s=2"
     )
-    # the fault policy marks the slot bad; a slot is not left out on one node yet, so its
-    # limit on attempts without progress ends the job (exit 8), nothing trained
-    assert code == exit_codes.NO_PROGRESS, output[-3000:]
+    # slot 1 fails the checks before attempt 0 and is excluded; the job shrinks onto slot 0
+    assert code == exit_codes.OK, output[-3000:]
     assert verdict(run_dir)["failed_ranks"] == [1]
     bad_slots = json.loads((run_dir / "health" / "bad_slots.json").read_text())["slots"]
     assert [(slot["slot"], slot["rank"]) for slot in bad_slots] == [("1", 1)]
-    [incident] = [
+    incidents = [
         json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()
     ]
-    assert (incident["cause"], incident["rank"], incident["phase"]) == (
-        "self_check_failed",
-        1,
-        "self_check",
-    )
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "heartbeats").exists()
+    first = incidents[0]
+    assert (first["cause"], first["rank"], first["phase"]) == ("self_check_failed", 1, "self_check")
+    assert first["membership"]["action"] == "shrink" and first["membership"]["slot"] == 1
     assert "rank 1: compute: device" in output
+    # the checks before attempt 1 ran over the processes that started: slot 0 alone, on the
+    # re-planned mesh (data 1 x fsdp 2): one all-reduce group, within that process
+    before = verdict(run_dir, 1)
+    assert (before["attempt"], before["passed"], sorted(before["ranks"])) == (1, True, ["0"])
+    [fsdp] = before["ranks"]["0"]["collectives"]
+    assert (fsdp["axis"], fsdp["size"], fsdp["ok"]) == ("fsdp", 2, True)
+    assert [g["ranks"] for g in fsdp["groups"]] == [[0]]
+    assert "attempt 1: 1 workers (rank 0 of 1)" in output
+    # once its time out is over, slot 1 is checked alone while the job runs; it fails again
+    # (corrupt_compute stays with the slot), so it stays excluded: an incident each time
+    kept_out = incidents[1:]
+    assert kept_out, output[-3000:]
+    for incident in kept_out:
+        assert (incident["cause"], incident["rank"], incident["action"]) == (
+            "self_check_failed",
+            None,
+            "stay_excluded",
+        )
+        assert incident["membership"]["slot"] == 1
+        assert incident["membership"]["slots"]["excluded"] == [1]
+        assert "slot 1, checked for re-admission: rank 0: compute: device" in incident["detail"]
+        check = json.loads((run_dir / incident["diagnostics"]).read_text())
+        assert (check["passed"], sorted(check["ranks"])) == (False, ["0"])
+    assert "slot 1 failed its self-check for re-admission" in output
+    assert "re-admitted" not in output
+    assert (run_dir / "logs" / "check-slot1.log").exists()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["step"] for m in metrics if "loss" in m) == 29

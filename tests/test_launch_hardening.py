@@ -19,7 +19,10 @@ import pytest
 from small_runs import QUICK_RUN
 
 from msjax.checkpoint.commits import committed_steps
+from msjax.config import ResilienceConfig
 from msjax.launch.__main__ import job_config
+from msjax.launch.attempt import Attempt
+from msjax.launch.fault_detection import Poll, exit_fault
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
@@ -124,6 +127,40 @@ def test_when_an_attempt_ends_nothing_of_a_workers_group_is_left_nor_its_pipe_or
     assert not worker._forward.is_alive()
     assert worker.process.stdout is not None and worker.process.stdout.closed
     assert "child started" in worker.log_path.read_text()
+
+
+# a worker that waits, then fails as a survivor does once a peer is gone (crash code 1)
+FOLLOWS_A_PEER = "import sys, time; time.sleep(float(sys.argv[1])); sys.exit(1)"
+
+
+def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the_same_poll(
+    tmp_path,
+):
+    """Rank 2 is SIGKILLed from outside; ranks 0, 1 and 3 exit (code 1) as a consequence, 0 last,
+    before the supervisor polls again: the fault names rank 2, not the lowest rank seen exited."""
+    follow_s = {0: 1.5, 1: 0.6, 3: 0.5}
+    workers = [
+        WorkerProcess(
+            rank,
+            [sys.executable, "-c", FOLLOWS_A_PEER, str(follow_s.get(rank, 600))],
+            env(),
+            tmp_path / f"rank{rank}.log",
+            0,
+            None,
+        )
+        for rank in range(4)
+    ]
+    attempt = Attempt.started(0, workers)
+    os.kill(workers[2].pid, signal.SIGKILL)
+    assert wait_for(lambda: all(w.state() in ("Z", "?") for w in workers), 60)
+    exited = [w for w in workers if w.poll() is not None]  # one poll sees all four, as _watch
+    poll = Poll(attempt, exited, time.time(), time.time(), ResilienceConfig(), 10, {})
+    fault = exit_fault(poll)
+    stop_workers(workers, grace_s=1)
+    assert fault is not None
+    assert (fault.rank, fault.detail, fault.cause) == (2, "killed by SIGKILL", "crash")
+    ended = {w.rank: w.exited_unix_s for w in workers}
+    assert ended[2] < min(ended[rank] for rank in (0, 1, 3))  # as they ended, not as polled
 
 
 # --- one run dir for every node ----------------------------------------------------------------

@@ -99,18 +99,24 @@ def test_replan_refuses_in_one_line_where_no_mesh_fits_the_healthy_processes():
     assert "1 healthy processes x 2 devices" in message and "pipe x tensor = 4" in message
 
 
-def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_on_time():
+def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_when_checked():
     slots = Slots(nprocs=4, spares=1)
     assert slots.exclude(3, now_unix_s=100.0) == 4  # the spare takes rank 3
     assert (slots.rank_slots, slots.slot_of(3)) == ([0, 1, 2, 4], 4)
     assert slots.exclude(1, now_unix_s=200.0) is None  # no spare left
     slots.arrange(2)  # a mesh on 2 of the 3 healthy slots
     assert slots.describe() == {"active": [0, 2], "spare": [], "idle": [4], "excluded": [1, 3]}
-    assert slots.readmit_due(now_unix_s=250.0, after_s=0) == []  # 0: never
+    assert slots.readmit_due(now_unix_s=350.0, after_s=0) == []  # 0: never
     assert slots.readmit_due(now_unix_s=250.0, after_s=100.0) == [3]  # slot 1: not yet
-    assert slots.healthy() == [0, 2, 3, 4]
+    assert slots.readmit_due(now_unix_s=350.0, after_s=100.0) == [3, 1]  # longest out first
+    # due is not re-admitted: slot 3 failed its check and waits another time out, 1 passed
+    slots.keep_out(3, now_unix_s=350.0)
+    slots.readmit(1)
+    assert slots.readmit_due(now_unix_s=400.0, after_s=100.0) == []
+    assert slots.healthy() == [0, 1, 2, 4]
     slots.arrange(4)
-    assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 2, 3, 4], [1])
+    assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 1, 2, 4], [3])
+    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == [3]
 
 
 # --- a job with a crash-looping slot -------------------------------------------------------------
@@ -122,6 +128,9 @@ def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_o
 STEPS, SAVE_EVERY, CRASH_STEP, FAULTS_PER_SLOT = 12, 4, 6, 2
 BAD_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times=99"
 HEALED_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times={FAULTS_PER_SLOT}"  # then it works
+# slot 0 slowed from step SAVE_EVERY on: the shrunk mesh's steps outlast slot 3's self-check for
+# re-admission (seconds of imports and compiling), as a real job's would
+SLOWED_SHRUNK_MESH = f"slow@step={SAVE_EVERY},rank=0,percent=300"
 SHRUNK_MESH = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"]
 RUN_TIMEOUT_S = 900
 
@@ -241,7 +250,7 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
             "regrow": Job(
                 folder["regrow"],
                 4,
-                [f"--fault={HEALED_SLOT_FAULT}"],
+                [f"--fault={HEALED_SLOT_FAULT};{SLOWED_SHRUNK_MESH}"],
                 job_args(folder["regrow"], cache, "resilience.readmit_after_s=1"),
             ),
         }
@@ -377,11 +386,24 @@ def test_readmitted_slot_brings_the_job_back_to_the_full_mesh_at_its_next_checkp
     back = incidents[-1]
     assert back["membership"]["mesh"].endswith("on 4 processes, train.grad_accum_steps=1")
     assert back["membership"]["slots"]["active"] == [0, 1, 2, 3]
-    assert "slot(s) [3] re-admitted after resilience.readmit_after_s=1" in regrow.output
+    # re-admitted once its own self-check passed (a crash does not show in it), slot 3 alone
+    assert "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed" in (
+        regrow.output
+    )
+    readmitted = back["membership"]["readmitted"]["3"]
+    check = json.loads((regrow.run_dir / readmitted["health"]).read_text())
+    assert (check["passed"], sorted(check["ranks"])) == (True, ["0"])
+    # on the job's mesh shrunk onto one process: its tensor pairs, within the slot
+    [tensor] = check["ranks"]["0"]["collectives"]
+    assert (tensor["axis"], tensor["size"], tensor["ok"]) == ("tensor", 2, True)
+    excluded_unix_s = incidents[FAULTS_PER_SLOT - 1]["membership"]["excluded_unix_s"]
+    assert readmitted["checked_unix_s"] >= excluded_unix_s + 1 + check["wall_s"] - 0.5
+    assert (regrow.run_dir / "logs" / "check-slot3.log").exists()
     # it waited for a checkpoint the shrunk mesh committed, and resumed from it on 4 processes
     assert back["resumed_from_step"] > SAVE_EVERY
     assert "attempt 3: 4 workers (ranks 0-3 of 4)" in regrow.output
-    assert [f["slot"] for f in regrow.jsonl("faults.jsonl")] == [3] * FAULTS_PER_SLOT
+    crashes = [f for f in regrow.jsonl("faults.jsonl") if f["kind"] == "crash"]
+    assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
     losses, expected = regrow.losses(), reference.losses()
     np.testing.assert_allclose(
         [losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], atol=1e-4

@@ -267,6 +267,7 @@ class IncidentLog:
         self.say = say
         self.written: list[dict[str, Any]] = []  # this supervisor's incidents
         self.open_incident: Incident | None = None
+        self.held: list[Incident] = []  # added while an incident was open (add)
         self.count = self._count_so_far()
 
     def _count_so_far(self) -> int:
@@ -311,17 +312,32 @@ class IncidentLog:
         if self.open_incident is not None:
             self.write()
 
+    def add(self, incident: Incident) -> None:
+        """An incident no attempt stops for (a slot kept out after its check for re-admission):
+        written now, or right after the open one so that the log stays in number order. It is
+        not one of `written`, the faults the goodput split counts against attempts."""
+        if self.open_incident is None:
+            self._append(incident.record())
+        else:
+            self.held.append(incident)
+
     def write(self) -> None:
         incident = self.open_incident
         assert incident is not None
         self.open_incident = None
         record = incident.record()
         self.written.append(record)
-        log = AppendLog(self.path)  # a full disk drops the record with one warning
-        log.write(json.dumps(record) + "\n")
-        log.close()
+        self._append(record)
+        for held in self.held:
+            self._append(held.record())
+        self.held.clear()
         if incident.catch_up_s is not None:
             self.say(
                 f"incident {incident.incident}: caught up with step {incident.step} "
                 f"{incident.catch_up_s:.1f} s after detection"
             )
+
+    def _append(self, record: dict[str, Any]) -> None:
+        log = AppendLog(self.path)  # a full disk drops the record with one warning
+        log.write(json.dumps(record) + "\n")
+        log.close()

@@ -42,6 +42,14 @@ class MeshPlan:
             f"train.grad_accum_steps={self.grad_accum_steps}",
         ]
 
+    def applied(self, config: Config) -> Config:
+        """The job's config on this plan's mesh (what its self-checks and workers run)."""
+        mesh = dataclasses.replace(
+            config.mesh, data=self.data, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor
+        )
+        train = dataclasses.replace(config.train, grad_accum_steps=self.grad_accum_steps)
+        return dataclasses.replace(config, mesh=mesh, train=train)
+
     def describe(self) -> str:
         return (
             f"data {self.data} x fsdp {self.fsdp} x pipe {self.pipe} x tensor {self.tensor} on "
@@ -167,15 +175,23 @@ class Slots:
             self.state[slot] = ACTIVE if slot in self.rank_slots else IDLE
 
     def readmit_due(self, now_unix_s: float, after_s: float) -> list[int]:
-        """Excluded slots whose time out is over (after_s=0: never); they become idle, healthy
-        again, and rejoin the mesh at the job's next re-plan."""
+        """Excluded slots whose time out is over (after_s=0: never), oldest exclusion first: each
+        is re-admitted (readmit) once its self-check passes, else kept out (keep_out)."""
         if after_s <= 0:
             return []
         due = [s for s, t in self.excluded_unix_s.items() if now_unix_s - t >= after_s]
-        for slot in due:
-            self.state[slot] = IDLE
-            del self.excluded_unix_s[slot]
-        return due
+        return sorted(due, key=lambda slot: self.excluded_unix_s[slot])
+
+    def readmit(self, slot: int) -> None:
+        """An excluded slot becomes idle, healthy again: it rejoins at the job's next re-plan."""
+        assert self.state[slot] == EXCLUDED
+        self.state[slot] = IDLE
+        del self.excluded_unix_s[slot]
+
+    def keep_out(self, slot: int, now_unix_s: float) -> None:
+        """An excluded slot that failed its check for re-admission: its time out starts again."""
+        assert self.state[slot] == EXCLUDED
+        self.excluded_unix_s[slot] = now_unix_s
 
     def make_spare(self, slot: int) -> None:
         """A healthy slot outside the mesh becomes a spare (it waits in its own process)."""

@@ -22,6 +22,7 @@ from typing import IO, Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
+from msjax.doctor import HealthRound
 from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
@@ -52,6 +53,7 @@ from msjax.launch.launches import (
 from msjax.launch.layout import JobLayout
 from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
 from msjax.launch.policy import Action, FaultHistory, decide
+from msjax.launch.readmission import Readmission, SlotCheck, kept_out_incident
 from msjax.launch.slots import (
     SlotFault,
     mark_bad,
@@ -61,7 +63,7 @@ from msjax.launch.slots import (
     slot_of,
 )
 from msjax.launch.spare import write_assignment
-from msjax.launch.workers import WorkerProcess, stop_workers
+from msjax.launch.workers import WorkerProcess, free_port, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
 from msjax.parallel.agreement import job_secret
 from msjax.resilience import exit_codes, fault_kinds
@@ -84,12 +86,6 @@ def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float)
     if secret is not None:
         return hashlib.sha256(secret).hexdigest()[:16]
     return f"{context['slurm_job_id']}.{context['slurm_restart_count']} {layout.coordinator}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Supervisor:
@@ -137,6 +133,8 @@ class Supervisor:
         self.membership_changed = False
         self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
         self._regrow_ready = False
+        self.readmission = Readmission(config, layout, self.run_dir, faults)
+        self._readmitted: dict[str, Any] = {}  # slot: its passed check, until the regrow
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -153,6 +151,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            self.readmission.cancel()
             stop_workers(list(self.spare_workers.values()), self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -301,14 +300,22 @@ class Supervisor:
         from msjax.doctor import detail, report_lines, run_self_checks
 
         layout = self.layout
+        slots: list[int] | None = None
+        if layout.nnodes == 1:  # the slots that will run a rank: spares taking one, a shrunk mesh
+            slots = list(self.slots.rank_slots)
+            ranks, num_processes = list(range(len(slots))), len(slots)
+        else:
+            ranks = [layout.process_id(local_rank) for local_rank in range(layout.nprocs)]
+            num_processes = layout.num_processes
         health = run_self_checks(
-            self.config,
-            [layout.process_id(local_rank) for local_rank in range(layout.nprocs)],
-            layout.num_processes,
+            self._planned_config(),
+            ranks,
+            num_processes,
             layout.devices_per_proc,
             layout.coordinator or f"127.0.0.1:{free_port()}",
             number,
             self.faults,
+            slots=slots,
         )
         for line in report_lines(health):
             self.say(f"self-checks before attempt {number}: {line}")
@@ -339,6 +346,12 @@ class Supervisor:
         if self.faults:
             env[FAULT_ENV_VAR] = self.faults
         return env
+
+    def _planned_config(self) -> Config:
+        """The job's config on the mesh it runs now (re-planned for the healthy slots)."""
+        if self.plan is None or self.plan == self.full_plan:
+            return self.config
+        return self.plan.applied(self.config)
 
     def _worker_args(self) -> list[str]:
         """The trainer's arguments: the job's, and the re-planned mesh when it is not the job's."""
@@ -440,7 +453,7 @@ class Supervisor:
                 return fault
             if poll.all_exited:
                 return None  # every worker exited 0 and says it finished
-            if self._regrow_due(attempt):
+            if self._readmit(attempt):
                 return None  # _run stops the attempt and grows the mesh back
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
@@ -502,29 +515,50 @@ class Supervisor:
         self.say(f"{why}; no spare left: the job goes on on {plan.describe()}")
         return action
 
-    def _regrow_due(self, attempt: Attempt) -> bool:
-        """Re-admit slots whose time out is over. On the job's own mesh they wait as spares; on
-        a shrunk one the job stops at its next committed checkpoint to grow back (True)."""
-        due = self.slots.readmit_due(time.time(), self.resilience.readmit_after_s)
-        if due:
-            after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
-            if self.plan == self.full_plan:
-                for slot in due:
-                    self.slots.make_spare(slot)
-                self._keep_spares_ready(attempt.number)
-                self.say(f"slot(s) {due} re-admitted after {after}: spare(s) now")
-            else:
-                committed = committed_steps(self.run_dir.checkpoints)
-                self._regrow_after_step = committed[-1] if committed else -1
-                self.say(
-                    f"slot(s) {due} re-admitted after {after}: the job returns to a larger mesh "
-                    "at its next checkpoint"
-                )
+    def _readmit(self, attempt: Attempt) -> bool:
+        """Re-admit an excluded slot once its time out is over and its self-check passes
+        (msjax.launch.readmission; one that fails stays out for another time out). On the job's
+        own mesh it waits as a spare; on a shrunk one the job stops at its next committed
+        checkpoint to grow back (True)."""
+        checked = self.readmission.poll(self.slots, attempt.number)
+        if checked is not None:
+            self._take_readmission_verdict(attempt, *checked)
         if self._regrow_after_step is None:
             return False
         committed = committed_steps(self.run_dir.checkpoints)
         self._regrow_ready = bool(committed) and committed[-1] > self._regrow_after_step
         return self._regrow_ready
+
+    def _take_readmission_verdict(
+        self, attempt: Attempt, check: SlotCheck, health: HealthRound
+    ) -> None:
+        """Re-admit the checked slot (passed) or keep it out another time out (failed)."""
+        slot = check.slot
+        after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
+        verdict = str(health.path.relative_to(self.run_dir.path))
+        if not health.passed:
+            self.slots.keep_out(slot, time.time())
+            number = self.incidents.next_number()
+            self.incidents.add(kept_out_incident(number, check, health, attempt, self.slots))
+            self.say(
+                f"incident {number}: slot {slot} failed its self-check for re-admission "
+                f"({verdict}); it stays excluded, checked again after {after}"
+            )
+            return
+        self.slots.readmit(slot)
+        if self.plan == self.full_plan:
+            self.slots.make_spare(slot)
+            self._keep_spares_ready(attempt.number)
+            self.say(f"slot {slot} re-admitted after {after}, its self-check passed: a spare now")
+            return
+        self._readmitted[str(slot)] = {"checked_unix_s": time.time(), "health": verdict}
+        if self._regrow_after_step is None:
+            committed = committed_steps(self.run_dir.checkpoints)
+            self._regrow_after_step = committed[-1] if committed else -1
+        self.say(
+            f"slot {slot} re-admitted after {after}, its self-check passed ({verdict}): the job "
+            "returns to a larger mesh at its next checkpoint"
+        )
 
     def _stop_for_regrow(self, attempt: Attempt) -> None:
         """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over
@@ -537,6 +571,7 @@ class Supervisor:
         attempt.ended_unix_s = time.time()
         attempt.outcome = REGROW
         self._regrow_ready, self._regrow_after_step = False, None
+        readmitted, self._readmitted = self._readmitted, {}
         plan = self._replan()  # fits: it held before on fewer slots
         self.slots.arrange(plan.processes)
         self.plan = plan
@@ -563,6 +598,7 @@ class Supervisor:
                     "action": REGROW,
                     "mesh": plan.describe(),
                     "slots": self.slots.describe(),
+                    "readmitted": readmitted,
                     "stopped_unix_s": stopped_unix_s,
                     "first_step_unix_s": None,
                 },

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,13 @@ def group_states(pgid: int) -> dict[int, str]:
         if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
             states[int(entry.name)] = fields[0]
     return states
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (a coordinator's, for one node)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def describe_exit(code: int) -> str:
@@ -87,9 +95,19 @@ class WorkerProcess:
         self.pid = self.process.pid
         self.exit_code: int | None = None
         self.exited_unix_s: float | None = None
+        self._ended_unix_s: float | None = None  # when the process ended, seen by _note_end
         self._echo = echo
         self._forward = threading.Thread(target=self._forward_output, daemon=True)
         self._forward.start()
+        threading.Thread(target=self._note_end, daemon=True).start()
+
+    def _note_end(self) -> None:
+        """Note the moment the process ends, without reaping it (poll does): the workers of an
+        attempt are ordered by it, so that the one that failed first is named as the cause even
+        when the supervisor sees several exits in one poll (the others' followed from it)."""
+        with contextlib.suppress(OSError, AttributeError):  # reaped already; not Linux
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            self._ended_unix_s = time.time()
 
     def _forward_output(self) -> None:
         assert self.process.stdout is not None
@@ -106,7 +124,7 @@ class WorkerProcess:
             code = self.process.poll()
             if code is not None:
                 self.exit_code = code
-                self.exited_unix_s = time.time()
+                self.exited_unix_s = self._ended_unix_s or time.time()
         return self.exit_code
 
     @property

@@ -326,8 +326,9 @@ def local_failures(figures: dict[str, Any], tolerance: float) -> list[str]:
     return failed
 
 
-def run_checks(config_path: Path, number: int, waits: Waits) -> int:
-    """Every check of this process, its figures written as they come; exit code 0 or 10."""
+def run_checks(config_path: Path, number: int, waits: Waits, collectives: bool = True) -> int:
+    """Every check of this process, its figures written as they come; exit code 0 or 10.
+    collectives=False: no all-reduce (a slot checked alone whose devices hold no whole mesh)."""
     import jax
 
     from msjax.config import load_config
@@ -348,10 +349,11 @@ def run_checks(config_path: Path, number: int, waits: Waits) -> int:
     report.update(phase="memory", compute=check_compute(jax.local_devices()))
     report.update(phase="disk", memory=check_host_memory())
     report.update(phase="collectives", disk=check_disk(run_dir.health, rank))
-    mesh = check_device_count(config, jax.device_count()).mesh
-    collectives = check_collectives(mesh, waits)
-    missing = sorted({rank for entry in collectives for rank in entry.get("missing", [])})
-    report.update(phase="end", collectives=collectives, missing=missing)
+    reduced = []
+    if collectives:
+        reduced = check_collectives(check_device_count(config, jax.device_count()).mesh, waits)
+    missing = sorted({rank for entry in reduced for rank in entry.get("missing", [])})
+    report.update(phase="end", collectives=reduced, missing=missing)
     failed = local_failures(report.figures, KNOWN_ANSWER_TOLERANCE)
     report.update(phase="done", local_failures=failed)
     if not missing:  # every peer answers: end together, so none outlives the coordinator
@@ -366,8 +368,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--number", type=int, required=True, help="RUN_DIR/health/NUMBER")
     parser.add_argument("--wait-s", type=float, required=True, help="each wait on peers")
     parser.add_argument("--end-unix-s", type=float, required=True, help="the doctor's deadline")
+    parser.add_argument("--no-collectives", action="store_true", help="skip the all-reduces")
     args = parser.parse_args(argv)
-    code = run_checks(args.config, args.number, Waits(args.wait_s, args.end_unix_s))
+    waits = Waits(args.wait_s, args.end_unix_s)
+    code = run_checks(args.config, args.number, waits, collectives=not args.no_collectives)
     # A peer may be stuck in a collective or gone; jax.distributed's shutdown would wait for it.
     os._exit(code)
 

@@ -1,0 +1,124 @@
+"""Re-admitting an excluded slot: once resilience.readmit_after_s is over, the slot's self-check
+runs alone while the job goes on; a slot that passes rejoins (the supervisor acts on it), one that
+fails stays excluded for another time out, an incident of its own (action `stay_excluded`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from msjax.config import Config
+from msjax.doctor import HealthRound, SelfCheckRound, detail
+from msjax.errors import MsjaxError
+from msjax.launch.incidents import Incident
+from msjax.launch.layout import JobLayout
+from msjax.launch.membership import Slots, replan_mesh
+from msjax.launch.workers import free_port
+from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
+from msjax.run_dir import RunDir
+
+STAY_EXCLUDED = "stay_excluded"  # the incident's action when a slot fails its re-admission check
+
+
+@dataclass
+class SlotCheck:
+    """A slot's self-check for re-admission, under way."""
+
+    slot: int
+    checks: SelfCheckRound
+    started_unix_s: float
+
+
+class Readmission:
+    """The check for re-admission of one excluded slot at a time (the one excluded longest),
+    polled by the supervisor on every poll of an attempt: it never waits on the check."""
+
+    def __init__(self, config: Config, layout: JobLayout, run_dir: RunDir, faults: str | None):
+        self.config = config
+        self.layout = layout
+        self.run_dir = run_dir
+        self.faults = faults
+        self.running: SlotCheck | None = None
+
+    def poll(self, slots: Slots, attempt: int) -> tuple[SlotCheck, HealthRound] | None:
+        """Start the check of the first slot due when none runs; once the running one has
+        settled, that check and its verdict (the slot is still excluded: the caller re-admits
+        it or keeps it out)."""
+        after_s = self.config.resilience.readmit_after_s
+        if self.running is None:
+            due = slots.readmit_due(time.time(), after_s)
+            if due:
+                self.running = self._start(due[0], attempt)
+            return None
+        if not self.running.checks.settled():
+            return None
+        check, self.running = self.running, None
+        return check, check.checks.finish()
+
+    def cancel(self) -> None:
+        """The job ends: stop a check under way (no verdict)."""
+        if self.running is not None:
+            self.running.checks.cancel()
+            self.running = None
+
+    def _start(self, slot: int, attempt: int) -> SlotCheck:
+        config, collectives = self._one_slot_config()
+        checks = SelfCheckRound(
+            config,
+            [0],
+            1,
+            self.layout.devices_per_proc,
+            f"127.0.0.1:{free_port()}",
+            attempt,
+            self.faults,
+            slots=[slot],
+            logs=[self.run_dir.check_log(slot)],
+            collectives=collectives,
+        )
+        return SlotCheck(slot, checks, time.time())
+
+    def _one_slot_config(self) -> tuple[Config, bool]:
+        """The config a slot is checked alone with: the job's mesh shrunk onto one process (its
+        tensor and pipe groups all-reduced within the slot); where none fits one process, the
+        job's own config and no all-reduce (the slot holds no whole group to check alone)."""
+        devices_per_proc = self.layout.devices_per_proc
+        if devices_per_proc is None:
+            return self.config, False
+        try:
+            plan = replan_mesh(self.config, devices_per_proc, self.layout.nprocs, 1)
+        except MsjaxError:
+            return self.config, False
+        return plan.applied(self.config), True
+
+
+def kept_out_incident(
+    number: int, check: SlotCheck, health: HealthRound, attempt: Any, slots: Slots
+) -> Incident:
+    """The incident of a slot that failed its check for re-admission and stays excluded."""
+    now = time.time()
+    return Incident(
+        incident=number,
+        cause=SELF_CHECK_FAILED.cause,
+        rank=None,  # the slot holds no rank while excluded
+        detail=f"slot {check.slot}, checked for re-admission: {detail(health)}",
+        attempt=attempt.number,
+        phase="self_check",
+        step=attempt.max_step,
+        fault_unix_s=check.started_unix_s,
+        fault_time_from="the self-checks' start",
+        detected_unix_s=now,
+        detection_latency_s=round(now - check.started_unix_s, 3),
+        stop_s=0.0,
+        diagnostics=str(health.path.relative_to(check.checks.run_dir.path)),
+        flight_recorder=None,
+        action=STAY_EXCLUDED,
+        membership={
+            "action": STAY_EXCLUDED,
+            "slot": check.slot,
+            "checked_unix_s": now,
+            "health": str(health.path.relative_to(check.checks.run_dir.path)),
+            "slots": slots.describe(),
+        },
+    )
