@@ -347,7 +347,11 @@ def run_streams(
     weights = stage_blocks(layer_params, layout, replicas)
     run_stages = stage_runner(stage_fn, layout, replicas, checkpoint_policy, positions, segment_ids)
     loop = ForwardLoop(layout, functools.partial(run_stages, weights))
+    # per iteration: its index, its row of the table, and (a scalar every stage reads alike, so
+    # no stage waits for another's row) the repeat that stage 0 starts
+    entering_repeat = jnp.asarray(table.actions[:, 0, REPEAT])
     rows = (jnp.arange(table.iterations, dtype=jnp.int32), jnp.asarray(table.actions))
+    rows = (*rows, entering_repeat)
     carry, _ = jax.lax.scan(loop.iteration, loop.start(constrain(streams, STREAMS)), rows)
     return carry.streams
 
@@ -430,18 +434,16 @@ class ForwardLoop:
         return (jnp.arange(stages) == stage).reshape(stages, *(1,) * (like.ndim - 1))
 
     def iteration(self, carry: StreamCarry, row: tuple) -> tuple[StreamCarry, None]:
-        iteration, actions = row  # actions [stages, 4]: this iteration's row of the table
+        iteration, actions, entering_repeat = row  # actions [stages, 4]: the table's row
         layout, ring = self.layout, self.layout.return_slots
         column_index = layout.stream_column(iteration)
         column = carry.streams[:, column_index]  # [stages, microbatch, seq, embed]
         # stage 0 takes its microbatch's first repeat from its own stream cell, a later repeat
         # from the ring, where it waited since the last stage sent it
-        # (read per stage, so that no stage waits for stage 0's action; only stage 0's counts)
         entering = column
         if ring:
             waited = carry.returned[:, iteration % ring]
-            later_repeat = (actions[:, REPEAT] > 0).reshape(-1, *(1,) * (column.ndim - 1))
-            entering = jnp.where(later_repeat, waited, column)
+            entering = jnp.where(entering_repeat > 0, waited, column)
         first_stage = self._stage_mask(0, column)
         x = constrain(jnp.where(first_stage, entering, carry.arrived), STAGE_ACTIVATIONS)
         out = constrain(self.run_stages(x, actions), STAGE_ACTIVATIONS)

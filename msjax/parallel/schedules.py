@@ -189,8 +189,9 @@ class ScheduleTable:
     def stream_buffers(self) -> int:
         """Microbatch-sized buffers a forward loop's stage holds outside its stage runs: its
         streams and their gradient, and the ring where microbatches wait to re-enter stage 0;
-        with the wrap-around delayed, the outputs on their way there."""
-        return 2 * self.slots_per_stage + self.return_slots + int(self.delays_wrap_around)
+        with the wrap-around delayed, the outputs on their way there and their gradient."""
+        delayed = 2 if self.delays_wrap_around else 0
+        return 2 * self.slots_per_stage + self.return_slots + delayed
 
     @property
     def sends_per_iteration(self) -> float:
