@@ -17,7 +17,12 @@ from msjax.config import load_config
 from msjax.observe.memory import CompiledMemory, compiled_memory
 from msjax.observe.metrics import read_metrics
 from msjax.parallel.mesh import build_mesh
-from msjax.parallel.pipeline import PipelineLayout, to_canonical_order, to_memory_order
+from msjax.parallel.pipeline import (
+    PipelineLayout,
+    run_pipeline,
+    to_canonical_order,
+    to_memory_order,
+)
 from msjax.parallel.schedules import BACKWARD, FORWARD, IDLE, one_f_one_b_pairs
 from msjax.resolve import resolve
 from msjax.step import build_program
@@ -139,7 +144,8 @@ def test_every_schedule_matches_the_straight_run_on_packed_rows_with_eos_and_pad
 def test_idle_stage_iterations_counted_from_the_schedule_equal_the_bubble_formula(
     stages: int, repeats: int, microbatches: int
 ):
-    layout = PipelineLayout(stages, repeats, microbatches, num_layers=stages * repeats)
+    schedule = "circular" if repeats > 1 else "gpipe"
+    layout = PipelineLayout(stages, repeats, microbatches, stages * repeats, schedule)
     grid = [
         [layout.work_at(iteration, stage) for stage in range(stages)]
         for iteration in range(layout.iterations)
@@ -162,6 +168,48 @@ def test_idle_stage_iterations_counted_from_the_schedule_equal_the_bubble_formul
         if repeat > 0:
             previous_exit = visits[(microbatch, repeat - 1)][-1][0]
             assert path[0][0] > previous_exit
+
+
+def probe_stage(chunk, x, positions, segment_ids):
+    """A stage whose output tells which layers ran in which order on which microbatch: each
+    layer scales, adds its weight and the microbatch's positions (an order-sensitive sum)."""
+    for k in range(chunk["w"].shape[0]):
+        x = 1.5 * x + chunk["w"][k] + positions[..., None]
+    return x
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages", "repeats", "microbatches"),
+    [("gpipe", 4, 1, 6), ("gpipe", 4, 1, 2), ("circular", 2, 2, 4), ("circular", 3, 3, 5)],
+)  # fmt: skip
+def test_the_forward_loop_scans_the_schedule_table_and_runs_every_layer_in_order(
+    schedule: str, stages: int, repeats: int, microbatches: int
+):
+    layout = PipelineLayout(stages, repeats, microbatches, 2 * stages * repeats, schedule)
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=layout.num_layers).astype(np.float32)
+    x = rng.normal(size=(2 * microbatches, 3, 2)).astype(np.float32)  # [batch, seq, embed]
+    # every row its own positions, so a stage that ran another microbatch's would show it
+    positions = rng.integers(0, 50, size=(2 * microbatches, 3)).astype(np.int32)
+    layers = {"w": to_memory_order(weights, layout)}
+
+    def pipelined(layers, x, positions):
+        return run_pipeline(probe_stage, layers, x, positions, None, layout)
+
+    expected = x
+    for weight in weights:  # the straight stack, canonical order
+        expected = 1.5 * expected + weight + positions[..., None]
+    np.testing.assert_allclose(jax.jit(pipelined)(layers, x, positions), expected, rtol=1e-6)
+    # the loop is a scan over exactly the rows of the table that the schedule tests check
+    traced = jax.make_jaxpr(pipelined)(layers, x, positions)
+    (scan,) = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "scan"]
+    tables = [
+        const
+        for var, const in zip(traced.jaxpr.constvars, traced.consts, strict=True)
+        if var in scan.invars
+    ]
+    assert any(np.array_equal(table, layout.table.actions) for table in tables)
+    assert scan.params["length"] == layout.table.iterations == layout.forward_iterations
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 8), (4, 4), (4, 9), (3, 16)])
@@ -267,7 +315,7 @@ def test_one_f_one_b_step_needs_less_memory_than_gpipe_at_equal_microbatches_and
 
 
 def test_memory_order_puts_each_stages_layers_in_its_own_block_and_converts_back():
-    layout = PipelineLayout(stages=2, repeats=2, microbatches=4, num_layers=8)
+    layout = PipelineLayout(stages=2, repeats=2, microbatches=4, num_layers=8, schedule="circular")
     order = layout.memory_order()
     # device 0 holds virtual stages 0 and 2 (layers 0-1, 4-5), device 1 stages 1 and 3
     assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

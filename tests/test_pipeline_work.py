@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 from msjax.config import load_config
+from msjax.observe.collectives import program_runs
+from msjax.observe.hlo_dataflow import DataFlow
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
@@ -94,3 +97,45 @@ def test_under_sequence_parallelism_each_tensor_rank_sends_its_share_of_a_stage(
     whole = pipe_bytes(compiled(GPIPE).sent_by_axes_in_loops)
     split = pipe_bytes(compiled(f"{GPIPE} mesh.sequence_parallel=true").sent_by_axes_in_loops)
     assert split == whole / TENSOR
+
+
+def test_circulars_wrap_around_is_its_own_permute_that_waits_for_no_stage_run():
+    # pipe 4, so the wrap-around (stage 3 to 0) differs from every stage-to-stage pair; M > P,
+    # so a microbatch waits in stage 0's ring and its transfer can go an iteration later
+    circular = "pipeline.schedule=circular pipeline.repeats=2 pipeline.microbatches=8"
+    overrides = ["train.global_batch=16", "model.num_layers=8", *circular.split()]
+    config = load_config("configs/tiny.yaml", overrides)
+    step = compile_step(config, parse_mesh("2,1,4,1"))
+    assert (
+        step.config.pipeline.repeats == 2
+        and PipelineLayout.of(step.config).table.delays_wrap_around
+    )
+    by_stage = np.asarray(
+        [[d.id for d in row] for row in np.asarray(step.program.mesh.devices).reshape(2, 4)]
+    )  # [data, pipe]
+    wrap = {(int(row[3]), int(row[0])) for row in by_stage}
+    on = {(int(row[s]), int(row[s + 1])) for row in by_stage for s in range(3)}
+    program = program_runs(step.compiled.as_text())
+    found = {}  # pairs -> the ops each such permute waits for, in the loops' bodies
+    for name in program.loop_runs:
+        flow = DataFlow(program.lines[name])
+        for line in program.lines[name]:
+            match = re.match(
+                r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ collective-permute(?:-start)?\(", line
+            )
+            if match:
+                pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)[1]
+                key = frozenset(
+                    tuple(map(int, p.strip("{}").split(","))) for p in pairs.split("},{")
+                )
+                found.setdefault(key, []).append(flow.ancestor_ops(match[1]))
+    # the wrap-around travels alone, made of the loop's carry only: nothing of the iteration's
+    # stage runs (a fusion, a dot, the layer's loop) comes before it, so it can overlap them
+    assert frozenset(wrap) in found
+    assert any(
+        ops <= {"parameter", "get-tuple-element", "copy", "bitcast"}
+        for ops in found[frozenset(wrap)]
+    )
+    # the stage-to-stage transfer carries no wrap-around pair, and waits for the stage runs
+    assert frozenset(on) in found
+    assert all("fusion" in ops or "dot" in ops for ops in found[frozenset(on)])

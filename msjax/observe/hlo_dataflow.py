@@ -51,6 +51,21 @@ class DataFlow:
             for operand in instruction.operands:
                 self._users[operand].append(instruction.name)
 
+    def ancestor_ops(self, name: str) -> set[str]:
+        """The ops of every instruction of this computation that `name`'s value is made from
+        (its operands, theirs, ...): what it waits for within one run of the computation."""
+        ops: set[str] = set()
+        seen: set[str] = set()
+        pending = list(self._defined[name].operands) if name in self._defined else []
+        while pending:
+            operand = pending.pop()
+            if operand in seen or operand not in self._defined:
+                continue
+            seen.add(operand)
+            ops.add(self._defined[operand].op)
+            pending.extend(self._defined[operand].operands)
+        return ops
+
     def narrowing(self, line: str) -> float:
         """The width a collective had before XLA's CPU backend widened it, over its width now: 1,
         or 1/2 for a float32 collective of values converted from bfloat16 by XLA (a convert

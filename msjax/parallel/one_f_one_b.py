@@ -24,7 +24,7 @@ from msjax.parallel.pipeline import (
     split_microbatches,
     stage_blocks,
 )
-from msjax.parallel.schedules import FORWARD, HEAD_BRANCH, one_f_one_b_pairs
+from msjax.parallel.schedules import FORWARD, GPIPE, HEAD_BRANCH, one_f_one_b_pairs
 
 DATA_AXIS = "data"
 
@@ -54,7 +54,7 @@ def one_f_one_b_loss(
     `data` (for the forward alone, see run_pipeline).
     """
 
-    forward_only = dataclasses.replace(layout, schedule="gpipe")  # evaluation's forward
+    forward_only = dataclasses.replace(layout, schedule=GPIPE)  # evaluation's forward
 
     @jax.custom_vjp
     def summed_loss(layer_params: Any, head_params: Any, x: jax.Array, labels: tuple) -> jax.Array:

@@ -8,9 +8,10 @@ everything inside a stage still composes with fsdp, tensor and sequence parallel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,16 @@ import numpy as np
 
 from msjax.config import Config
 from msjax.parallel.context import constrain
-from msjax.parallel.schedules import IDLE, ScheduleTable, schedule_table
+from msjax.parallel.schedules import (
+    FORWARD,
+    GPIPE,
+    IDLE,
+    MICROBATCH,
+    REPEAT,
+    SCHEDULES,
+    ScheduleTable,
+    schedule_table,
+)
 
 PIPE_AXIS = "pipe"
 
@@ -33,21 +43,22 @@ class PipelineLayout:
 
     Virtual stage v = r P + s (device s, repeat r) runs layers [v K, (v + 1) K), K = L / (P R):
     GPipe and 1F1B are R = 1; circular gives device s the layers s, s + P, ... in chunks of K.
+    What runs when, and what the schedule costs, is its table's (`table`).
     """
 
     stages: int
     repeats: int
     microbatches: int
     num_layers: int
-    schedule: str = "gpipe"  # PipelineConfig.schedule: gpipe, circular or 1f1b
+    schedule: str = GPIPE  # PipelineConfig.schedule, a key of msjax.parallel.schedules.SCHEDULES
 
     @classmethod
     def of(cls, config: Config) -> PipelineLayout:
         pipeline = config.pipeline
-        repeats = pipeline.repeats if pipeline.schedule == "circular" else 1
+        wraps_around = SCHEDULES[pipeline.schedule].wraps_around
         return cls(
             config.mesh.pipe,
-            repeats,
+            pipeline.repeats if wraps_around else 1,
             pipeline.microbatches,
             config.model.num_layers,
             pipeline.schedule,
@@ -93,13 +104,12 @@ class PipelineLayout:
     @property
     def slots_per_stage(self) -> int:
         """Microbatches each stage holds of the pipeline's inputs and outputs: ceil(M / P)."""
-        return -(-self.microbatches // self.stages)
+        return self.table.slots_per_stage
 
     @property
     def return_slots(self) -> int:
-        """Circular: iterations a microbatch waits between leaving the last stage and entering
-        stage 0 again, M - P + 1, so the ring where it waits holds that many."""
-        return self.microbatches - self.stages + 1
+        """Circular: the ring where microbatches wait to re-enter stage 0, M - P + 1."""
+        return self.table.return_slots
 
     def input_cells(self) -> np.ndarray:
         """[stages * slots]: the microbatch each stream cell holds before the loop (-1: none).
@@ -112,19 +122,21 @@ class PipelineLayout:
 
     def output_cells(self) -> np.ndarray:
         """[stages * slots]: the microbatch whose finished output each stream cell holds after
-        the loop (-1: none), as run_streams moves them: iteration t shifts column t mod slots
-        one stage back and puts the last stage's output in its last cell."""
-        slots = self.slots_per_stage
-        cells = np.full((self.stages, slots), -1)
-        for iteration in range(self.forward_iterations):
-            column = iteration % slots
-            cells[:-1, column] = cells[1:, column]
-            work = self.work_at(iteration, self.stages - 1)
-            finished = work is not None and work[1] == self.repeats - 1
-            cells[-1, column] = work[0] if finished else -1
+        the loop (-1: none): the table's last-stage actions moved as run_streams moves them
+        (visit_column, on each iteration's stream_column)."""
+        cells = np.full((self.stages, self.slots_per_stage), -1)
+        for iteration, actions in enumerate(self.table.actions):
+            kind, microbatch, repeat, _ = actions[-1]  # the last stage's
+            finished = microbatch if kind == FORWARD and repeat == self.repeats - 1 else -1
+            column = self.stream_column(iteration)
+            cells[:, column] = visit_column(cells[:, column], np.full(self.stages, finished), np)
         held = sorted(cells[cells >= 0].tolist())
         assert held == list(range(self.microbatches)), f"outputs lost: {cells}"
         return cells.reshape(-1)
+
+    def stream_column(self, iteration: Any) -> Any:
+        """The column of the streams that iteration visits (an int, or traced)."""
+        return iteration % self.slots_per_stage
 
     def work_at(self, iteration: int, stage: int) -> tuple[int, int] | None:
         """(microbatch, repeat) that a stage works on in an iteration, or None when idle."""
@@ -147,6 +159,17 @@ class PipelineLayout:
     def reorders_layers(self) -> bool:
         """Whether memory order differs from canonical order (circular with R > 1)."""
         return self.stages > 1 and self.repeats > 1
+
+
+def visit_column(column: Any, last_stage_output: Any, xp: Any = jnp) -> Any:
+    """A column of the streams after its iteration: every cell moves one stage back (stage 0's,
+    read in this iteration, leaves: a collective permute over `pipe`), and the last stage's cell
+    takes the last stage's output. column, last_stage_output [stages, ...]; xp: jax.numpy in the
+    loop, numpy where output_cells follows the microbatches' ids."""
+    stages, rest = column.shape[0], (1,) * (column.ndim - 1)
+    last_stage = (xp.arange(stages) == stages - 1).reshape(stages, *rest)
+    shifted = xp.pad(column[1:], ((0, 1),) + ((0, 0),) * (column.ndim - 1))
+    return xp.where(last_stage, last_stage_output, shifted)
 
 
 def to_memory_order(stacked: jax.Array, layout: PipelineLayout) -> jax.Array:
@@ -297,7 +320,8 @@ def run_streams(
     checkpoint_policy: Callable[..., bool] | None = None,
     replicas: int = 1,
 ) -> jax.Array:
-    """The layer stack as a pipeline over microbatch streams held by the stages.
+    """The layer stack as a pipeline over microbatch streams held by the stages: a scan over the
+    rows of the schedule's table (GPipe, circular), each row one ForwardLoop iteration.
 
     streams [stages, slots, microbatch, seq, embed], split over `pipe`: cell (s, i) holds
     microbatch input_cells()[s * slots + i]; each stage holds slots = ceil(M / P) microbatches
@@ -306,13 +330,7 @@ def run_streams(
     it, so a loss head after the loop runs on 1 / P of the tokens per stage.
 
     layer_params: a pytree of [layers, ...] arrays in memory order (to_memory_order), their layer
-    axis sharded over `pipe`. Iteration t: stage 0 takes microbatch t from its own cell t mod
-    slots (circular, for a later repeat: what the last stage sent M - P + 1 iterations before,
-    kept in a ring of that many), every other stage what the previous stage sent; every stage
-    runs its layers (one vmapped call, the stage axis split over `pipe`); its output moves one
-    stage on, and column t mod slots of the streams moves one stage back, the last stage's
-    output joining it: two collective permutes of a microbatch per iteration, and no transfer
-    of the whole batch before or after the loop.
+    axis sharded over `pipe`.
 
     checkpoint_policy (circular): what a stage run keeps for the backward pass, as the stage
     function's own remat would (a policy from msjax.models.transformer.enclosing_checkpoint_policy).
@@ -324,15 +342,35 @@ def run_streams(
     weights (stage_blocks, replica_stage), so the weight gradients are summed over `data` once
     per step, after the loop, not once per iteration.
     """
-    stages, repeats, count = layout.stages, layout.repeats, layout.microbatches
-    slots, ring = layout.slots_per_stage, layout.return_slots
+    table = layout.table
     # [stages, replicas, repeats, layers_per_stage, ...]
     weights = stage_blocks(layer_params, layout, replicas)
-    streams = constrain(streams, STREAMS)
+    run_stages = stage_runner(stage_fn, layout, replicas, checkpoint_policy, positions, segment_ids)
+    loop = ForwardLoop(layout, functools.partial(run_stages, weights))
+    # per iteration: its index, its row of the table, and (a scalar every stage reads alike, so
+    # no stage waits for another's row) the repeat that stage 0 starts
+    entering_repeat = jnp.asarray(table.actions[:, 0, REPEAT])
+    rows = (jnp.arange(table.iterations, dtype=jnp.int32), jnp.asarray(table.actions))
+    rows = (*rows, entering_repeat)
+    carry, _ = jax.lax.scan(loop.iteration, loop.start(constrain(streams, STREAMS)), rows)
+    return carry.streams
+
+
+def stage_runner(
+    stage_fn: StageFunction,
+    layout: PipelineLayout,
+    replicas: int,
+    checkpoint_policy: Callable[..., bool] | None,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """(weights [stages, replicas, repeats, layers_per_stage, ...], x [stages, microbatch, seq,
+    embed], actions [stages, 4]: a row of the table) -> every stage's output: each stage runs its
+    layers of the repeat its action names on x, with its microbatch's positions and segments.
+    One program vmapped over the stages (split over `pipe`), so idle stages compute on zeros."""
+    count, repeats = layout.microbatches, layout.repeats
     positions = split_microbatches(positions, count)  # [microbatches, microbatch, seq]
     segments = None if segment_ids is None else split_microbatches(segment_ids, count)
-    stage_ids = jnp.arange(stages)
-    first_stage = (stage_ids == 0).reshape(stages, *(1,) * (streams.ndim - 2))
     run_replicas = replica_stage(stage_fn, replicas)
 
     def run_stage(stage_weights, repeat, x, microbatch_positions, microbatch_segments):
@@ -345,44 +383,95 @@ def run_streams(
     if repeats > 1 and checkpoint_policy is not None:
         run_stage = jax.checkpoint(run_stage, policy=checkpoint_policy, prevent_cse=False)
 
-    def stage_step(stage, stage_weights, x, iteration):
-        """One stage's iteration (vmapped over stages): its layers on its current microbatch."""
-        virtual = jnp.clip(iteration - stage, 0, repeats * count - 1)
-        microbatch, repeat = virtual % count, virtual // count
+    def stage_step(stage_weights: Any, x: jax.Array, action: jax.Array) -> jax.Array:
+        microbatch = action[MICROBATCH]
         seg = None if segments is None else segments[microbatch]
-        return run_stage(stage_weights, repeat, x, positions[microbatch], seg)
+        return run_stage(stage_weights, action[REPEAT], x, positions[microbatch], seg)
 
-    vmapped_step = jax.vmap(stage_step, in_axes=(0, 0, 0, None), spmd_axis_name=PIPE_AXIS)
+    return jax.vmap(stage_step, spmd_axis_name=PIPE_AXIS)
 
-    def iteration_body(carry, iteration):
-        arrived, streams, returned = carry
-        column = streams[:, iteration % slots]  # [stages, microbatch, seq, embed]
-        entering = column  # stage 0's own cell: microbatch `iteration`, while there are new ones
-        if repeats > 1:  # a later repeat: what the last stage sent `ring` iterations ago
-            entering = jnp.where(iteration < count, column, returned[:, iteration % ring])
-        x = constrain(jnp.where(first_stage, entering, arrived), STAGE_ACTIVATIONS)
-        out = constrain(vmapped_step(stage_ids, weights, x, iteration), STAGE_ACTIVATIONS)
-        # the column moves one stage back (a collective permute; stage 0's cell was just read),
-        # and the last stage's output takes the last stage's cell
-        shifted = jnp.pad(column[1:], ((0, 1),) + ((0, 0),) * (column.ndim - 1))
-        last_stage = (stage_ids == stages - 1).reshape(first_stage.shape)
-        column = constrain(jnp.where(last_stage, out, shifted), STAGE_ACTIVATIONS)
-        streams = streams.at[:, iteration % slots].set(column)
+
+class StreamCarry(NamedTuple):
+    """What the forward loop carries from one iteration to the next."""
+
+    arrived: jax.Array  # [stages, microbatch, seq, embed]: what each stage received
+    streams: jax.Array  # [stages, slots, microbatch, seq, embed]: inputs, then finished outputs
+    returned: jax.Array  # circular: [stages, ring, microbatch, seq, embed], only stage 0's read
+    # circular with the wrap-around delayed: the last iteration's outputs, the last stage's on
+    # its way to stage 0 (like `arrived`; [stages, 1] where nothing wraps or it goes at once)
+    leaving: jax.Array
+
+
+@dataclass(frozen=True)
+class ForwardLoop:
+    """One iteration of the GPipe and circular loop: every stage runs the action its row of the
+    table names, on what entered it; then the transfers over `pipe` (collective permutes).
+
+    Circular with M > P delays the wrap-around (MaxText's delayed rotation): the last stage's
+    output waits at least two iterations in stage 0's ring before it re-enters, so it is sent in
+    the iteration after it was made, from the carry, with no data dependency on that
+    iteration's stage runs, and written into the ring after stage 0 has read its slot; its own
+    collective permute can overlap them. With M = P it is needed at once, and goes with the
+    stage-to-stage transfer.
+    """
+
+    layout: PipelineLayout
+    run_stages: Callable[[jax.Array, jax.Array], jax.Array]  # (x, actions) -> outputs
+
+    def start(self, streams: jax.Array) -> StreamCarry:
+        stages, ring = self.layout.stages, self.layout.return_slots
+        arrived = constrain(jnp.zeros_like(streams[:, 0]), STAGE_ACTIVATIONS)
+        returned = leaving = jnp.zeros((stages, 1), streams.dtype)
+        if ring:  # [stages, ring, microbatch, seq, embed]
+            shape = (stages, ring, *streams.shape[2:])
+            returned = constrain(jnp.zeros(shape, streams.dtype), STREAMS)
+        if self.layout.table.delays_wrap_around:
+            leaving = arrived
+        return StreamCarry(arrived, streams, returned, leaving)
+
+    def _stage_mask(self, stage: int, like: jax.Array) -> jax.Array:
+        stages = self.layout.stages
+        return (jnp.arange(stages) == stage).reshape(stages, *(1,) * (like.ndim - 1))
+
+    def iteration(self, carry: StreamCarry, row: tuple) -> tuple[StreamCarry, None]:
+        iteration, actions, entering_repeat = row  # actions [stages, 4]: the table's row
+        layout, ring = self.layout, self.layout.return_slots
+        column_index = layout.stream_column(iteration)
+        column = carry.streams[:, column_index]  # [stages, microbatch, seq, embed]
+        # stage 0 takes its microbatch's first repeat from its own stream cell, a later repeat
+        # from the ring, where it waited since the last stage sent it
+        entering = column
+        if ring:
+            waited = carry.returned[:, iteration % ring]
+            entering = jnp.where(entering_repeat > 0, waited, column)
+        first_stage = self._stage_mask(0, column)
+        x = constrain(jnp.where(first_stage, entering, carry.arrived), STAGE_ACTIVATIONS)
+        out = constrain(self.run_stages(x, actions), STAGE_ACTIVATIONS)
+        column = constrain(visit_column(column, out), STAGE_ACTIVATIONS)
+        streams = carry.streams.at[:, column_index].set(column)
         # stage s receives stage s - 1's output: a collective permute over `pipe`
-        if repeats > 1:  # the last stage's output returns to stage 0 for its next repeat
-            arrived = jnp.roll(out, 1, axis=0)
-            returned = returned.at[:, iteration % ring].set(arrived)
-        else:  # GPipe: nothing wraps around, so the last stage sends nothing
-            arrived = jnp.pad(out[:-1], ((1, 0),) + ((0, 0),) * (out.ndim - 1))
-        return (constrain(arrived, STAGE_ACTIVATIONS), streams, returned), None
+        if ring and not layout.table.delays_wrap_around:  # and stage 0 the last stage's
+            arrived = constrain(jnp.roll(out, 1, axis=0), STAGE_ACTIVATIONS)
+        else:  # the last stage sends nothing on (GPipe), or its output leaves later
+            pad = ((1, 0),) + ((0, 0),) * (out.ndim - 1)
+            arrived = constrain(jnp.pad(out[:-1], pad), STAGE_ACTIVATIONS)
+        returned, leaving = self._wrap_around(carry, out, arrived, iteration)
+        return StreamCarry(arrived, streams, returned, leaving), None
 
-    arrived = constrain(jnp.zeros_like(streams[:, 0]), STAGE_ACTIVATIONS)
-    returned = jnp.zeros((stages, 1), streams.dtype)
-    if repeats > 1:  # [stages, ring, microbatch, seq, embed]; only stage 0 reads its own
-        returned = constrain(jnp.zeros((stages, ring, *streams.shape[2:]), streams.dtype), STREAMS)
-    (_, streams, _), _ = jax.lax.scan(
-        iteration_body,
-        (arrived, streams, returned),
-        jnp.arange(layout.forward_iterations, dtype=jnp.int32),
-    )
-    return streams
+    def _wrap_around(
+        self, carry: StreamCarry, out: jax.Array, arrived: jax.Array, iteration: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(the ring, what leaves next iteration) after this iteration: the ring takes the last
+        stage's output as it arrived at stage 0 (M = P), or the previous iteration's, sent now
+        from the last stage to stage 0 alone (delayed)."""
+        ring = self.layout.return_slots
+        if not ring:
+            return carry.returned, carry.leaving
+        if not self.layout.table.delays_wrap_around:
+            return carry.returned.at[:, iteration % ring].set(arrived), carry.leaving
+        stages = self.layout.stages
+        # [stages, microbatch, seq, embed]: the last stage's row moves to stage 0
+        pad = ((0, stages - 1),) + ((0, 0),) * (out.ndim - 1)
+        wrapped = constrain(jnp.pad(carry.leaving[-1:], pad), STAGE_ACTIVATIONS)
+        returned = carry.returned.at[:, (iteration - 1) % ring].set(wrapped)
+        return returned, out

@@ -97,10 +97,7 @@ def estimate_compute(
         # compute on zeros), and its share of the head (the last stage's alone under 1F1B)
         per_microbatch = table.stage_runs / table.microbatches
         layer_runs = per_microbatch * layout.layers_per_stage
-        if layout.interleaves_backward:
-            head_runs = table.head_share
-        else:
-            head_runs = layout.slots_per_stage / layout.microbatches
+        head_runs = table.head_share
     head = 6.0 * model.vocab_size * model.embed_dim  # forward and backward, per token
     return ComputeEstimate(
         model_flops=flops_per_step(config),

@@ -24,6 +24,7 @@ from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.parallel.context import LogicalAxes
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
+from msjax.parallel.schedules import ScheduleTable
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.step import state_layout
 from pallas_kernels.cross_entropy import BlockSizes
@@ -169,11 +170,9 @@ FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the 
 # On a pipe mesh (msjax.parallel.pipeline) a device keeps what each run of its stage saved,
 # bubble runs included ([iterations, layers_per_stage, ...] stacks carried through the
 # pipeline's loop), and, read off XLA's buffer assignment of that loop:
-# - The loop's own copy of the device's stacked layer weights and its float32 accumulator of their
-#   gradient (the accumulator counted as the gradients), and a stage run's gradient of the
-#   weights it ran: under GPipe all of the device's, under circular one repeat's chunk (which
-#   costs less than a copy: one copy in all fits XLA's totals). With one layer per stage run XLA
-#   drops the stage's layer scan, and its totals show none of these copies (tiny, pipe 2 and 4).
+# - The loop's own copies of the device's stacked layer weights (the schedule's
+#   loop_weight_copies, msjax.parallel.schedules). With one layer per stage run XLA drops the
+#   stage's layer scan, and its totals show none of these copies (tiny, pipe 2 and 4).
 # - Circular: a stage selects its repeat's chunk of the weights every iteration, and selects it
 #   again in the backward pass (run_pipeline's checkpoint_policy) rather than keeping every
 #   iteration's chunk, which would be iterations / repeats copies of the device's weights.
@@ -182,7 +181,6 @@ FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the 
 #   one layer per stage run there is no layer scan, and no such copy).
 # - Remat dots saves what full saves: inside the pipeline's vmap over stages every matmul has the
 #   stage axis as a batch dimension, so `dots_with_no_batch_dims_saveable` keeps none of them.
-PIPELINE_WEIGHT_COPIES = {"gpipe": 2, "circular": 1}  # float32 copies of the stacked weights
 # After the backward pass the optimizer holds the gradients and the updates: two float32 copies
 # of the parameter shards. On a mesh without fsdp and with short activations this is the peak.
 OPTIMIZER_PHASE_COPIES = 2
@@ -298,42 +296,35 @@ def estimate_memory(
     state = _state_bytes(config, mesh)
     dims = local_dims(config, mesh)
     remat = config.model.remat
-    if mesh.pipe > 1 and remat == "dots":
+    table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
+    if table is not None and remat == "dots":
         remat = "full"  # the pipeline's vmap gives every matmul a batch dimension (see above)
     b, s = dims.replica_batch, dims.seq
     # Outside the layers: the embedding output, the final norm's input and output, the softmax
     # (the fused loss keeps a float32 log-sum-exp per token instead).
     softmax = b * s * (1 if dims.fused_loss else dims.vocab) * F32_BYTES
     head = 3 * b * s * dims.embed * dims.act_bytes + softmax
-    if mesh.pipe > 1:
+    if table is not None:
         # GPipe and circular: the embedding, the head and the loss run on the ceil(M / P)
-        # microbatches a stage holds, and the pipeline's streams (its inputs, then its finished
-        # outputs) and their gradient are that many; circular's microbatches wait to re-enter
-        # stage 0 in a ring of M - P + 1 (msjax.parallel.pipeline.run_streams)
-        layout = PipelineLayout.of(config)
-        held = layout.slots_per_stage / layout.microbatches
+        # microbatches a stage holds, beside the loop's streams, their gradient and circular's
+        # ring (the table's stream_buffers, msjax.parallel.pipeline.run_streams)
         stream = dims.batch * s * dims.embed * dims.act_bytes / dims.residual_split
-        head = held * head + 2 * layout.slots_per_stage * stream
-        if layout.repeats > 1:
-            head += layout.return_slots * stream
+        head = table.head_share * head + table.stream_buffers * stream
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor). The
-    # pipeline's loop keeps the stage's weights as sharded (see PIPELINE_WEIGHT_COPIES): no gathered
-    # copy is among its buffers at the peak.
+    # pipeline's loop keeps the stage's weights as sharded (the schedule's loop_weight_copies):
+    # no gathered copy is among its buffers at the peak.
     gathered = state.layer_gathered if mesh.fsdp > 1 and mesh.pipe == 1 else 0
     pipeline_saved = pipeline_working = 0.0
-    if mesh.pipe > 1:  # the pipeline loop's own buffers (see PIPELINE_WEIGHT_COPIES)
-        layout = PipelineLayout.of(config)
-        if dims.layers > 1:  # the stage's layer scan, and the copies it brings
-            copies = PIPELINE_WEIGHT_COPIES["circular" if layout.repeats > 1 else "gpipe"]
-            pipeline_working += copies * state.stacked
-            if remat == "none":  # one stage run's saved activations on their way to the stash
-                pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
+    if table is not None and dims.layers > 1:  # the stage's layer scan, and the copies it brings
+        pipeline_working += table.schedule.loop_weight_copies * state.stacked
+        if remat == "none":  # one stage run's saved activations on their way to the stash
+            pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
     # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
     # unless remat recomputes the layer, and its gather with it).
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
         head += dims.stage_runs * dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
     saved = dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + pipeline_saved
-    if mesh.pipe > 1 and PipelineLayout.of(config).interleaves_backward:
+    if table is not None and table.runs_backward:
         saved, head, pipeline_working = _one_f_one_b_buffers(config, dims, state, remat)
     return MemoryEstimate(
         params_bytes=state.params,
@@ -375,8 +366,8 @@ def _one_f_one_b_buffers(
     saved = (layout.stash_slots + 2) * run_saved
     head_params = _head_param_bytes(dims)
     # the loop's copy of the stage's weights and its gradient accumulator come with a layer scan
-    # in the stage, as under GPipe (PIPELINE_WEIGHT_COPIES)
-    copies = PIPELINE_WEIGHT_COPIES["gpipe"] if dims.layers > 1 else 0
+    # in the stage, as under GPipe
+    copies = layout.table.schedule.loop_weight_copies if dims.layers > 1 else 0
     return saved, 3 * replica_stream, copies * state.stacked + head_params
 
 
@@ -429,8 +420,7 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     """
     config = config_for_mesh(config, mesh)
     dims = local_dims(config, mesh)
-    layout = PipelineLayout.of(config) if mesh.pipe > 1 else None
-    one_f_one_b = layout is not None and layout.interleaves_backward
+    table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
     passes = forward_passes(config.model.remat)
     layer_runs = dims.stage_runs * dims.layers  # layers run per step on this device
     split = dims.residual_split
@@ -444,10 +434,9 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         # float32 (the table's dtype, the loss's); under 1F1B every stage runs the head each
         # iteration, under GPipe and circular on the tokens its stage holds.
         per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream * split, mesh.tensor)
-        # GPipe and circular embed and score only the microbatches a stage holds
-        held = 1.0 if layout is None else layout.slots_per_stage / layout.microbatches
-        head_runs = layout.table.head_share if one_f_one_b else held
-        lookups = 1.0 if one_f_one_b else held
+        # the shares of the batch a device embeds and scores (the schedule's)
+        lookups = 1.0 if table is None else table.embedding_share
+        head_runs = 1.0 if table is None else table.head_share
         head_stream = replica_stream * split * F32_BYTES / dims.act_bytes
         tensor_bytes = layer_runs * per_layer + (lookups + head_runs) * ring_all_reduce_bytes(
             head_stream, mesh.tensor
@@ -482,12 +471,12 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     tables = state.params - state.stacked
     if split > 1:  # sequence-parallel lookups: each tensor rank's gradient of the whole table
         tables += (split - 1) * dims.vocab * dims.embed / mesh.fsdp * F32_BYTES
-    split_head = layout is not None and not one_f_one_b
+    split_head = table is not None and not table.runs_backward
     data_reduced = state.params - (tables if split_head else 0)
     data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data) if mesh.data > 1 else 0.0
     pipe_bytes = 0.0
-    if layout is not None:
-        pipe_bytes = _pipe_bytes(layout, dims, stream, replica_stream, tables, mesh.data)
+    if table is not None:
+        pipe_bytes = _pipe_bytes(table, dims, stream, replica_stream, tables, mesh.data)
     passes_per_step = dims.accum_steps
     return CommEstimate(
         round(passes_per_step * tensor_bytes),
@@ -499,7 +488,7 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
 
 
 def _pipe_bytes(
-    layout: PipelineLayout,
+    table: ScheduleTable,
     dims: LocalDims,
     stream: float,
     replica_stream: float,
@@ -511,23 +500,16 @@ def _pipe_bytes(
     stream: one stage run's activations on a device (1 / tensor of them under sequence
     parallelism), replica_stream: its replica's whole batch; tables: a device's float32 share
     of the parameters outside the layer stack (embedding, unembedding, final norm).
-    GPipe and circular, every iteration: each stage sends its output on, and the streams'
-    column one stage back (run_streams), with the gradients of both the other way: one
-    collective permute each. The last stage sends nothing on under GPipe and stage 0 nothing
-    back, (P - 1) / P of the devices; circular rolls on every device. Once per step the tables'
-    gradients, each stage's from its own tokens, are summed over pipe within the data-parallel
-    all-reduce (one all-reduce over data x pipe). 1F1B sends one tensor per iteration to the
-    neighbour it pairs with (an output on or a gradient back), then sums stage 0's input
-    gradients and the head's parameter gradients over the stages, the input gradients in
-    float32 (the embedding's dtype).
+    In the loop, every iteration: the schedule's sends_per_iteration, stage activations and
+    their gradients (collective permutes). Once per step, where the loop leaves the backward to
+    autodiff (GPipe, circular), the tables' gradients, each stage's from its own tokens, are
+    summed over pipe within the data-parallel all-reduce (one all-reduce over data x pipe); where
+    it runs the backward itself (1F1B), stage 0's input gradients and the head's parameter
+    gradients are summed over the stages, the input gradients in float32 (the embedding's dtype).
     """
-    stages, iterations = layout.stages, layout.iterations
-    if layout.interleaves_backward:  # one tensor per iteration to the neighbour it pairs with
-        all_reduce = ring_all_reduce_bytes(replica_stream, stages)
-        input_grads = all_reduce * F32_BYTES / dims.act_bytes
-        head_params = _head_param_bytes(dims)
-        in_loop = iterations * stream * layout.table.sends_per_iteration
-        return in_loop + input_grads + ring_all_reduce_bytes(head_params, stages)
-    back = (stages - 1) / stages
-    on = 1.0 if layout.repeats > 1 else back
-    return 2 * iterations * stream * (on + back) + ring_all_reduce_bytes(tables, data * stages)
+    in_loop = table.iterations * stream * table.sends_per_iteration
+    if not table.runs_backward:
+        return in_loop + ring_all_reduce_bytes(tables, data * table.stages)
+    all_reduce = ring_all_reduce_bytes(replica_stream, table.stages)
+    input_grads = all_reduce * F32_BYTES / dims.act_bytes
+    return in_loop + input_grads + ring_all_reduce_bytes(_head_param_bytes(dims), table.stages)
