@@ -94,9 +94,63 @@ PIPE_CASES = {
 }
 
 
+# Held out: none of the model's coefficients was fitted to these: large vocabularies, bfloat16,
+# fsdp beside 1F1B, sequence parallelism and data with fsdp beside the pipe axis. Same overrides
+# as tests/test_communication_model.py's HELD_OUT, so each program compiles once per process.
+HELD_OUT_PIPE_CASES = {
+    "tiny-vocab32k-pipe2-data2-tensor2-gpipe-m4": (
+        "tiny",
+        "2,1,2,2",
+        "pipeline.microbatches=4 model.vocab_size=32768",
+    ),
+    "tiny-vocab128k-pipe2-data2-tensor2-1f1b-m4": (
+        "tiny",
+        "2,1,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4 model.vocab_size=131072",
+    ),
+    "tiny-bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
+        "tiny",
+        "1,2,2,2",
+        "pipeline.microbatches=2 model.compute_dtype=bfloat16",
+    ),
+    "tiny-pipe2-fsdp2-tensor2-1f1b-m4": (
+        "tiny",
+        "1,2,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4",
+    ),
+    "tiny-pipe2-data2-tensor2-seqpar-gpipe-m4": (
+        "tiny",
+        "2,1,2,2",
+        "pipeline.microbatches=4 mesh.sequence_parallel=true",
+    ),
+    "tiny-pipe2-data2-fsdp2-gpipe-m2": ("tiny", "2,2,2,1", "pipeline.microbatches=2"),
+}
+HELD_OUT_MEMORY_XFAIL = {
+    "tiny-bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
+        "planned 22.65 MB, XLA 33.30 MB (0.68): bfloat16 with fsdp beside GPipe keeps buffers "
+        "the model does not count"
+    ),
+}
+
+
+def _held_out_memory_params():
+    for case in HELD_OUT_PIPE_CASES:
+        marks = [pytest.mark.slow]
+        if case in HELD_OUT_MEMORY_XFAIL:
+            marks.append(pytest.mark.xfail(strict=True, reason=HELD_OUT_MEMORY_XFAIL[case]))
+        yield pytest.param(case, marks=marks, id=case)
+
+
 @pytest.mark.parametrize("case", list(PIPE_CASES))
 def test_memory_model_is_within_10_percent_of_xla_on_pipe_meshes(case):
     name, mesh, overrides = PIPE_CASES[case]
+    config = load_config(f"configs/{name}.yaml", ["train.global_batch=8", *overrides.split()])
+    assert _model_over_xla(config, mesh) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("case", _held_out_memory_params())
+def test_memory_model_is_within_10_percent_of_xla_on_held_out_pipe_meshes(case):
+    name, mesh, overrides = HELD_OUT_PIPE_CASES[case]
     config = load_config(f"configs/{name}.yaml", ["train.global_batch=8", *overrides.split()])
     assert _model_over_xla(config, mesh) == pytest.approx(1.0, abs=0.10)
 

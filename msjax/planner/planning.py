@@ -476,7 +476,11 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         weight_bytes = gathered * dims.act_bytes / F32_BYTES
         fsdp_bytes = gather_bytes = ring_all_gather_bytes(weight_bytes, mesh.fsdp)
         grad_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize if narrow else F32_BYTES
-        reduced = (tables + stacked_runs * stacked) * grad_itemsize / F32_BYTES
+        # GPipe and circular reduce the tables' gradients over fsdp within their reduction over
+        # data x pipe (see _pipe_bytes)
+        split_tables = mesh.pipe > 1 and not one_f_one_b
+        reduced = ((0 if split_tables else tables) + stacked_runs * stacked) * grad_itemsize
+        reduced /= F32_BYTES
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
     tables = state.params - state.stacked
@@ -487,7 +491,7 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data) if mesh.data > 1 else 0.0
     pipe_bytes = 0.0
     if layout is not None:
-        pipe_bytes = _pipe_bytes(layout, dims, stream, replica_stream, tables, mesh.data)
+        pipe_bytes = _pipe_bytes(layout, dims, stream, replica_stream, tables, mesh)
     passes_per_step = dims.accum_steps
     return CommEstimate(
         round(passes_per_step * tensor_bytes),
@@ -504,7 +508,7 @@ def _pipe_bytes(
     stream: float,
     replica_stream: float,
     tables: float,
-    data: int,
+    mesh: MeshShape,
 ) -> float:
     """Bytes a device sends over `pipe` per step (msjax.parallel.pipeline, .one_f_one_b).
 
@@ -516,8 +520,10 @@ def _pipe_bytes(
     collective permute each. The last stage sends nothing on under GPipe and stage 0 nothing
     back, (P - 1) / P of the devices; circular rolls on every device. Once per step the tables'
     gradients, each stage's from its own tokens, are summed over pipe within the data-parallel
-    all-reduce (one all-reduce over data x pipe). 1F1B sends one tensor per iteration to the
-    neighbour it pairs with (an output on or a gradient back), then sums stage 0's input
+    all-reduce: a reduce-scatter of the whole tables over data x fsdp x pipe, then an all-gather
+    of a device's fsdp shard over data x pipe (one all-reduce over data x pipe without fsdp; read
+    off the compiled program of data 2 x fsdp 2 x pipe 2). 1F1B sends one tensor per iteration
+    to the neighbour it pairs with (an output on or a gradient back), then sums stage 0's input
     gradients and the head's parameter gradients over the stages, the input gradients in
     float32 (the embedding's dtype).
     """
@@ -530,4 +536,7 @@ def _pipe_bytes(
         return in_loop + input_grads + ring_all_reduce_bytes(head_params, stages)
     back = (stages - 1) / stages
     on = 1.0 if layout.repeats > 1 else back
-    return 2 * iterations * stream * (on + back) + ring_all_reduce_bytes(tables, data * stages)
+    replicas = mesh.data * stages
+    table_grads = ring_all_gather_bytes(tables * mesh.fsdp, replicas * mesh.fsdp)
+    table_grads += ring_all_gather_bytes(tables, replicas)
+    return 2 * iterations * stream * (on + back) + table_grads
