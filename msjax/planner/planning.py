@@ -162,7 +162,8 @@ SAVED_EMBED = 6
 SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residual add
 # Buffers alive while the last layer runs backward, besides what is saved: multiples of one
 # float32 score tensor, one [batch, seq, mlp] and one [batch, seq, embed] tensor. Fitted to XLA's
-# temporaries for the tiny and small configs on five to ten meshes per remat policy.
+# temporaries for the tiny and small configs on five to ten meshes per remat policy (float32,
+# vocab 264 and the small config's: tests/test_plan.py's TINY_MESHES, SMALL_MESHES, PIPE_CASES).
 WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
 FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
@@ -172,7 +173,8 @@ FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the 
 # - The loop's own copy of the device's stacked layer weights and its float32 accumulator of their
 #   gradient (the accumulator counted as the gradients), and a stage run's gradient of the
 #   weights it ran: under GPipe all of the device's, under circular one repeat's chunk (which
-#   costs less than a copy: one copy in all fits XLA's totals). With one layer per stage run XLA
+#   costs less than a copy: one copy in all, fitted to XLA's totals on test_plan's three
+#   circular PIPE_CASES). With one layer per stage run XLA
 #   drops the stage's layer scan, and its totals show none of these copies (tiny, pipe 2 and 4).
 # - Circular: a stage selects its repeat's chunk of the weights every iteration, and selects it
 #   again in the backward pass (run_pipeline's checkpoint_policy) rather than keeping every
