@@ -127,8 +127,10 @@ HELD_OUT_PIPE_CASES = {
 }
 HELD_OUT_MEMORY_XFAIL = {
     "tiny-bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
-        "planned 22.65 MB, XLA 33.30 MB (0.68): bfloat16 with fsdp beside GPipe keeps buffers "
-        "the model does not count"
+        "planned 22.65 MB, XLA 33.30 MB (0.68): XLA's CPU backend keeps the bfloat16 step's "
+        "buffers as wide as float32's (the float32 step: 33.59 MB; off the pipe, data 2 x "
+        "fsdp 2 x tensor 2: bfloat16 21.60 MB, float32 21.04 MB), so the planned narrow "
+        "activations are a GPU's, not this compile's"
     ),
 }
 
@@ -240,11 +242,13 @@ def test_communication_volume_follows_the_axes():
     # output on (stage 1 sends nothing on) and a column of the stage-held streams back (stage 0
     # sends nothing back), so one microbatch per device each way; then, once, the gradients of
     # the tables outside the layer stack (embedding, unembedding, final norm; float32, split
-    # over fsdp 2) summed over data x pipe, 4 devices, in one ring all-reduce of 2 (4 - 1) / 4
+    # over fsdp 2) summed as XLA compiles it: the whole tables reduce-scattered over data x fsdp
+    # x pipe (8 devices), then a device's fsdp shard all-gathered over data x pipe (4 devices)
     model = two_microbatches.model
     stream = two_microbatches.data.seq_len * model.embed_dim * 4  # float32
     tables = (2 * model.vocab_size * model.embed_dim + model.embed_dim) * 4 / 2
-    assert pipelined.pipe_bytes == 2 * 3 * stream + 2 * (4 - 1) / 4 * tables
+    table_grads = (8 - 1) / 8 * 2 * tables + (4 - 1) / 4 * tables
+    assert pipelined.pipe_bytes == 2 * 3 * stream + table_grads
 
 
 def test_pipeline_bubble_is_priced_in_the_prediction():
