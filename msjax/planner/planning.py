@@ -527,7 +527,9 @@ def _pipe_bytes(
     off the compiled program of data 2 x fsdp 2 x pipe 2). 1F1B sends one tensor per iteration
     to the neighbour it pairs with (an output on or a gradient back), then sums stage 0's input
     gradients and the head's parameter gradients over the stages, the input gradients in
-    float32 (the embedding's dtype).
+    float32 (the embedding's dtype); reading the head's gradients off the last stage, XLA first
+    permutes them from the last stage to stage 0 (one device in P sends; read off the compiled
+    program at vocab 264 and 131,072).
     """
     stages, iterations = layout.stages, layout.iterations
     if layout.interleaves_backward:  # one tensor per iteration to the neighbour it pairs with
@@ -535,7 +537,8 @@ def _pipe_bytes(
         input_grads = all_reduce * F32_BYTES / dims.act_bytes
         head_params = _head_param_bytes(dims)
         in_loop = iterations * stream * layout.table.sends_per_iteration
-        return in_loop + input_grads + ring_all_reduce_bytes(head_params, stages)
+        head_grads = ring_all_reduce_bytes(head_params, stages) + head_params / stages
+        return in_loop + input_grads + head_grads
     back = (stages - 1) / stages
     on = 1.0 if layout.repeats > 1 else back
     replicas = mesh.data * stages
