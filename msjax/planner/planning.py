@@ -529,13 +529,13 @@ def _pipe_bytes(
     gradients and the head's parameter gradients over the stages, the input gradients in
     float32 (the embedding's dtype); reading the head's gradients off the last stage, XLA first
     permutes them from the last stage to stage 0 (one device in P sends; read off the compiled
-    program at vocab 264 and 131,072).
+    program at vocab 264 and 131,072); the head's gradients move as their fsdp shards.
     """
     stages, iterations = layout.stages, layout.iterations
     if layout.interleaves_backward:  # one tensor per iteration to the neighbour it pairs with
         all_reduce = ring_all_reduce_bytes(replica_stream, stages)
         input_grads = all_reduce * F32_BYTES / dims.act_bytes
-        head_params = _head_param_bytes(dims)
+        head_params = _head_param_bytes(dims) / mesh.fsdp  # their gradients' fsdp shard
         in_loop = iterations * stream * layout.table.sends_per_iteration
         head_grads = ring_all_reduce_bytes(head_params, stages) + head_params / stages
         return in_loop + input_grads + head_grads
