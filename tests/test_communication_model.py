@@ -37,8 +37,47 @@ MESHES = {
         "pipeline.microbatches=2 train.grad_accum_steps=2",
     ),
 }
+# Held out: no term was fitted to these. Large vocabularies, bfloat16 with fsdp, fsdp beside
+# 1F1B, data and fsdp together beside the pipe axis (the same programs as test_plan's
+# HELD_OUT_PIPE_CASES, compiled once per process).
+HELD_OUT = {
+    "vocab32k-pipe2-data2-tensor2-gpipe-m4": (
+        "2,1,2,2",
+        "pipeline.microbatches=4 model.vocab_size=32768",
+    ),
+    "vocab128k-pipe2-data2-tensor2-1f1b-m4": (
+        "2,1,2,2",
+        "pipeline.schedule=1f1b pipeline.microbatches=4 model.vocab_size=131072",
+    ),
+    "bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
+        "1,2,2,2",
+        "pipeline.microbatches=2 model.compute_dtype=bfloat16",
+    ),
+    "pipe2-fsdp2-tensor2-1f1b-m4": ("1,2,2,2", "pipeline.schedule=1f1b pipeline.microbatches=4"),
+    "pipe2-data2-fsdp2-gpipe-m2": ("2,2,2,1", "pipeline.microbatches=2"),
+}
+HELD_OUT_XFAIL = {
+    "bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
+        "fsdp: planned 1.81 MB, compiled 1.37 MB (1.32); pipe: planned 0.53 MB, compiled "
+        "0.60 MB (0.89): under bfloat16 XLA all-reduces the tables' gradients over fsdp x pipe "
+        "whole, and reduces the layers' gradients in fewer bytes than planned"
+    ),
+}
+MESHES.update(HELD_OUT)
+
+
+def _mesh_params():
+    for name in MESHES:
+        marks = [pytest.mark.slow] if name in HELD_OUT else []
+        if name in HELD_OUT_XFAIL:
+            marks.append(pytest.mark.xfail(strict=True, reason=HELD_OUT_XFAIL[name]))
+        yield pytest.param(name, marks=marks, id=name)
+
+
 # pipe meshes with data-parallel replicas
-REPLICATED_PIPE_MESHES = [name for name in MESHES if name.startswith("pipe") and "data" in name]
+REPLICATED_PIPE_MESHES = [
+    name for name in MESHES if name.startswith("pipe") and "data" in name and name not in HELD_OUT
+]
 
 
 def _planned_and_compiled(name: str, *extra: str):
@@ -62,7 +101,7 @@ def _by_planned_axis(sent: dict[str, float], planned: dict[str, int]) -> dict[st
     return grouped
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", _mesh_params())
 def test_planned_bytes_per_axis_are_within_10_percent_of_the_compiled_step(name):
     planned, step = _planned_and_compiled(name)
     compiled = _by_planned_axis(step.sent_by_axes, planned)

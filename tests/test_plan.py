@@ -94,9 +94,65 @@ PIPE_CASES = {
 }
 
 
+# Held out: none of the model's coefficients was fitted to these: large vocabularies, bfloat16,
+# fsdp beside 1F1B, sequence parallelism and data with fsdp beside the pipe axis. Same overrides
+# as tests/test_communication_model.py's HELD_OUT, so each program compiles once per process.
+HELD_OUT_PIPE_CASES = {
+    "tiny-vocab32k-pipe2-data2-tensor2-gpipe-m4": (
+        "tiny",
+        "2,1,2,2",
+        "pipeline.microbatches=4 model.vocab_size=32768",
+    ),
+    "tiny-vocab128k-pipe2-data2-tensor2-1f1b-m4": (
+        "tiny",
+        "2,1,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4 model.vocab_size=131072",
+    ),
+    "tiny-bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
+        "tiny",
+        "1,2,2,2",
+        "pipeline.microbatches=2 model.compute_dtype=bfloat16",
+    ),
+    "tiny-pipe2-fsdp2-tensor2-1f1b-m4": (
+        "tiny",
+        "1,2,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4",
+    ),
+    "tiny-pipe2-data2-tensor2-seqpar-gpipe-m4": (
+        "tiny",
+        "2,1,2,2",
+        "pipeline.microbatches=4 mesh.sequence_parallel=true",
+    ),
+    "tiny-pipe2-data2-fsdp2-gpipe-m2": ("tiny", "2,2,2,1", "pipeline.microbatches=2"),
+}
+HELD_OUT_MEMORY_XFAIL = {
+    "tiny-bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
+        "planned 22.65 MB, XLA 33.30 MB (0.68): XLA's CPU backend keeps the bfloat16 step's "
+        "buffers as wide as float32's (the float32 step: 33.59 MB; off the pipe, data 2 x "
+        "fsdp 2 x tensor 2: bfloat16 21.60 MB, float32 21.04 MB), so the planned narrow "
+        "activations are a GPU's, not this compile's"
+    ),
+}
+
+
+def _held_out_memory_params():
+    for case in HELD_OUT_PIPE_CASES:
+        marks = [pytest.mark.slow]
+        if case in HELD_OUT_MEMORY_XFAIL:
+            marks.append(pytest.mark.xfail(strict=True, reason=HELD_OUT_MEMORY_XFAIL[case]))
+        yield pytest.param(case, marks=marks, id=case)
+
+
 @pytest.mark.parametrize("case", list(PIPE_CASES))
 def test_memory_model_is_within_10_percent_of_xla_on_pipe_meshes(case):
     name, mesh, overrides = PIPE_CASES[case]
+    config = load_config(f"configs/{name}.yaml", ["train.global_batch=8", *overrides.split()])
+    assert _model_over_xla(config, mesh) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.parametrize("case", _held_out_memory_params())
+def test_memory_model_is_within_10_percent_of_xla_on_held_out_pipe_meshes(case):
+    name, mesh, overrides = HELD_OUT_PIPE_CASES[case]
     config = load_config(f"configs/{name}.yaml", ["train.global_batch=8", *overrides.split()])
     assert _model_over_xla(config, mesh) == pytest.approx(1.0, abs=0.10)
 
@@ -186,11 +242,13 @@ def test_communication_volume_follows_the_axes():
     # output on (stage 1 sends nothing on) and a column of the stage-held streams back (stage 0
     # sends nothing back), so one microbatch per device each way; then, once, the gradients of
     # the tables outside the layer stack (embedding, unembedding, final norm; float32, split
-    # over fsdp 2) summed over data x pipe, 4 devices, in one ring all-reduce of 2 (4 - 1) / 4
+    # over fsdp 2) summed as XLA compiles it: the whole tables reduce-scattered over data x fsdp
+    # x pipe (8 devices), then a device's fsdp shard all-gathered over data x pipe (4 devices)
     model = two_microbatches.model
     stream = two_microbatches.data.seq_len * model.embed_dim * 4  # float32
     tables = (2 * model.vocab_size * model.embed_dim + model.embed_dim) * 4 / 2
-    assert pipelined.pipe_bytes == 2 * 3 * stream + 2 * (4 - 1) / 4 * tables
+    table_grads = (8 - 1) / 8 * 2 * tables + (4 - 1) / 4 * tables
+    assert pipelined.pipe_bytes == 2 * 3 * stream + table_grads
 
 
 def test_pipeline_bubble_is_priced_in_the_prediction():

@@ -163,7 +163,8 @@ SAVED_EMBED = 6
 SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residual add
 # Buffers alive while the last layer runs backward, besides what is saved: multiples of one
 # float32 score tensor, one [batch, seq, mlp] and one [batch, seq, embed] tensor. Fitted to XLA's
-# temporaries for the tiny and small configs on five to ten meshes per remat policy.
+# temporaries for the tiny and small configs on five to ten meshes per remat policy (float32,
+# vocab 264 and the small config's: tests/test_plan.py's TINY_MESHES, SMALL_MESHES, PIPE_CASES).
 WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
 FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
@@ -171,8 +172,9 @@ FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the 
 # bubble runs included ([iterations, layers_per_stage, ...] stacks carried through the
 # pipeline's loop), and, read off XLA's buffer assignment of that loop:
 # - The loop's own copies of the device's stacked layer weights (the schedule's
-#   loop_weight_copies, msjax.parallel.schedules). With one layer per stage run XLA drops the
-#   stage's layer scan, and its totals show none of these copies (tiny, pipe 2 and 4).
+#   loop_weight_copies, msjax.parallel.schedules, fitted to XLA's totals on test_plan's
+#   PIPE_CASES). With one layer per stage run XLA drops the stage's layer scan, and its totals
+#   show none of these copies (tiny, pipe 2 and 4).
 # - Circular: a stage selects its repeat's chunk of the weights every iteration, and selects it
 #   again in the backward pass (run_pipeline's checkpoint_policy) rather than keeping every
 #   iteration's chunk, which would be iterations / repeats copies of the device's weights.
@@ -465,7 +467,11 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         weight_bytes = gathered * dims.act_bytes / F32_BYTES
         fsdp_bytes = gather_bytes = ring_all_gather_bytes(weight_bytes, mesh.fsdp)
         grad_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize if narrow else F32_BYTES
-        reduced = (tables + stacked_runs * stacked) * grad_itemsize / F32_BYTES
+        # GPipe and circular reduce the tables' gradients over fsdp within their reduction over
+        # data x pipe (see _pipe_bytes)
+        split_tables = table is not None and not table.runs_backward
+        reduced = ((0 if split_tables else tables) + stacked_runs * stacked) * grad_itemsize
+        reduced /= F32_BYTES
         fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
     # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
     tables = state.params - state.stacked
@@ -476,7 +482,7 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data) if mesh.data > 1 else 0.0
     pipe_bytes = 0.0
     if table is not None:
-        pipe_bytes = _pipe_bytes(table, dims, stream, replica_stream, tables, mesh.data)
+        pipe_bytes = _pipe_bytes(table, dims, stream, replica_stream, tables, mesh)
     passes_per_step = dims.accum_steps
     return CommEstimate(
         round(passes_per_step * tensor_bytes),
@@ -493,7 +499,7 @@ def _pipe_bytes(
     stream: float,
     replica_stream: float,
     tables: float,
-    data: int,
+    mesh: MeshShape,
 ) -> float:
     """Bytes a device sends over `pipe` per step (msjax.parallel.pipeline, .one_f_one_b).
 
@@ -503,13 +509,24 @@ def _pipe_bytes(
     In the loop, every iteration: the schedule's sends_per_iteration, stage activations and
     their gradients (collective permutes). Once per step, where the loop leaves the backward to
     autodiff (GPipe, circular), the tables' gradients, each stage's from its own tokens, are
-    summed over pipe within the data-parallel all-reduce (one all-reduce over data x pipe); where
-    it runs the backward itself (1F1B), stage 0's input gradients and the head's parameter
-    gradients are summed over the stages, the input gradients in float32 (the embedding's dtype).
+    summed over pipe within the data-parallel all-reduce: a reduce-scatter of the whole tables
+    over data x fsdp x pipe, then an all-gather of a device's fsdp shard over data x pipe (one
+    all-reduce over data x pipe without fsdp; read off the compiled program of data 2 x fsdp 2 x
+    pipe 2). Where it runs the backward itself (1F1B), stage 0's input gradients and the head's
+    parameter gradients are summed over the stages, the input gradients in float32 (the
+    embedding's dtype); reading the head's gradients off the last stage, XLA first permutes them
+    from the last stage to stage 0 (one device in P sends; read off the compiled program at
+    vocab 264 and 131,072); the head's gradients move as their fsdp shards.
     """
+    stages = table.stages
     in_loop = table.iterations * stream * table.sends_per_iteration
     if not table.runs_backward:
-        return in_loop + ring_all_reduce_bytes(tables, data * table.stages)
-    all_reduce = ring_all_reduce_bytes(replica_stream, table.stages)
+        replicas = mesh.data * stages
+        table_grads = ring_all_gather_bytes(tables * mesh.fsdp, replicas * mesh.fsdp)
+        table_grads += ring_all_gather_bytes(tables, replicas)
+        return in_loop + table_grads
+    all_reduce = ring_all_reduce_bytes(replica_stream, stages)
     input_grads = all_reduce * F32_BYTES / dims.act_bytes
-    return in_loop + input_grads + ring_all_reduce_bytes(_head_param_bytes(dims), table.stages)
+    head_params = _head_param_bytes(dims) / mesh.fsdp  # their gradients' fsdp shard
+    head_grads = ring_all_reduce_bytes(head_params, stages) + head_params / stages
+    return in_loop + input_grads + head_grads
