@@ -243,11 +243,10 @@ class ResilienceConfig:
     # or corrupts persistently; exclude: leave it out (a multi-node job's launcher exits 9, bad
     # node), restart: restart on it as on any fault (the marking is still recorded)
     on_bad_node: Literal["exclude", "restart"] = "exclude"
-    # The job's limits are checked before exclusion: a slot that crashes before any new
-    # checkpoint at every start is excluded only when max_faults_per_slot is below
-    # max_attempts_without_progress; not above it (the defaults: equal) the job stops first,
-    # exit 8 (or 2 for the same crash before the first step, as a mistake's). Above it still
-    # counts for slots whose attempts progress between their faults.
+    # Exclusion comes before the limit of attempts without progress (the job counts them afresh
+    # on its new membership): a slot that crashes at every start is left out with the defaults.
+    # The same crash before the first step each time still stops the job (exit 2, a mistake's),
+    # and a spent restart budget (exit 4).
     max_faults_per_slot: int = 3
     # On one node an excluded slot's rank goes to a spare (--spares), else the mesh shrinks onto
     # the healthy slots; after readmit_after_s (0: never) the slot rejoins (the full mesh again)

@@ -278,6 +278,27 @@ def test_a_slot_is_bad_after_max_faults_per_slot_faults_in_a_row_it_caused():
     assert (action.stop_code, action.restart, action.bad_slot.on_bad_node) == (None, 1, "exclude")
 
 
+def test_with_the_defaults_a_slot_crashing_at_every_start_is_excluded_before_no_progress_stops():
+    resilience = ResilienceConfig()  # max_faults_per_slot = max_attempts_without_progress = 3
+    three = [slot_fault("3", n, float(n)) for n in (1, 2, 3)]
+    stalled = dataclasses.replace(slot_history("3", three), stalled=history(stalled=3).stalled)
+    action = decide(fault(fault_kinds.CRASH), stalled, resilience, ONE_NODE)
+    assert action.bad_slot is not None and action.bad_slot.slot == "3"
+    assert (action.stop_code, action.restart) == (None, 1)  # restarts without slot 3
+    # without a slot to leave out, the same history stops the job (exit 8)
+    others = [slot_fault("1", 1, 1.0), slot_fault("2", 2, 2.0), slot_fault("3", 3, 3.0)]
+    stuck = dataclasses.replace(slot_history("3", others), stalled=history(stalled=3).stalled)
+    assert decide(fault(fault_kinds.CRASH), stuck, resilience, ONE_NODE).stop_code == (
+        exit_codes.NO_PROGRESS
+    )
+    # the same crash before the first step each time is a mistake, slot or not (exit 2)
+    same = history(stalled=3, start_up_failure="exit 1 in phase init: #", same_start_up_failures=3)
+    mistake = dataclasses.replace(slot_history("3", three), stalled=same.stalled)
+    assert decide(fault(fault_kinds.CRASH), mistake, resilience, ONE_NODE).stop_code == (
+        exit_codes.USER_ERROR
+    )
+
+
 def test_a_fault_of_another_slot_between_breaks_the_row():
     resilience = ResilienceConfig(max_faults_per_slot=2)
     faults = [slot_fault("3", 1, 1.0), slot_fault("1", 2, 2.0), slot_fault("3", 3, 3.0)]

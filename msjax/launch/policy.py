@@ -56,7 +56,9 @@ def decide(
     restarts as a whole (exit 5), attempts without progress stop it (2 or 8), and so does a
     spent restart budget (4); else restart, the backoff doubling per attempt without progress.
     A slot marked bad on one node under exclude is left out by the supervisor at the restart
-    (msjax.launch.membership), unless a limit above stops the job first."""
+    (msjax.launch.membership): attempts without progress do not stop the job then (it counts
+    them afresh on its new membership), unless they are the same crash before the first step
+    (a mistake, exit 2); a spent restart budget still does."""
     action = fault.kind.action
     if action == fault_kinds.STOP:
         return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)
@@ -67,10 +69,12 @@ def decide(
             return stop
         skip_step = fault.nonfinite_step
     bad = bad_slot(fault, history, resilience, layout)
-    if bad is not None and bad.on_bad_node == "exclude" and layout.nnodes > 1:
+    excluding = bad is not None and bad.on_bad_node == "exclude"
+    if excluding and layout.nnodes > 1:
         reason = f"{bad.reason}; requeue the job without node {bad.node}"
         return Action(exit_codes.BAD_NODE, reason, skip_step, bad_slot=bad)
-    return dataclasses.replace(_limits(history, resilience, layout, skip_step), bad_slot=bad)
+    limits = _limits(history, resilience, layout, skip_step, excluding)
+    return dataclasses.replace(limits, bad_slot=bad)
 
 
 def bad_slot(
@@ -109,6 +113,7 @@ def _limits(
     resilience: ResilienceConfig,
     layout: JobLayout,
     skip_step: int | None,
+    excluding: bool = False,
 ) -> Action:
     if layout.nnodes > 1:
         return _stop(
@@ -116,7 +121,7 @@ def _limits(
             exit_codes.JOB_RESTART_NEEDED,
             skip_step,
         )
-    stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress)
+    stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress, excluding)
     if stop is None and history.restarts >= resilience.max_restarts:
         stop = _stop(
             f"restart budget spent (resilience.max_restarts={resilience.max_restarts})",
@@ -162,9 +167,12 @@ def _nonfinite_stop(
     return None
 
 
-def _stalled_stop(stalled: AttemptsWithoutProgress, limit: int) -> Action | None:
+def _stalled_stop(
+    stalled: AttemptsWithoutProgress, limit: int, excluding: bool = False
+) -> Action | None:
     """Attempts in a row without progress: the same crash before the first step each time is a
-    mistake (exit 2); otherwise this machine cannot go on (exit 8)."""
+    mistake (exit 2); otherwise this machine cannot go on (exit 8), unless a slot is being left
+    out now (`excluding`): the job then changes, and counts its attempts afresh."""
     if stalled.same_start_up_failures >= limit:
         return _stop(
             f"the same failure before the first step in {limit} attempts in a row "
@@ -172,7 +180,7 @@ def _stalled_stop(stalled: AttemptsWithoutProgress, limit: int) -> Action | None
             f"(resilience.max_attempts_without_progress={limit})",
             exit_codes.USER_ERROR,
         )
-    if stalled.count >= limit:
+    if stalled.count >= limit and not excluding:
         return _stop(
             f"{stalled.count} attempts in a row committed no checkpoint newer than the "
             f"one they resumed from (resilience.max_attempts_without_progress={limit})",
