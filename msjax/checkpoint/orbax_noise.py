@@ -5,8 +5,7 @@ threads, and every TensorStore write still pending then reports "Event loop is c
 traceback of its own, because Orbax closed the event loop it ran the save on, and write
 coroutines that nothing awaits any more report their error as they are collected: a thousand
 lines per failed save, all saying what msjax's warning says in one. Orbax's error records keep
-their first line; those reports are dropped (the hook counts its own). Anything else passes
-unchanged.
+their first line; those reports are dropped. Anything else passes unchanged.
 """
 
 from __future__ import annotations
@@ -56,13 +55,10 @@ class _SaveReports:
 
     def __init__(self, previous):
         self.previous = previous
-        self.count = 0
 
     def __call__(self, unraisable) -> None:
-        if _is_save_report(unraisable.exc_value, unraisable.exc_traceback):
-            self.count += 1
-            return
-        self.previous(unraisable)
+        if not _is_save_report(unraisable.exc_value, unraisable.exc_traceback):
+            self.previous(unraisable)
 
 
 _installed: _SaveReports | None = None
