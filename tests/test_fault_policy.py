@@ -291,6 +291,11 @@ def test_with_the_defaults_a_slot_crashing_at_every_start_is_excluded_before_no_
     assert decide(fault(fault_kinds.CRASH), stuck, resilience, ONE_NODE).stop_code == (
         exit_codes.NO_PROGRESS
     )
+    # nor where the job cannot go on without slot 3 (no spare, no smaller mesh): exit 8
+    alone = dataclasses.replace(stalled, can_leave_slot_out=False)
+    cornered = decide(fault(fault_kinds.CRASH), alone, resilience, ONE_NODE)
+    assert cornered.stop_code == exit_codes.NO_PROGRESS and cornered.bad_slot is not None
+    assert cornered.reason.startswith("3 attempts in a row committed no checkpoint newer")
     # the same crash before the first step each time is a mistake, slot or not (exit 2)
     same = history(stalled=3, start_up_failure="exit 1 in phase init: #", same_start_up_failures=3)
     mistake = dataclasses.replace(slot_history("3", three), stalled=same.stalled)

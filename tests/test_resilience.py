@@ -462,3 +462,28 @@ def test_slow_fault_stretches_each_step_of_its_rank_by_the_given_share(tmp_path)
     gaps = np.diff(started)  # gaps[s]: the pause made for step s - 1, then step s's work
     assert all(gap < 0.09 for gap in gaps[:2])  # no pause for step 0
     assert all(gap >= 0.095 for gap in gaps[2:])  # from step 1 on, a pause as long as the step
+
+
+def test_a_nonfinite_loss_lets_the_saves_in_flight_commit_before_the_rank_says_it_leaves(
+    tmp_path,
+):
+    from msjax.resilience.heartbeat import Heartbeat
+    from msjax.resilience.worker import NonFiniteLoss, WorkerResilience
+
+    heartbeat = Heartbeat(tmp_path, 0, every_s=0.0)
+    phases_while_waiting = []
+
+    def wait_for_saves() -> None:  # the supervisor reads the heartbeat meanwhile
+        record = HeartbeatRecord.read(heartbeat.path)
+        phases_while_waiting.append(record.phase if record else None)
+
+    worker = WorkerResilience(tmp_path, heartbeat, 0, wait_for_saves)
+    worker.step_end({"step": 4, "loss": 2.5})
+    assert phases_while_waiting == []  # a finite loss waits for nothing
+    with pytest.raises(NonFiniteLoss, match="the loss of step 5 is nan"):
+        worker.step_end({"step": 5, "loss": float("nan")})
+    # the save of the state before step 5 commits while the rank drains; only then does it say
+    # its loss was not finite (the supervisor stops it at once on that)
+    assert phases_while_waiting == ["drain"]
+    record = HeartbeatRecord.read(heartbeat.path)
+    assert record is not None and (record.phase, record.step) == ("nonfinite", 5)

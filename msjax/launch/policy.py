@@ -28,6 +28,8 @@ class FaultHistory:
     slot: str = "0"  # the slot of the fault's rank (msjax.launch.slots.slot_of)
     node: str = ""  # the node this supervisor runs on
     slot_faults: tuple[SlotFault, ...] = ()  # the run's, this fault's included, oldest first
+    # whether the job could go on without the fault's slot (a spare, or a mesh on the rest)
+    can_leave_slot_out: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ def decide(
     A slot marked bad on one node under exclude is left out by the supervisor at the restart
     (msjax.launch.membership): attempts without progress do not stop the job then (it counts
     them afresh on its new membership), unless they are the same crash before the first step
-    (a mistake, exit 2); a spent restart budget still does."""
+    (a mistake, exit 2), or no spare and no smaller mesh could take the slot's place; a spent
+    restart budget still does."""
     action = fault.kind.action
     if action == fault_kinds.STOP:
         return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)
@@ -73,7 +76,9 @@ def decide(
     if excluding and layout.nnodes > 1:
         reason = f"{bad.reason}; requeue the job without node {bad.node}"
         return Action(exit_codes.BAD_NODE, reason, skip_step, bad_slot=bad)
-    limits = _limits(history, resilience, layout, skip_step, excluding)
+    limits = _limits(
+        history, resilience, layout, skip_step, excluding and history.can_leave_slot_out
+    )
     return dataclasses.replace(limits, bad_slot=bad)
 
 

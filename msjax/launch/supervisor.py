@@ -235,6 +235,7 @@ class Supervisor:
             slot=slot,
             node=self.node,
             slot_faults=tuple(read_slot_faults(self.run_dir)),
+            can_leave_slot_out=self._can_leave_out(),
         )
         action = decide(fault, history, self.resilience, self.layout)
         if action.skip_step is not None:
@@ -258,6 +259,20 @@ class Supervisor:
             and action.stop_code is None
         )
 
+    def _can_leave_out(self) -> bool:
+        """Whether the job on this node could go on without one of its slots: a spare takes
+        its rank, or a mesh fits the healthy slots left."""
+        if self.slots.spares():
+            return True
+        healthy = len(self.slots.healthy()) - 1
+        if healthy < 1:
+            return False
+        try:
+            self._replan(healthy)
+        except MsjaxError:
+            return False
+        return True
+
     def _mark_bad(self, action: Action) -> None:
         bad = action.bad_slot
         assert bad is not None
@@ -269,6 +284,8 @@ class Supervisor:
             then = "it stays in the job (resilience.on_bad_node=restart)"
         elif self._excludes(action):
             then = "excluding it (resilience.on_bad_node=exclude)"
+        elif self.layout.nnodes == 1 and action.stop_code is not None:
+            then = "the job stops"
         else:
             then = "leaving it out"
         self.say(f"{bad.reason}; {then}")
@@ -460,15 +477,17 @@ class Supervisor:
 
     # --- membership: excluding a bad slot, re-admitting it ------------------------------------
 
-    def _replan(self) -> MeshPlan:
-        """The mesh for the healthy slots (the job's own when all are healthy)."""
+    def _replan(self, healthy: int | None = None) -> MeshPlan:
+        """The mesh for the healthy slots, or for `healthy` processes (the job's own when all
+        are healthy)."""
         devices_per_proc = self.layout.devices_per_proc
         if self.full_plan is None or devices_per_proc is None:
             raise MsjaxError(
                 "the mesh cannot be re-planned without --devices-per-proc (the devices each "
                 "process holds) and a mesh that fits them"
             )
-        healthy = len(self.slots.healthy())
+        if healthy is None:
+            healthy = len(self.slots.healthy())
         return replan_mesh(self.config, devices_per_proc, self.layout.nprocs, healthy)
 
     def _exclude_bad_slot(self, action: Action, fault: DetectedFault) -> Action:

@@ -3,6 +3,7 @@ one listener of the loop's events; plus the non-finite-loss stop."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -126,6 +127,12 @@ class WorkerResilience(LoopEvents):
         step, loss = record["step"], record["loss"]
         update_finite = record.get("update_finite", True)
         if not math.isfinite(loss) or not update_finite:
+            # the saves in flight hold states before this step, whose losses were finite: they
+            # commit before the rank says it is leaving, so the restart resumes from the newest
+            # (the drain deadline bounds the wait under msjax.launch)
+            self.heartbeat.beat("drain", step)
+            with contextlib.suppress(Exception):  # a failed save: the loss is what is reported
+                self.wait_for_saves()
             self.heartbeat.beat("nonfinite", step)  # step: the index whose loss was bad
             raise NonFiniteLoss(step, loss, update_finite)
         self.heartbeat.beat("step", step + 1)
