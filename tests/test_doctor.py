@@ -291,8 +291,10 @@ def test_judge_holds_each_figure_to_its_bound() -> None:
     assert "gave [4.0] on device 1 (rank 1), expected [3.0]" in found[(0, "collectives")]
 
 
-def run_launch(run_dir: Path, fault: str, *overrides: str) -> tuple[int, str]:
-    command = [sys.executable, "-m", "msjax.launch", "--nprocs", "2", "--devices-per-proc", "2"]
+def run_launch(
+    run_dir: Path, fault: str, *overrides: str, flags: tuple[str, ...] = ("--nprocs", "2")
+) -> tuple[int, str]:
+    command = [sys.executable, "-m", "msjax.launch", *flags, "--devices-per-proc", "2"]
     command += ["--fault", fault, "--", *TINY, f"run.dir={run_dir}", "train.steps=4"]
     command += ["resilience.check_budget_s=60", "resilience.restart_backoff_s=0", *overrides]
     env = {key: value for key, value in os.environ.items() if key != "MSJAX_FAULT"}
@@ -357,3 +359,38 @@ def test_launch_excludes_a_slot_failing_its_self_check_and_keeps_it_out_while_it
     assert (run_dir / "logs" / "check-slot1.log").exists()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m["step"] for m in metrics if "loss" in m) == 29
+
+
+@pytest.mark.slow
+def test_a_spare_failing_its_self_check_is_excluded_before_it_ever_waits(tmp_path):
+    run_dir = tmp_path / "spare"
+    # one process (data 2 on its 2 devices) and one spare, the spare's slot corrupt
+    code, output = run_launch(
+        run_dir, "corrupt_compute@rank=1", "mesh.fsdp=1", flags=("--nprocs", "1", "--spares", "1")
+    )
+    assert code == exit_codes.OK, output[-3000:]
+    # the job's own round is the attempt's verdict; the spare was checked alone beside it
+    job_round = verdict(run_dir, 0)
+    assert (job_round["attempt"], job_round["passed"], sorted(job_round["ranks"])) == (
+        0,
+        True,
+        ["0"],
+    )
+    incidents = [
+        json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()
+    ]
+    assert [(i["cause"], i["rank"], i["action"]) for i in incidents] == [
+        ("self_check_failed", None, "exclude_spare")
+    ]
+    [incident] = incidents
+    assert incident["membership"]["slot"] == 1
+    assert incident["membership"]["slots"]["excluded"] == [1]
+    assert incident["membership"]["slots"]["spare"] == []
+    assert "slot 1, checked as a spare: rank 0: compute: device" in incident["detail"]
+    spare_round = json.loads((run_dir / incident["diagnostics"]).read_text())
+    assert (spare_round["attempt"], spare_round["passed"]) == (0, False)
+    assert "spare slot 1 failed its self-check" in output
+    assert (run_dir / "logs" / "check-slot1.log").exists()
+    assert not (run_dir / "logs" / "spare-slot1.log").exists()  # no process ever waited there
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m["step"] for m in metrics if "loss" in m) == 3

@@ -128,9 +128,9 @@ def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_w
 STEPS, SAVE_EVERY, CRASH_STEP, FAULTS_PER_SLOT = 12, 4, 6, 2
 BAD_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times=99"
 HEALED_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times={FAULTS_PER_SLOT}"  # then it works
-# slot 0 slowed from step SAVE_EVERY on: the shrunk mesh's steps outlast slot 3's self-check for
-# re-admission (seconds of imports and compiling), as a real job's would
-SLOWED_SHRUNK_MESH = f"slow@step={SAVE_EVERY},rank=0,percent=300"
+# slot 0 slowed from step SAVE_EVERY on: the steps after slot 3's exclusion outlast its self-check
+# for re-admission (seconds of imports and compiling), as a real job's would
+SLOWED_STEPS = f"slow@step={SAVE_EVERY},rank=0,percent=300"
 SHRUNK_MESH = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"]
 RUN_TIMEOUT_S = 900
 
@@ -244,13 +244,13 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
             "spare": Job(
                 folder["spare"],
                 4,
-                ["--spares=1", f"--fault={BAD_SLOT_FAULT}"],
-                job_args(folder["spare"], cache),
+                ["--spares=1", f"--fault={BAD_SLOT_FAULT};{SLOWED_STEPS}"],
+                job_args(folder["spare"], cache, "resilience.readmit_after_s=1"),
             ),
             "regrow": Job(
                 folder["regrow"],
                 4,
-                [f"--fault={HEALED_SLOT_FAULT};{SLOWED_SHRUNK_MESH}"],
+                [f"--fault={HEALED_SLOT_FAULT};{SLOWED_STEPS}"],
                 job_args(folder["regrow"], cache, "resilience.readmit_after_s=1"),
             ),
         }
@@ -324,7 +324,13 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     # the spare ran rank 3 (it did not inherit slot 3's fault) in the waiting process itself
     spare_log = (spare.run_dir / "logs" / "spare-slot4.log").read_text()
     assert "imports done" in spare_log and "slot 4 takes rank 3" in spare_log
-    assert [f["slot"] for f in spare.jsonl("faults.jsonl")] == [3] * FAULTS_PER_SLOT
+    crashes = [f for f in spare.jsonl("faults.jsonl") if f["kind"] == "crash"]
+    assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
+    # on the job's own mesh, slot 3 re-admitted after its check passed waits as a spare
+    readmitted = "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed"
+    assert f"{readmitted}: a spare now" in spare.output
+    assert (spare.run_dir / "logs" / "check-slot3.log").exists()
+    assert "imports done" in (spare.run_dir / "logs" / "spare-slot3.log").read_text()
     losses, expected = spare.losses(), reference.losses()
     assert sorted(losses) == list(range(STEPS))
     assert [losses[s] for s in range(STEPS)] == [expected[s] for s in range(STEPS)]  # bitwise

@@ -166,6 +166,12 @@ class Slots:
         self.rank_slots[rank] = spares[0]
         return spares[0]
 
+    def drop_spare(self, slot: int, now_unix_s: float) -> None:
+        """A spare that failed its self-check: excluded (checked again for re-admission)."""
+        assert self.state[slot] == SPARE
+        self.state[slot] = EXCLUDED
+        self.excluded_unix_s[slot] = now_unix_s
+
     def arrange(self, processes: int) -> None:
         """Ranks 0..processes-1 on the first healthy slots in slot order; the rest idle."""
         healthy = self.healthy()

@@ -1,13 +1,13 @@
-"""Re-admitting an excluded slot: once resilience.readmit_after_s is over, the slot's self-check
-runs alone while the job goes on; a slot that passes rejoins (the supervisor acts on it), one that
-fails stays excluded for another time out, an incident of its own (action `stay_excluded`).
+"""A slot checked alone: once resilience.readmit_after_s is over, an excluded slot's self-check
+runs while the job goes on; a slot that passes rejoins (the supervisor acts on it), one that fails
+stays excluded for another time out, an incident of its own (action `stay_excluded`). A spare is
+checked the same way before it waits; one that fails is excluded (action `exclude_spare`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from msjax.config import Config
 from msjax.doctor import HealthRound, SelfCheckRound, detail
@@ -20,6 +20,7 @@ from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
 from msjax.run_dir import RunDir
 
 STAY_EXCLUDED = "stay_excluded"  # the incident's action when a slot fails its re-admission check
+EXCLUDE_SPARE = "exclude_spare"  # the incident's action when a spare fails its check
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Readmission:
         if self.running is None:
             due = slots.readmit_due(time.time(), after_s)
             if due:
-                self.running = self._start(due[0], attempt)
+                self.running = self.start(due[0], attempt)
             return None
         if not self.running.checks.settled():
             return None
@@ -63,7 +64,8 @@ class Readmission:
             self.running.checks.cancel()
             self.running = None
 
-    def _start(self, slot: int, attempt: int) -> SlotCheck:
+    def start(self, slot: int, attempt: int) -> SlotCheck:
+        """The self-checks of `slot` alone, started (see _one_slot_config)."""
         config, collectives = self._one_slot_config()
         checks = SelfCheckRound(
             config,
@@ -94,18 +96,28 @@ class Readmission:
 
 
 def kept_out_incident(
-    number: int, check: SlotCheck, health: HealthRound, attempt: Any, slots: Slots
+    number: int,
+    check: SlotCheck,
+    health: HealthRound,
+    attempt: int,
+    step: int,
+    slots: Slots,
+    as_spare: bool = False,
 ) -> Incident:
-    """The incident of a slot that failed its check for re-admission and stays excluded."""
+    """The incident of a slot that failed its check alone: for re-admission (it stays
+    excluded), or as a spare before it waits (it is excluded). `attempt`: the one running, or
+    the one about to start; `step`: where the job is."""
     now = time.time()
+    action = EXCLUDE_SPARE if as_spare else STAY_EXCLUDED
+    checked = "checked as a spare" if as_spare else "checked for re-admission"
     return Incident(
         incident=number,
         cause=SELF_CHECK_FAILED.cause,
-        rank=None,  # the slot holds no rank while excluded
-        detail=f"slot {check.slot}, checked for re-admission: {detail(health)}",
-        attempt=attempt.number,
+        rank=None,  # the slot holds no rank while excluded or waiting
+        detail=f"slot {check.slot}, {checked}: {detail(health)}",
+        attempt=attempt,
         phase="self_check",
-        step=attempt.max_step,
+        step=step,
         fault_unix_s=check.started_unix_s,
         fault_time_from="the self-checks' start",
         detected_unix_s=now,
@@ -113,9 +125,9 @@ def kept_out_incident(
         stop_s=0.0,
         diagnostics=str(health.path.relative_to(check.checks.run_dir.path)),
         flight_recorder=None,
-        action=STAY_EXCLUDED,
+        action=action,
         membership={
-            "action": STAY_EXCLUDED,
+            "action": action,
             "slot": check.slot,
             "checked_unix_s": now,
             "health": str(health.path.relative_to(check.checks.run_dir.path)),

@@ -2,13 +2,12 @@
 records an incident, stops every worker and restarts the job from the newest valid checkpoint.
 
 It never imports JAX and never needs a worker to be healthy to act (design principle 5). What
-counts as a fault is in fault_detection.py, what is done about it in policy.py, what an incident
-records in incidents.py.
+counts as a fault is in fault_detection.py, what is done about it in policy.py, which slots run
+the job and on which mesh in job_membership.py, what an incident records in incidents.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
@@ -22,8 +21,6 @@ from typing import IO, Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
 from msjax.distributed import worker_env
-from msjax.doctor import HealthRound
-from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import (
     DetectedFault,
@@ -42,6 +39,7 @@ from msjax.launch.incidents import (
     collect_diagnostics,
     flight_verdict,
 )
+from msjax.launch.job_membership import JobMembership
 from msjax.launch.launches import (
     REQUEUE,
     append_launch,
@@ -51,9 +49,7 @@ from msjax.launch.launches import (
     scheduler_context,
 )
 from msjax.launch.layout import JobLayout
-from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
 from msjax.launch.policy import Action, FaultHistory, decide
-from msjax.launch.readmission import Readmission, SlotCheck, kept_out_incident
 from msjax.launch.slots import (
     SlotFault,
     mark_bad,
@@ -72,8 +68,6 @@ from msjax.resilience.faults import SLOT_ENV_VAR
 from msjax.resilience.skips import read_skipped_steps_here, record_skipped_step
 from msjax.run_dir import RunDir
 from msjax.writable import warn_write_dropped
-
-REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
 
 
 def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float) -> str:
@@ -123,18 +117,10 @@ class Supervisor:
         self.node = node_name()
         self.launch_id = launch_id(layout, self.context, self.started_unix_s)
         # which slot runs which rank (one node); spares wait in their own processes
-        self.slots = Slots(layout.nprocs, spares)
-        self.spare_workers: dict[int, WorkerProcess] = {}
-        self.full_plan: MeshPlan | None = None
-        if layout.devices_per_proc is not None and layout.nnodes == 1:
-            with contextlib.suppress(MsjaxError):  # a mesh that does not fit: workers refuse it
-                self.full_plan = full_plan(config, layout.devices_per_proc, layout.nprocs)
-        self.plan = self.full_plan
-        self.membership_changed = False
-        self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
-        self._regrow_ready = False
-        self.readmission = Readmission(config, layout, self.run_dir, faults)
-        self._readmitted: dict[str, Any] = {}  # slot: its passed check, until the regrow
+        self.membership = JobMembership(
+            config, layout, self.run_dir, faults, spares, self.incidents, self.say
+        )
+        self.slots = self.membership.slots
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -151,8 +137,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
-            self.readmission.cancel()
-            stop_workers(list(self.spare_workers.values()), self.resilience.stop_grace_s)
+            self.membership.close(self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -186,8 +171,8 @@ class Supervisor:
             self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:
                 return self._stop_on_request(attempt)
-            if fault is None and self._regrow_ready:
-                self._stop_for_regrow(attempt)
+            if fault is None and self.membership.regrow_ready:
+                self.membership.stop_for_regrow(attempt)
                 continue
             if fault is None:
                 stop_workers(attempt.workers, self.resilience.stop_grace_s)  # all exited: reaps
@@ -199,8 +184,7 @@ class Supervisor:
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
             action = self._decide(attempt, fault, number, FaultHistory(restarts, stalled))
-            if self.membership_changed:  # other slots, another mesh: a fresh count
-                self.membership_changed = False
+            if self.membership.take_change():  # other slots, another mesh: a fresh count
                 stalled = AttemptsWithoutProgress()
             if action.stop_code is not None:
                 return self._give_up(fault, action)
@@ -235,7 +219,7 @@ class Supervisor:
             slot=slot,
             node=self.node,
             slot_faults=tuple(read_slot_faults(self.run_dir)),
-            can_leave_slot_out=self._can_leave_out(),
+            can_leave_slot_out=self.membership.can_leave_out(),
         )
         action = decide(fault, history, self.resilience, self.layout)
         if action.skip_step is not None:
@@ -247,7 +231,7 @@ class Supervisor:
         assert self.incidents.open_incident is not None
         self.incidents.open_incident.take(action)
         if self._excludes(action):
-            action = self._exclude_bad_slot(action, fault)
+            action = self.membership.exclude(action, fault)
         return action
 
     def _excludes(self, action: Action) -> bool:
@@ -258,20 +242,6 @@ class Supervisor:
             and self.layout.nnodes == 1
             and action.stop_code is None
         )
-
-    def _can_leave_out(self) -> bool:
-        """Whether the job on this node could go on without one of its slots: a spare takes
-        its rank, or a mesh fits the healthy slots left."""
-        if self.slots.spares():
-            return True
-        healthy = len(self.slots.healthy()) - 1
-        if healthy < 1:
-            return False
-        try:
-            self._replan(healthy)
-        except MsjaxError:
-            return False
-        return True
 
     def _mark_bad(self, action: Action) -> None:
         bad = action.bad_slot
@@ -314,7 +284,7 @@ class Supervisor:
         workers and a SELF_CHECK_FAILED fault naming the first failing rank's slot."""
         if self.resilience.check_budget_s <= 0:
             return None, None
-        from msjax.doctor import detail, report_lines, run_self_checks
+        from msjax.doctor import SelfCheckRound, detail, report_lines
 
         layout = self.layout
         slots: list[int] | None = None
@@ -324,8 +294,9 @@ class Supervisor:
         else:
             ranks = [layout.process_id(local_rank) for local_rank in range(layout.nprocs)]
             num_processes = layout.num_processes
-        health = run_self_checks(
-            self._planned_config(),
+        # the job's round first: its verdict is RUN_DIR/health/ATTEMPT.json
+        checks = SelfCheckRound(
+            self.membership.planned_config(),
             ranks,
             num_processes,
             layout.devices_per_proc,
@@ -334,11 +305,16 @@ class Supervisor:
             self.faults,
             slots=slots,
         )
+        spare_checks = self.membership.start_spare_checks(number)
+        while not checks.settled():  # bounded by resilience.check_budget_s
+            time.sleep(self.poll_s)
+        health = checks.finish()
+        committed = committed_steps(self.run_dir.checkpoints)
+        self.membership.finish_spare_checks(spare_checks, number, committed[-1] if committed else 0)
         for line in report_lines(health):
             self.say(f"self-checks before attempt {number}: {line}")
         if health.passed:
             return None, None
-        committed = committed_steps(self.run_dir.checkpoints)
         attempt = Attempt.started(number, [])
         attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
@@ -364,37 +340,10 @@ class Supervisor:
             env[FAULT_ENV_VAR] = self.faults
         return env
 
-    def _planned_config(self) -> Config:
-        """The job's config on the mesh it runs now (re-planned for the healthy slots)."""
-        if self.plan is None or self.plan == self.full_plan:
-            return self.config
-        return self.plan.applied(self.config)
-
-    def _worker_args(self) -> list[str]:
-        """The trainer's arguments: the job's, and the re-planned mesh when it is not the job's."""
-        if self.plan is None or self.plan == self.full_plan:
-            return list(self.train_args)
-        return [*self.train_args, *self.plan.overrides()]
-
-    def _keep_spares_ready(self, number: int) -> None:
-        """A waiting process in every spare slot (started anew where one has ended)."""
-        for slot in self.slots.spares():
-            spare = self.spare_workers.get(slot)
-            if spare is not None and spare.alive:
-                continue
-            if spare is not None:
-                spare.close()
-            command = [sys.executable, "-m", "msjax.launch.spare", str(self.run_dir.path)]
-            log = self.run_dir.spare_log(slot)
-            env = self._worker_base_env()
-            self.spare_workers[slot] = WorkerProcess(
-                -1, [*command, str(slot)], env, log, number, echo=None
-            )
-
     def _spawn(self, number: int) -> Attempt:
         layout = self.layout
         coordinator = layout.coordinator or f"127.0.0.1:{free_port()}"
-        args = self._worker_args()
+        args = self.membership.worker_args(self.train_args)
         command = [sys.executable, "-m", "msjax.train", *args]
         committed = committed_steps(self.run_dir.checkpoints)  # before any worker can save
         one_node = layout.nnodes == 1
@@ -411,10 +360,8 @@ class Supervisor:
                 **worker_env(coordinator, num_processes, rank, number),
                 SLOT_ENV_VAR: str(slot if one_node else rank),  # injected faults follow the slot
             }
-            spare = self.spare_workers.pop(slot, None)
-            if spare is not None and not spare.alive:
-                spare.close()  # ended while waiting (its bound): a fresh worker instead
-            elif spare is not None:  # a spare taking a rank: its imports are done
+            spare = self.membership.waiting_spare(slot)
+            if spare is not None:  # a spare taking a rank: its imports are done
                 write_assignment(self.run_dir.path, slot, rank, job_env, args)
                 spare.rank, spare.spawned_unix_s = rank, time.time()
                 workers.append(spare)
@@ -423,7 +370,7 @@ class Supervisor:
             echo = self.out if rank == 0 else None
             log = self.run_dir.log(rank)
             workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
-        self._keep_spares_ready(number)
+        self.membership.keep_spares_ready(number, self._worker_base_env())
         attempt = Attempt.started(number, workers)
         attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
@@ -433,7 +380,7 @@ class Supervisor:
             else f"rank {workers[0].rank}"
         )
         where = ""
-        if one_node and (self.slots.spares() or self.plan != self.full_plan):
+        if one_node and (self.slots.spares() or self.membership.shrunk):
             where = f", slots {self.slots.describe()}"
         self.say(
             f"attempt {number}: {len(workers)} workers ({ranks} of {num_processes}), "
@@ -470,160 +417,10 @@ class Supervisor:
                 return fault
             if poll.all_exited:
                 return None  # every worker exited 0 and says it finished
-            if self._readmit(attempt):
+            if self.membership.poll_readmission(attempt, self._worker_base_env()):
                 return None  # _run stops the attempt and grows the mesh back
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
-
-    # --- membership: excluding a bad slot, re-admitting it ------------------------------------
-
-    def _replan(self, healthy: int | None = None) -> MeshPlan:
-        """The mesh for the healthy slots, or for `healthy` processes (the job's own when all
-        are healthy)."""
-        devices_per_proc = self.layout.devices_per_proc
-        if self.full_plan is None or devices_per_proc is None:
-            raise MsjaxError(
-                "the mesh cannot be re-planned without --devices-per-proc (the devices each "
-                "process holds) and a mesh that fits them"
-            )
-        if healthy is None:
-            healthy = len(self.slots.healthy())
-        return replan_mesh(self.config, devices_per_proc, self.layout.nprocs, healthy)
-
-    def _exclude_bad_slot(self, action: Action, fault: DetectedFault) -> Action:
-        """Take the slot the policy marked bad out of the job (one node): a spare takes its
-        rank, else the mesh shrinks onto the healthy slots; the restart then runs on them. The
-        action becomes a stop (exit 8) where no mesh fits."""
-        bad = action.bad_slot
-        incident = self.incidents.open_incident
-        assert bad is not None and incident is not None
-        slot = int(bad.slot)
-        faults = {f.incident: f for f in read_slot_faults(self.run_dir)}
-        first = faults.get(bad.incidents[0]) if bad.incidents else None
-        record: dict[str, Any] = {
-            "slot": slot,
-            "rank": fault.rank,
-            "incidents": list(bad.incidents),
-            "first_fault_unix_s": first.fault_unix_s if first else fault.fault_unix_s,
-            "detected_unix_s": fault.detected_unix_s,
-            "checked_unix_s": None,  # no self-check of the slot on this path
-            "excluded_unix_s": time.time(),
-            "first_step_unix_s": None,  # on the new mesh: filled in as the next attempt runs
-            "first_fault_to_new_mesh_s": None,
-        }
-        spare = self.slots.exclude(slot, record["excluded_unix_s"])
-        incident.membership = record
-        self.membership_changed = True
-        why = f"slot {slot} (rank {fault.rank}) excluded"
-        if spare is not None:
-            record.update(action="spare", spare_slot=spare, slots=self.slots.describe())
-            self.say(f"{why}; spare slot {spare} takes rank {fault.rank}, the mesh is unchanged")
-            return action
-        try:
-            plan = self._replan()
-        except MsjaxError as error:
-            record.update(action="stop", slots=self.slots.describe())
-            stop = dataclasses.replace(
-                action, stop_code=exit_codes.NO_PROGRESS, reason=f"{why}, and {error}"
-            )
-            incident.take(stop)
-            return stop
-        self.slots.arrange(plan.processes)
-        self.plan = plan
-        record.update(action="shrink", mesh=plan.describe(), slots=self.slots.describe())
-        self.say(f"{why}; no spare left: the job goes on on {plan.describe()}")
-        return action
-
-    def _readmit(self, attempt: Attempt) -> bool:
-        """Re-admit an excluded slot once its time out is over and its self-check passes
-        (msjax.launch.readmission; one that fails stays out for another time out). On the job's
-        own mesh it waits as a spare; on a shrunk one the job stops at its next committed
-        checkpoint to grow back (True)."""
-        checked = self.readmission.poll(self.slots, attempt.number)
-        if checked is not None:
-            self._take_readmission_verdict(attempt, *checked)
-        if self._regrow_after_step is None:
-            return False
-        committed = committed_steps(self.run_dir.checkpoints)
-        self._regrow_ready = bool(committed) and committed[-1] > self._regrow_after_step
-        return self._regrow_ready
-
-    def _take_readmission_verdict(
-        self, attempt: Attempt, check: SlotCheck, health: HealthRound
-    ) -> None:
-        """Re-admit the checked slot (passed) or keep it out another time out (failed)."""
-        slot = check.slot
-        after = f"resilience.readmit_after_s={self.resilience.readmit_after_s:g}"
-        verdict = str(health.path.relative_to(self.run_dir.path))
-        if not health.passed:
-            self.slots.keep_out(slot, time.time())
-            number = self.incidents.next_number()
-            self.incidents.add(kept_out_incident(number, check, health, attempt, self.slots))
-            self.say(
-                f"incident {number}: slot {slot} failed its self-check for re-admission "
-                f"({verdict}); it stays excluded, checked again after {after}"
-            )
-            return
-        self.slots.readmit(slot)
-        if self.plan == self.full_plan:
-            self.slots.make_spare(slot)
-            self._keep_spares_ready(attempt.number)
-            self.say(f"slot {slot} re-admitted after {after}, its self-check passed: a spare now")
-            return
-        self._readmitted[str(slot)] = {"checked_unix_s": time.time(), "health": verdict}
-        if self._regrow_after_step is None:
-            committed = committed_steps(self.run_dir.checkpoints)
-            self._regrow_after_step = committed[-1] if committed else -1
-        self.say(
-            f"slot {slot} re-admitted after {after}, its self-check passed ({verdict}): the job "
-            "returns to a larger mesh at its next checkpoint"
-        )
-
-    def _stop_for_regrow(self, attempt: Attempt) -> None:
-        """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over
-        the mesh for the healthy slots: an incident of its own, no restart counted."""
-        self.incidents.close(attempt)
-        number = self.incidents.next_number()
-        stopped_unix_s = time.time()
-        committed = committed_steps(self.run_dir.checkpoints)
-        stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
-        attempt.ended_unix_s = time.time()
-        attempt.outcome = REGROW
-        self._regrow_ready, self._regrow_after_step = False, None
-        readmitted, self._readmitted = self._readmitted, {}
-        plan = self._replan()  # fits: it held before on fewer slots
-        self.slots.arrange(plan.processes)
-        self.plan = plan
-        detail = f"checkpoint {committed[-1]} committed after slots were re-admitted"
-        self.incidents.open(
-            Incident(
-                incident=number,
-                cause=REGROW,
-                rank=None,
-                detail=detail,
-                attempt=attempt.number,
-                phase=None,
-                step=attempt.max_step,
-                fault_unix_s=stopped_unix_s,
-                fault_time_from="re-admission",
-                detected_unix_s=stopped_unix_s,
-                detection_latency_s=0.0,
-                stop_s=round(stop_s, 3),
-                diagnostics=None,
-                flight_recorder=None,
-                action=REGROW,
-                killed_after_grace=killed,
-                membership={
-                    "action": REGROW,
-                    "mesh": plan.describe(),
-                    "slots": self.slots.describe(),
-                    "readmitted": readmitted,
-                    "stopped_unix_s": stopped_unix_s,
-                    "first_step_unix_s": None,
-                },
-            )
-        )
-        self.say(f"incident {number}: {detail}; the job goes on on {plan.describe()}")
 
     # --- after a fault -------------------------------------------------------------------------
 

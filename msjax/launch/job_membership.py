@@ -1,0 +1,320 @@
+"""Which slots of this node run the job, on which mesh, and how that changes: a bad slot is
+excluded (a spare takes its rank, or the mesh shrinks onto the healthy slots), an excluded one is
+re-admitted once its self-check passes, and the job grows back at a checkpoint. The supervisor
+asks; the bookkeeping itself is msjax.launch.membership's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from msjax.checkpoint.commits import committed_steps
+from msjax.config import Config
+from msjax.doctor import HealthRound
+from msjax.errors import MsjaxError
+from msjax.launch.attempt import Attempt
+from msjax.launch.fault_detection import DetectedFault
+from msjax.launch.incidents import Incident, IncidentLog
+from msjax.launch.layout import JobLayout
+from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
+from msjax.launch.policy import Action
+from msjax.launch.readmission import Readmission, SlotCheck, kept_out_incident
+from msjax.launch.slots import read_slot_faults
+from msjax.launch.workers import WorkerProcess, stop_workers
+from msjax.resilience import exit_codes
+from msjax.run_dir import RunDir
+
+SPARE_CHECK_POLL_S = 0.1
+REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
+
+
+class JobMembership:
+    """The slots and mesh of a job on one node (`Slots`, `MeshPlan`), the spares' waiting
+    processes, and the re-admission of excluded slots."""
+
+    def __init__(
+        self,
+        config: Config,
+        layout: JobLayout,
+        run_dir: RunDir,
+        faults: str | None,
+        spares: int,
+        incidents: IncidentLog,
+        say: Callable[[str], None],
+    ):
+        self.config = config
+        self.layout = layout
+        self.run_dir = run_dir
+        self.incidents = incidents
+        self.say = say
+        self.slots = Slots(layout.nprocs, spares)
+        self.spare_workers: dict[int, WorkerProcess] = {}
+        self.full_plan: MeshPlan | None = None
+        if layout.devices_per_proc is not None and layout.nnodes == 1:
+            with contextlib.suppress(MsjaxError):  # a mesh that does not fit: workers refuse it
+                self.full_plan = full_plan(config, layout.devices_per_proc, layout.nprocs)
+        self.plan = self.full_plan
+        self.changed = False  # since the supervisor last asked (`take_change`)
+        self.regrow_ready = False  # a checkpoint past the re-admission is committed
+        self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
+        self._readmitted: dict[str, Any] = {}  # slot: its passed check, until the regrow
+        self.readmission = Readmission(config, layout, run_dir, faults)
+        # with self-checks on, a spare waits only once it has passed its own (check_spares)
+        checking = config.resilience.check_budget_s > 0
+        self.unchecked_spares = set(self.slots.spares()) if checking else set()
+
+    # --- what the workers run ------------------------------------------------------------------
+
+    @property
+    def shrunk(self) -> bool:
+        return self.plan is not None and self.plan != self.full_plan
+
+    def planned_config(self) -> Config:
+        """The job's config on the mesh it runs now (re-planned for the healthy slots)."""
+        return self.plan.applied(self.config) if self.shrunk and self.plan else self.config
+
+    def worker_args(self, train_args: list[str]) -> list[str]:
+        """The trainer's arguments: the job's, and the re-planned mesh when it is not the job's."""
+        if not self.shrunk or self.plan is None:
+            return list(train_args)
+        return [*train_args, *self.plan.overrides()]
+
+    def take_change(self) -> bool:
+        """Whether the membership changed since the last call (the job counts afresh then)."""
+        changed, self.changed = self.changed, False
+        return changed
+
+    # --- spares --------------------------------------------------------------------------------
+
+    def start_spare_checks(self, attempt: int) -> list[SlotCheck]:
+        """The self-checks of the spares not checked yet, each slot alone, started (they run
+        beside the job's own round, started before them)."""
+        return [self.readmission.start(slot, attempt) for slot in sorted(self.unchecked_spares)]
+
+    def finish_spare_checks(self, checks: list[SlotCheck], attempt: int, step: int) -> None:
+        """Wait for each spare's check (bounded by its budget) and judge it: a spare that
+        fails is excluded, an incident of its own; one that passes may wait for a rank."""
+        for check in checks:
+            while not check.checks.settled():
+                time.sleep(SPARE_CHECK_POLL_S)
+            health = check.checks.finish()
+            self.unchecked_spares.discard(check.slot)
+            verdict = str(health.path.relative_to(self.run_dir.path))
+            if health.passed:
+                self.say(f"spare slot {check.slot} passed its self-check ({verdict})")
+                continue
+            self.slots.drop_spare(check.slot, time.time())
+            number = self.incidents.next_number()
+            incident = kept_out_incident(
+                number, check, health, attempt, step, self.slots, as_spare=True
+            )
+            self.incidents.add(incident)
+            self.say(
+                f"incident {number}: spare slot {check.slot} failed its self-check ({verdict}); "
+                "excluded, it never waits for a rank"
+            )
+
+    def keep_spares_ready(self, number: int, env: dict[str, str]) -> None:
+        """A waiting process in every spare slot that passed its check (started anew where one
+        has ended)."""
+        for slot in self.slots.spares():
+            if slot in self.unchecked_spares:
+                continue
+            spare = self.spare_workers.get(slot)
+            if spare is not None and spare.alive:
+                continue
+            if spare is not None:
+                spare.close()
+            spare_module = [sys.executable, "-m", "msjax.launch.spare"]
+            command = [*spare_module, str(self.run_dir.path), str(slot)]
+            log = self.run_dir.spare_log(slot)
+            self.spare_workers[slot] = WorkerProcess(-1, command, env, log, number, echo=None)
+
+    def waiting_spare(self, slot: int) -> WorkerProcess | None:
+        """The spare process waiting in `slot`, taken out of the pool; None where there is none
+        (or it ended while waiting: a fresh worker starts instead)."""
+        spare = self.spare_workers.pop(slot, None)
+        if spare is not None and not spare.alive:
+            spare.close()
+            return None
+        return spare
+
+    def close(self, grace_s: float) -> None:
+        """The job ends: a re-admission check under way is cancelled, the spares stop."""
+        self.readmission.cancel()
+        stop_workers(list(self.spare_workers.values()), grace_s)
+
+    # --- excluding a bad slot ------------------------------------------------------------------
+
+    def replan(self, healthy: int | None = None) -> MeshPlan:
+        """The mesh for the healthy slots, or for `healthy` processes (the job's own when all
+        are healthy)."""
+        devices_per_proc = self.layout.devices_per_proc
+        if self.full_plan is None or devices_per_proc is None:
+            raise MsjaxError(
+                "the mesh cannot be re-planned without --devices-per-proc (the devices each "
+                "process holds) and a mesh that fits them"
+            )
+        if healthy is None:
+            healthy = len(self.slots.healthy())
+        return replan_mesh(self.config, devices_per_proc, self.layout.nprocs, healthy)
+
+    def can_leave_out(self) -> bool:
+        """Whether the job on this node could go on without one of its slots: a spare takes
+        its rank, or a mesh fits the healthy slots left."""
+        if self.slots.spares():
+            return True
+        healthy = len(self.slots.healthy()) - 1
+        if healthy < 1:
+            return False
+        try:
+            self.replan(healthy)
+        except MsjaxError:
+            return False
+        return True
+
+    def exclude(self, action: Action, fault: DetectedFault) -> Action:
+        """Take the slot the policy marked bad out of the job (one node): a spare takes its
+        rank, else the mesh shrinks onto the healthy slots; the restart then runs on them. The
+        action becomes a stop (exit 8) where no mesh fits."""
+        bad = action.bad_slot
+        incident = self.incidents.open_incident
+        assert bad is not None and incident is not None
+        slot = int(bad.slot)
+        faults = {f.incident: f for f in read_slot_faults(self.run_dir)}
+        first = faults.get(bad.incidents[0]) if bad.incidents else None
+        record: dict[str, Any] = {
+            "slot": slot,
+            "rank": fault.rank,
+            "incidents": list(bad.incidents),
+            "first_fault_unix_s": first.fault_unix_s if first else fault.fault_unix_s,
+            "detected_unix_s": fault.detected_unix_s,
+            "checked_unix_s": None,  # no self-check of the slot on this path
+            "excluded_unix_s": time.time(),
+            "first_step_unix_s": None,  # on the new mesh: filled in as the next attempt runs
+            "first_fault_to_new_mesh_s": None,
+        }
+        spare = self.slots.exclude(slot, record["excluded_unix_s"])
+        incident.membership = record
+        self.changed = True
+        why = f"slot {slot} (rank {fault.rank}) excluded"
+        if spare is not None:
+            record.update(action="spare", spare_slot=spare, slots=self.slots.describe())
+            self.say(f"{why}; spare slot {spare} takes rank {fault.rank}, the mesh is unchanged")
+            return action
+        try:
+            plan = self.replan()
+        except MsjaxError as error:
+            record.update(action="stop", slots=self.slots.describe())
+            stop = dataclasses.replace(
+                action, stop_code=exit_codes.NO_PROGRESS, reason=f"{why}, and {error}"
+            )
+            incident.take(stop)
+            return stop
+        self.slots.arrange(plan.processes)
+        self.plan = plan
+        record.update(action="shrink", mesh=plan.describe(), slots=self.slots.describe())
+        self.say(f"{why}; no spare left: the job goes on on {plan.describe()}")
+        return action
+
+    # --- re-admitting it, growing back ---------------------------------------------------------
+
+    def poll_readmission(self, attempt: Attempt, env: dict[str, str]) -> bool:
+        """Re-admit an excluded slot once its time out is over and its self-check passes
+        (msjax.launch.readmission; one that fails stays out for another time out). On the job's
+        own mesh it waits as a spare; on a shrunk one the job stops at its next committed
+        checkpoint to grow back (True)."""
+        checked = self.readmission.poll(self.slots, attempt.number)
+        if checked is not None:
+            self._take_readmission_verdict(attempt, *checked, env)
+        if self._regrow_after_step is None:
+            return False
+        committed = committed_steps(self.run_dir.checkpoints)
+        self.regrow_ready = bool(committed) and committed[-1] > self._regrow_after_step
+        return self.regrow_ready
+
+    def _take_readmission_verdict(
+        self, attempt: Attempt, check: SlotCheck, health: HealthRound, env: dict[str, str]
+    ) -> None:
+        """Re-admit the checked slot (passed) or keep it out another time out (failed)."""
+        slot = check.slot
+        after = f"resilience.readmit_after_s={self.config.resilience.readmit_after_s:g}"
+        verdict = str(health.path.relative_to(self.run_dir.path))
+        if not health.passed:
+            self.slots.keep_out(slot, time.time())
+            number = self.incidents.next_number()
+            self.incidents.add(
+                kept_out_incident(
+                    number, check, health, attempt.number, attempt.max_step, self.slots
+                )
+            )
+            self.say(
+                f"incident {number}: slot {slot} failed its self-check for re-admission "
+                f"({verdict}); it stays excluded, checked again after {after}"
+            )
+            return
+        self.slots.readmit(slot)
+        if not self.shrunk:
+            self.slots.make_spare(slot)
+            self.keep_spares_ready(attempt.number, env)
+            self.say(f"slot {slot} re-admitted after {after}, its self-check passed: a spare now")
+            return
+        self._readmitted[str(slot)] = {"checked_unix_s": time.time(), "health": verdict}
+        if self._regrow_after_step is None:
+            committed = committed_steps(self.run_dir.checkpoints)
+            self._regrow_after_step = committed[-1] if committed else -1
+        self.say(
+            f"slot {slot} re-admitted after {after}, its self-check passed ({verdict}): the job "
+            "returns to a larger mesh at its next checkpoint"
+        )
+
+    def stop_for_regrow(self, attempt: Attempt) -> None:
+        """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over
+        the mesh for the healthy slots: an incident of its own, no restart counted."""
+        self.incidents.close(attempt)
+        number = self.incidents.next_number()
+        stopped_unix_s = time.time()
+        committed = committed_steps(self.run_dir.checkpoints)
+        stop_s, killed = stop_workers(attempt.workers, self.config.resilience.stop_grace_s)
+        attempt.ended_unix_s = time.time()
+        attempt.outcome = REGROW
+        self.regrow_ready, self._regrow_after_step = False, None
+        readmitted, self._readmitted = self._readmitted, {}
+        plan = self.replan()  # fits: it held before on fewer slots
+        self.slots.arrange(plan.processes)
+        self.plan = plan
+        detail = f"checkpoint {committed[-1]} committed after slots were re-admitted"
+        self.incidents.open(
+            Incident(
+                incident=number,
+                cause=REGROW,
+                rank=None,
+                detail=detail,
+                attempt=attempt.number,
+                phase=None,
+                step=attempt.max_step,
+                fault_unix_s=stopped_unix_s,
+                fault_time_from="re-admission",
+                detected_unix_s=stopped_unix_s,
+                detection_latency_s=0.0,
+                stop_s=round(stop_s, 3),
+                diagnostics=None,
+                flight_recorder=None,
+                action=REGROW,
+                killed_after_grace=killed,
+                membership={
+                    "action": REGROW,
+                    "mesh": plan.describe(),
+                    "slots": self.slots.describe(),
+                    "readmitted": readmitted,
+                    "stopped_unix_s": stopped_unix_s,
+                    "first_step_unix_s": None,
+                },
+            )
+        )
+        self.say(f"incident {number}: {detail}; the job goes on on {plan.describe()}")
