@@ -170,6 +170,12 @@ class SelfCheckRound:
         write_text_atomically(path, json.dumps(verdict, indent=1))
         return HealthRound(self.number, path, failures, wall_s, summary)
 
+    def wait(self) -> HealthRound:
+        """Block until the round has settled (its budget bounds the wait), then finish it."""
+        while not self.settled():
+            time.sleep(POLL_S)
+        return self.finish()
+
     def cancel(self) -> None:
         """Stop the round's processes without a verdict (the job ended first)."""
         stop_workers(self.workers, grace_s=2.0)
@@ -216,9 +222,7 @@ def run_self_checks(
         budget_s,
         slots=slots,
     )
-    while not checks.settled():
-        time.sleep(POLL_S)
-    return checks.finish()
+    return checks.wait()
 
 
 def _done(reports: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any]]:

@@ -29,7 +29,6 @@ from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
 
-SPARE_CHECK_POLL_S = 0.1
 REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
 
 
@@ -100,9 +99,7 @@ class JobMembership:
         """Wait for each spare's check (bounded by its budget) and judge it: a spare that
         fails is excluded, an incident of its own; one that passes may wait for a rank."""
         for check in checks:
-            while not check.checks.settled():
-                time.sleep(SPARE_CHECK_POLL_S)
-            health = check.checks.finish()
+            health = check.checks.wait()
             self.unchecked_spares.discard(check.slot)
             verdict = str(health.path.relative_to(self.run_dir.path))
             if health.passed:

@@ -306,9 +306,7 @@ class Supervisor:
             slots=slots,
         )
         spare_checks = self.membership.start_spare_checks(number)
-        while not checks.settled():  # bounded by resilience.check_budget_s
-            time.sleep(self.poll_s)
-        health = checks.finish()
+        health = checks.wait()  # bounded by resilience.check_budget_s
         committed = committed_steps(self.run_dir.checkpoints)
         self.membership.finish_spare_checks(spare_checks, number, committed[-1] if committed else 0)
         for line in report_lines(health):
