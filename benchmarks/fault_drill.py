@@ -48,6 +48,14 @@ def run_job(
     return finished_job(run_dir, flags, [*job, f"resilience.compile_cache_dir={cache_dir}"])
 
 
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def ranks(value: list[int] | None) -> str:
+    return "-" if not value else " ".join(str(rank) for rank in value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4000)
@@ -74,15 +82,26 @@ def main() -> None:
     faulty = run_job(base / "faults", cache_dir, args, faults)
 
     print()
-    print("| incident | cause | rank | detection latency | detection to first step |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "| incident | cause | rank | detection latency | detection to first step | stop | "
+        "restart to first step | catch-up | killed at once | killed after grace |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for incident in faulty["incidents"]:
-        latency = incident.get("detection_latency_s")
-        restart = incident.get("restart_s")
+        cells = [
+            seconds(incident.get(key))
+            for key in (
+                "detection_latency_s",
+                "restart_s",
+                "stop_s",
+                "restart_to_first_step_s",
+                "catch_up_s",
+            )
+        ]
+        killed = [ranks(incident.get(key)) for key in ("killed_at_once", "killed_after_grace")]
         print(
             f"| {incident['incident']} | {incident['cause']} | {incident['rank']} | "
-            f"{'-' if latency is None else f'{latency:.2f} s'} | "
-            f"{'-' if restart is None else f'{restart:.2f} s'} |"
+            f"{' | '.join([*cells, *killed])} |"
         )
     extra_s = faulty["wall_s"] - clean["wall_s"]
     per_fault_s = extra_s / max(len(faulty["incidents"]), 1)
@@ -93,6 +112,11 @@ def main() -> None:
     for name, key in (("effective training time", "effective_training_time_ratio"),):
         print(f"| {name} | {clean['goodput'][key]:.4f} | {faulty['goodput'][key]:.4f} |")
     print(f"| incidents | {len(clean['incidents'])} | {len(faulty['incidents'])} |")
+    for name, job in (("clean", clean), ("with faults", faulty)):
+        shares = ", ".join(
+            f"{key[:-2]} {value:.1f} s" for key, value in job["goodput"]["breakdown_s"].items()
+        )
+        print(f"{name}: {shares}")
     print(f"wall time per fault: {per_fault_s:.2f} s (goal: at most 15 s)")
     print(f"with faults / clean wall time: {faulty['wall_s'] / clean['wall_s']:.3f}")
     print(f"run dirs in {base}")

@@ -4,6 +4,7 @@ without the compilation caches; detection latency, restart-to-first-step, catch-
     python benchmarks/recovery.py [--steps 24] [--out DIR]
     python benchmarks/recovery.py --smoke   # 8 steps of a smaller model, a 4 s step deadline
     python benchmarks/recovery.py --bad-slot [--steps 24]   # a crash-looping slot, 4 processes
+    python benchmarks/recovery.py --long-drill [--minutes 10]   # a slot crash-looping, 2 bit flips
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2`. The job with caches
 compiles once (its first attempt fills the caches) and loads on every restart; the other compiles
@@ -12,6 +13,15 @@ on every attempt. Prints one table, both jobs side by side, and the ratio.
 --bad-slot: 4 processes x 2 devices where the slot of rank 3 crashes at every start; excluded
 after 2 faults, it is replaced by a spare (--spares 1), or the mesh shrinks to 2 processes, or
 (resilience.on_bad_node=restart, today's behaviour) the job restarts until its budget is spent.
+
+--long-drill: the same 4-process job (data 4 x fsdp 2, so replicas exist on the shrunk mesh too)
+for a window of --minutes, through a bit flip on rank 1, slot 3 crashing at every start, then a
+bit flip on rank 0; the corruption guard checks every 25 steps and reruns (on_corruption=rerun).
+Run under on_bad_node=exclude (the default: slot 3 is left out, the mesh shrinks) and restart
+(today's behaviour: the job restarts on the broken slot until a limit stops it), one after the
+other; a job still running when the window ends gets SIGTERM (it saves and stops). Effective
+training time over the drill: the kept steps' time over the window (or the job's wall time,
+if longer). Prints both and their ratio.
 """
 
 from __future__ import annotations
@@ -69,7 +79,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="8 steps, a shorter step deadline")
     parser.add_argument("--bad-slot", action="store_true", help="a crash-looping slot instead")
+    parser.add_argument(
+        "--long-drill", action="store_true", help="a crash-looping slot and 2 bit flips"
+    )
+    parser.add_argument("--minutes", type=float, default=10.0, help="the long drill's window")
     args = parser.parse_args()
+    if args.long_drill:
+        long_drill(args.minutes, args.out or Path(tempfile.mkdtemp(prefix="msjax-long-drill-")))
+        return
     if args.bad_slot:
         bad_slot(args.steps, args.out or Path(tempfile.mkdtemp(prefix="msjax-bad-slot-")))
         return
@@ -190,6 +207,89 @@ def bad_slot(steps: int, base: Path) -> None:
     for measure in results["spare"]:
         cells = ["-" if results[h][measure] is None else str(results[h][measure]) for h in results]
         print(f"| {measure} | {' | '.join(cells)} |")
+    print(f"run dirs in {base}")
+
+
+LONG_DRILL_SAVE_EVERY = 50
+LONG_DRILL_CHECK_EVERY = 25  # resilience.replica_check_every
+LONG_DRILL_STEPS = 1_000_000  # more than any window holds: the window ends the job
+
+
+def long_drill_faults(save_every: int = LONG_DRILL_SAVE_EVERY) -> str:
+    """A bit flip on rank 1; slot 3 crashing at every start from the step after a save on; a
+    bit flip on rank 0 (under exclude, on the shrunk mesh)."""
+    return ";".join(
+        (
+            f"bitflip@step={save_every + save_every // 2},rank=1",
+            f"crash@step={2 * save_every + 2},rank=3,times=99",
+            f"bitflip@step={6 * save_every + save_every // 2},rank=0",
+        )
+    )
+
+
+def run_long_drill_job(run_dir: Path, window_s: float, on_bad_node: str) -> dict[str, Any]:
+    """One 4-process job through the long drill's faults for window_s (or until it stops)."""
+    overrides = [
+        "mesh.data=4",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        f"resilience.replica_check_every={LONG_DRILL_CHECK_EVERY}",
+        "resilience.on_corruption=rerun",
+        f"resilience.on_bad_node={on_bad_node}",
+        "resilience.readmit_after_s=0",  # the slot stays out for the drill
+        f"resilience.compile_cache_dir={run_dir.parent / f'{run_dir.name}-cache'}",
+    ]
+    job = tiny_job_args(run_dir, LONG_DRILL_STEPS, LONG_DRILL_SAVE_EVERY, False)
+    flags = [f"--fault={long_drill_faults()}"]
+    code, wall_s = launch(run_dir, 4, flags, [*job, *overrides], window_s=window_s)
+    goodput = json.loads(RunDir(run_dir).goodput.read_text())
+    faults = incidents(run_dir)
+    membership = next((i["membership"] for i in faults if "membership" in i), {})
+    mismatches = RunDir(run_dir).replica_mismatches
+    lines = mismatches.read_text().splitlines() if mismatches.exists() else []
+    events = [json.loads(line)["event"] for line in lines]
+    kept_s = goodput["effective_training_time_ratio"] * goodput["wall_s"]
+    return {
+        "exit code": code,
+        "wall time (s)": round(wall_s, 1),
+        "steps kept": goodput["steps"],
+        "incidents": len(faults),
+        "causes": " ".join(i["cause"] for i in faults) or "-",
+        "replica checks: mismatch / transient": (
+            f"{events.count('mismatch')} / {events.count('transient')}"
+        ),
+        "first fault to first step on the new mesh (s)": membership.get(
+            "first_fault_to_new_mesh_s"
+        ),
+        "steps lost": sum(i.get("steps_lost") or 0 for i in faults),
+        "kept step time (s)": round(kept_s, 1),
+        "effective training time over the drill": round(kept_s / max(wall_s, window_s), 4),
+    }
+
+
+def long_drill(minutes: float, base: Path) -> None:
+    base.mkdir(parents=True, exist_ok=True)
+    window_s = minutes * 60
+    print(
+        f"long drill: tiny model, 4 processes x 2 CPU devices (data 4 x fsdp 2), a window of "
+        f"{minutes:g} min, a checkpoint every {LONG_DRILL_SAVE_EVERY} steps, replica check "
+        f"every {LONG_DRILL_CHECK_EVERY}; faults: {long_drill_faults()}",
+        flush=True,
+    )
+    results = {}
+    for how in ("exclude", "restart"):
+        print(f"running the long drill under resilience.on_bad_node={how} ...", flush=True)
+        results[how] = run_long_drill_job(base / f"long-drill-{how}", window_s, how)
+    print()
+    print("| measure | exclude (default) | restart (on_bad_node=restart) |")
+    print("| --- | --- | --- |")
+    for measure in results["exclude"]:
+        cells = ["-" if results[h][measure] is None else str(results[h][measure]) for h in results]
+        print(f"| {measure} | {' | '.join(cells)} |")
+    key = "effective training time over the drill"
+    exclude, restart = results["exclude"][key], results["restart"][key]
+    ratio = f"{exclude / restart:.2f}x" if restart else "- (restart kept no step)"
+    print(f"effective training time, exclude / restart: {ratio}")
     print(f"run dirs in {base}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,8 +38,11 @@ def tiny_job_args(run_dir: Path, steps: int, save_every: int, smoke: bool) -> li
     ]
 
 
-def launch(run_dir: Path, nprocs: int, flags: list[str], args: list[str]) -> tuple[int, float]:
-    """Runs the job to its end, its output in RUN_DIR.log beside the run dir: exit code, wall s."""
+def launch(
+    run_dir: Path, nprocs: int, flags: list[str], args: list[str], window_s: float | None = None
+) -> tuple[int, float]:
+    """Runs the job to its end, its output in RUN_DIR.log beside the run dir: exit code, wall s.
+    With window_s, a job still running then gets SIGTERM (its workers save and stop)."""
     command = [
         *(sys.executable, "-m", "msjax.launch", f"--nprocs={nprocs}", "--devices-per-proc=2"),
         *flags,
@@ -49,7 +53,12 @@ def launch(run_dir: Path, nprocs: int, flags: list[str], args: list[str]) -> tup
     log = run_dir.parent / f"{run_dir.name}.log"
     started = time.perf_counter()
     with log.open("w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        job = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            code = job.wait(timeout=window_s)
+        except subprocess.TimeoutExpired:
+            job.send_signal(signal.SIGTERM)
+            code = job.wait()
     return code, time.perf_counter() - started
 
 

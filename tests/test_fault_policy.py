@@ -15,11 +15,12 @@ from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
 from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.incidents import Incident, IncidentLog
 from msjax.launch.layout import JobLayout
-from msjax.launch.policy import FaultHistory, decide
+from msjax.launch.policy import FaultHistory, decide, ranks_to_kill_at_once
 from msjax.launch.slots import SlotFault, faults_in_a_row
 from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.fault_kinds import KINDS, kind_of_error, kind_of_exit
+from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
 from msjax.run_dir import RunDir
 from msjax.writable import WriteFailed
@@ -390,3 +391,20 @@ def test_the_launchers_of_two_nodes_never_take_the_same_incident_number(tmp_path
         "4",
     ]
     assert IncidentLog(run_dir, print).next_number() == 5
+
+
+def beat(rank: int, phase: str) -> HeartbeatRecord:
+    return HeartbeatRecord(rank, 100 + rank, 0, 6, 0, phase, 1.0, 2.0)
+
+
+def test_after_a_fault_only_ranks_with_nothing_to_finish_go_without_their_grace():
+    heartbeats = {
+        rank: beat(rank, phase)
+        for rank, phase in enumerate(["step", "step", "checkpoint", "drain", "compile", "eval"])
+    }
+    # rank 1 is the faulty one (SIGKILLed anyway); a save started or draining keeps its grace
+    assert ranks_to_kill_at_once(1, heartbeats, save_being_written=False) == [0, 4, 5]
+    # a save still being written on disk: every rank may be finishing its share of it
+    assert ranks_to_kill_at_once(1, heartbeats, save_being_written=True) == []
+    # a rank without a heartbeat (still starting, or its beat unreadable) keeps its grace
+    assert ranks_to_kill_at_once(1, {}, save_being_written=False) == []

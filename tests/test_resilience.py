@@ -34,6 +34,7 @@ STEPS = 12
 SAVE_EVERY = 3
 NAN_STEP = 8
 STEP_DEADLINE_S = 8.0
+STOP_GRACE_S = 2.0
 RUN_TIMEOUT_S = 420
 POLL_S = 0.02
 
@@ -53,7 +54,7 @@ def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
         "mesh.tensor=1",
         "resilience.heartbeat_every_s=0.02",
         f"resilience.step_deadline_s={STEP_DEADLINE_S}",
-        "resilience.stop_grace_s=2",
+        f"resilience.stop_grace_s={STOP_GRACE_S}",
         "resilience.restart_backoff_s=0.1",
         f"resilience.compile_cache_dir={cache_dir}",
         f"run.dir={run_dir}",
@@ -333,6 +334,10 @@ def test_fault_storm_past_the_restart_budget_stops_and_keeps_the_last_good_check
     ]
     reason = "restart budget spent (resilience.max_restarts=1)"
     assert incidents[-1]["stop_reason"] == reason
+    # the crash waited for its saves: rank 0, stuck in the step's collective with no save being
+    # written, is SIGKILLed at once instead of waiting out its grace after SIGTERM
+    assert [(r["killed_at_once"], r["killed_after_grace"]) for r in incidents] == [([0], [])] * 2
+    assert all(r["stop_s"] < STOP_GRACE_S for r in incidents), incidents
     assert reason in job.output
     assert committed_steps(run_dir) == [SAVE_EVERY]
     arrays, meta = checkpoint_arrays(run_dir, SAVE_EVERY)  # reads back with fingerprints intact

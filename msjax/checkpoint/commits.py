@@ -20,3 +20,18 @@ def committed_steps(directory: Path) -> list[int]:
         for entry in directory.iterdir()
         if entry.is_dir() and entry.name.isdigit() and (entry / COMMIT_MARKER).exists()
     )
+
+
+def uncommitted_entries(directory: Path) -> list[str]:
+    """Names of step directories that were started but never finalized."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        entry.name
+        for entry in directory.iterdir()
+        if entry.is_dir()
+        and (
+            (TMP_MARKER in entry.name and entry.name.split(".")[0].isdigit())
+            or (entry.name.isdigit() and not (entry / COMMIT_MARKER).exists())
+        )
+    )

@@ -25,7 +25,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from msjax.checkpoint.commits import COMMIT_MARKER, TMP_MARKER, committed_steps
+from msjax.checkpoint.commits import (
+    COMMIT_MARKER,
+    committed_steps,
+    uncommitted_entries,
+)
 from msjax.checkpoint.fingerprint import (
     FINGERPRINT_FORMATS,
     PendingFingerprints,
@@ -95,21 +99,6 @@ def damaged_entries(directory: Path) -> list[str]:
     """Names under DIRECTORY/damaged/: steps found damaged by earlier restores."""
     damaged = directory / DAMAGED_DIR
     return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
-
-
-def uncommitted_entries(directory: Path) -> list[str]:
-    """Names of step directories that were started but never finalized."""
-    if not directory.is_dir():
-        return []
-    return sorted(
-        entry.name
-        for entry in directory.iterdir()
-        if entry.is_dir()
-        and (
-            (TMP_MARKER in entry.name and entry.name.split(".")[0].isdigit())
-            or (entry.name.isdigit() and not (entry / COMMIT_MARKER).exists())
-        )
-    )
 
 
 class _MetaHandler(ocp.JsonCheckpointHandler):

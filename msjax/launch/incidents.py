@@ -153,6 +153,7 @@ class Incident:
     restart_s: float | None = None
     catch_up_s: float | None = None
     killed_after_grace: list[int] | None = None  # ranks that did not stop on SIGTERM in time
+    killed_at_once: list[int] | None = None  # other ranks with nothing to finish: no grace
     stop_reason: str | None = None
     skipped_step: int | None = None
     backoff_s: float | None = None
@@ -165,6 +166,7 @@ class Incident:
         "launch",
         "scheduler_s",
         "killed_after_grace",
+        "killed_at_once",
         "stop_reason",
         "skipped_step",
         "backoff_s",

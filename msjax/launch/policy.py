@@ -13,8 +13,12 @@ from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.layout import JobLayout
 from msjax.launch.slots import BadSlot, SlotFault, faults_in_a_row
 from msjax.resilience import exit_codes, fault_kinds
+from msjax.resilience.heartbeat import HeartbeatRecord
 
 MAX_BACKOFF_S = 300.0
+# phases in which a worker starts no save of its own (a save started before may still be written
+# in the background: the checkpoints directory shows it, an unfinished step)
+PHASES_WITHOUT_SAVES = ("compile", "step", "eval")
 
 
 @dataclass(frozen=True)
@@ -192,3 +196,21 @@ def _stalled_stop(
             exit_codes.NO_PROGRESS,
         )
     return None
+
+
+def ranks_to_kill_at_once(
+    faulty_rank: int, heartbeats: dict[int, HeartbeatRecord], save_being_written: bool
+) -> list[int]:
+    """The other ranks of a faulted attempt that are SIGKILLed at once rather than given
+    resilience.stop_grace_s after SIGTERM: those whose last heartbeat says they are stepping,
+    compiling or evaluating while no save is being written. With the faulty rank gone, no save
+    can be entered together any more, so the grace could only let a save already in flight
+    finish; such a rank has none (one stuck in a collective would wait out the whole grace).
+    A rank in phase checkpoint or drain, or without a heartbeat, gets its grace."""
+    if save_being_written:
+        return []
+    return sorted(
+        rank
+        for rank, record in heartbeats.items()
+        if rank != faulty_rank and record.phase in PHASES_WITHOUT_SAVES
+    )

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from msjax.checkpoint.commits import committed_steps
+from msjax.checkpoint.commits import committed_steps, uncommitted_entries
 from msjax.config import Config
 from msjax.distributed import worker_env
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
@@ -49,7 +49,7 @@ from msjax.launch.launches import (
     scheduler_context,
 )
 from msjax.launch.layout import JobLayout
-from msjax.launch.policy import Action, FaultHistory, decide
+from msjax.launch.policy import Action, FaultHistory, decide, ranks_to_kill_at_once
 from msjax.launch.slots import (
     SlotFault,
     mark_bad,
@@ -435,18 +435,35 @@ class Supervisor:
         # the flight records first: collecting stacks wakes a stopped worker, stopping adds events
         verdict = flight_verdict(self.run_dir, incident)
         collect_diagnostics(attempt, fault, self.run_dir, incident)
-        # the faulty rank is not trusted to finish anything: SIGKILL; the others get SIGTERM
-        for worker in attempt.workers:
-            if worker.rank == fault.rank:
-                worker.signal(signal.SIGKILL)
+        killed_at_once = self._kill_at_once(attempt, fault.rank)
         stop_s, killed = stop_workers(attempt.workers, self.resilience.stop_grace_s)
         attempt.ended_unix_s = time.time()
         attempt.outcome = fault.cause
         diagnostics = str(incident.path.relative_to(self.run_dir.path))
-        self.incidents.open(
-            Incident.of_fault(number, fault, attempt, stop_s, diagnostics, verdict, killed)
-        )
+        record = Incident.of_fault(number, fault, attempt, stop_s, diagnostics, verdict, killed)
+        record.killed_at_once = killed_at_once
+        self.incidents.open(record)
         return number
+
+    def _kill_at_once(self, attempt: Attempt, faulty_rank: int) -> list[int]:
+        """SIGKILL the faulty rank (it is not trusted to finish anything), then the other ranks
+        with nothing left to finish (policy.ranks_to_kill_at_once); those others. The rest get
+        SIGTERM and resilience.stop_grace_s."""
+        for worker in attempt.workers:
+            if worker.rank == faulty_rank:
+                worker.signal(signal.SIGKILL)
+        attempt.read_heartbeats(self.run_dir)  # what the others do now that it is gone
+        try:
+            save_being_written = bool(uncommitted_entries(self.run_dir.checkpoints))
+        except OSError:
+            save_being_written = True  # not known: each rank gets its grace
+        live = {worker.rank for worker in attempt.workers if worker.alive}
+        heartbeats = {rank: hb for rank, hb in attempt.heartbeats.items() if rank in live}
+        ranks = ranks_to_kill_at_once(faulty_rank, heartbeats, save_being_written)
+        for worker in attempt.workers:
+            if worker.rank in ranks:
+                worker.signal(signal.SIGKILL)
+        return ranks
 
     def _give_up(self, fault: DetectedFault, action: Action) -> int:
         reason, code = action.reason, action.stop_code
