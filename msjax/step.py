@@ -38,6 +38,7 @@ from msjax.parallel.pipeline import (
     StageFunction,
     arrange_microbatches,
     cells_to_rows,
+    gathers_stage_weights_once,
     rows_to_streams,
     run_streams,
     split_microbatches,
@@ -228,16 +229,11 @@ class TrainProgram:
             return jnp.sum(losses * rows(real_token_weights(batch), finished))
 
     @property
-    def _gathers_stage_weights_once(self) -> bool:
-        """`pipeline.fsdp_gather=once` where fsdp splits the stage's weights."""
-        return self.config.pipeline.fsdp_gather == "once" and self.config.mesh.fsdp > 1
-
-    @property
     def _replicas(self) -> Replicas:
         """The copies of its stage's weights a pipeline loop works on: one per data-parallel
         replica, and per fsdp rank too where the weights are whole before the loop."""
         mesh = self.config.mesh
-        if self._gathers_stage_weights_once:
+        if gathers_stage_weights_once(self.config):
             return Replicas(mesh.data * mesh.fsdp, ("data", "fsdp"))
         return Replicas(mesh.data, ("data",))
 
@@ -248,7 +244,7 @@ class TrainProgram:
         layers_graphdef, layer_params = nnx.split(model.layers)
         remat = self.config.model.remat
         rules = logical_axis_rules(self.config)
-        replica_axes, gathered = self._replicas.axes, self._gathers_stage_weights_once
+        replica_axes, gathered = self._replicas.axes, gathers_stage_weights_once(self.config)
         if gathered:
             reduce_dtype = self.config.optim.grad_reduce_dtype
             layer_params = gathered_stage_weights(layer_params, self.mesh, rules, reduce_dtype)

@@ -161,6 +161,13 @@ class PipelineLayout:
         return self.stages > 1 and self.repeats > 1
 
 
+def gathers_stage_weights_once(config: Config) -> bool:
+    """`pipeline.fsdp_gather=once` on a pipe mesh whose fsdp axis splits the stage's weights:
+    gathered whole before the pipeline loop, their gradient reduced once after it."""
+    mesh = config.mesh
+    return config.pipeline.fsdp_gather == "once" and mesh.fsdp > 1 and mesh.pipe > 1
+
+
 def visit_column(column: Any, last_stage_output: Any, xp: Any = jnp) -> Any:
     """A column of the streams after its iteration: every cell moves one stage back (stage 0's,
     read in this iteration, leaves: a collective permute over `pipe`), and the last stage's cell
