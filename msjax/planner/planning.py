@@ -492,11 +492,12 @@ def _fsdp_bytes(
 
     On a pipe mesh the tables used outside the loop (embedding, unembedding) are gathered once
     per forward pass and kept. A stage's layers: with one layer per stage run XLA gathers them
-    once per pass, outside the pipeline's loop; with a layer scan inside the stage it gathers
-    (and reduces the gradient of) each layer where the scan runs it, so once per pipeline
-    iteration; under `pipeline.fsdp_gather=once` they are gathered in their own dtype (float32)
-    before the loop and their gradient reduced, in optim.grad_reduce_dtype, after it, once each
-    per pass, whatever the schedule and remat.
+    once per pass, outside the pipeline's loop; with a layer scan inside the stage, or a
+    repeat's chunk selected per iteration (circular), it gathers (and reduces the gradient of)
+    each layer where the loop runs it, so once per pipeline iteration. Under
+    `pipeline.fsdp_gather=once` they are gathered in their own dtype (float32) before the loop
+    and their gradient reduced, in optim.grad_reduce_dtype, after it, once each per pass,
+    whatever the schedule and remat.
     """
     table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
     passes = forward_passes(config.model.remat)
@@ -506,7 +507,10 @@ def _fsdp_bytes(
     tables = state.fsdp_gathered - stacked
     reduce_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize
     grad_itemsize = reduce_itemsize if narrow else F32_BYTES
-    stacked_runs = dims.stage_runs if mesh.pipe > 1 and dims.layers > 1 else 1
+    # a stage run gathers what it runs: one repeat's chunk of the device's layers under circular
+    chunk, stacked_runs = stacked, 1
+    if table is not None and (dims.layers > 1 or table.repeats > 1):
+        chunk, stacked_runs = stacked / table.repeats, dims.stage_runs
     if mesh.pipe == 1:
         gathered = gathers * state.fsdp_gathered * dims.act_bytes / F32_BYTES
         stacked_reduced = stacked * grad_itemsize / F32_BYTES
@@ -514,8 +518,8 @@ def _fsdp_bytes(
         gathered = passes * tables * dims.act_bytes / F32_BYTES + stacked
         stacked_reduced = stacked * reduce_itemsize / F32_BYTES
     else:
-        gathered = (passes * tables + gathers * stacked_runs * stacked) * dims.act_bytes / F32_BYTES
-        stacked_reduced = stacked_runs * stacked * grad_itemsize / F32_BYTES
+        gathered = (passes * tables + gathers * stacked_runs * chunk) * dims.act_bytes / F32_BYTES
+        stacked_reduced = stacked_runs * chunk * grad_itemsize / F32_BYTES
     gather_bytes = ring_all_gather_bytes(gathered, mesh.fsdp)
     # GPipe and circular reduce the tables' gradients over fsdp within their reduction over
     # data x pipe (see _pipe_bytes)
