@@ -210,3 +210,7 @@ def test_fsdp_gather_once_moves_the_stages_weights_over_fsdp_outside_the_pipelin
     tables = per_iteration.sent_by_axes["fsdp"] - per_iteration.sent_by_axes_in_loops["fsdp"]
     assert once.sent_by_axes["fsdp"] == pytest.approx(once_bytes + tables, rel=0.01)
     assert once.sent_by_axes["fsdp"] < per_iteration.sent_by_axes["fsdp"] / 3
+    # the planner prices both choices (the tables' gradients reduced over fsdp x pipe are pipe's)
+    for step in (per_iteration, once):
+        planned = estimate_communication(step.config, step.mesh).fsdp_bytes
+        assert planned == pytest.approx(step.sent_by_axes["fsdp"], rel=0.10)
