@@ -86,6 +86,11 @@ class PipelineConfig:
     schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     microbatches: int = 4  # each data-parallel replica's batch is split into this many
     repeats: int = 1  # virtual stages per device (circular only)
+    # with fsdp beside pipe: per_iteration gathers each layer's weights (and reduce-scatters
+    # their gradient) where the stage's layer scan runs it, every pipeline iteration, one layer
+    # whole at a time; once gathers the stage's weights before the loop and reduce-scatters
+    # their gradient after it, holding the stage's float32 weights and gradient whole
+    fsdp_gather: Literal["per_iteration", "once"] = "per_iteration"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ with explicit input and output shardings and a donated state. The loop that feed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -29,13 +30,15 @@ from msjax.optim import (
     stacked_over_layers,
     weight_decay_mask,
 )
-from msjax.parallel.context import LogicalAxes, WeightGather, constrain
+from msjax.parallel.context import LogicalAxes, WeightGather, constrain, use_weight_gather
 from msjax.parallel.one_f_one_b import one_f_one_b_loss
 from msjax.parallel.pipeline import (
     PipelineLayout,
+    Replicas,
     StageFunction,
     arrange_microbatches,
     cells_to_rows,
+    gathers_stage_weights_once,
     rows_to_streams,
     run_streams,
     split_microbatches,
@@ -45,6 +48,7 @@ from msjax.parallel.pipeline import (
 )
 from msjax.parallel.rules import (
     activation_placement,
+    gathered_stage_weights,
     logical_axes_of,
     logical_axis_rules,
     logical_to_spec,
@@ -212,7 +216,7 @@ class TrainProgram:
             batch["segment_ids"],
             layout,
             checkpoint_policy=enclosing_checkpoint_policy(self.config.model.remat),
-            replicas=self.config.mesh.data,
+            replicas=self._replicas,
         )
         with activation_placement(self.mesh, split_rules, weights):
             finished = layout.output_cells()
@@ -224,16 +228,34 @@ class TrainProgram:
             )  # [rows, seq]
             return jnp.sum(losses * rows(real_token_weights(batch), finished))
 
+    @property
+    def _replicas(self) -> Replicas:
+        """The copies of its stage's weights a pipeline loop works on: one per data-parallel
+        replica, and per fsdp rank too where the weights are whole before the loop."""
+        mesh = self.config.mesh
+        if gathers_stage_weights_once(self.config):
+            return Replicas(mesh.data * mesh.fsdp, ("data", "fsdp"))
+        return Replicas(mesh.data, ("data",))
+
     def _stage_function(self, model: Transformer) -> tuple[StageFunction, nnx.State]:
-        """(a pipeline stage's function of its layers' parameters, the stacked layer params)."""
+        """(a pipeline stage's function of its layers' parameters, the stacked layer params:
+        under `pipeline.fsdp_gather=once` gathered over fsdp here, before the loop, and cast to
+        the compute dtype where the stage uses them, without a gather)."""
         layers_graphdef, layer_params = nnx.split(model.layers)
         remat = self.config.model.remat
         rules = logical_axis_rules(self.config)
+        replica_axes, gathered = self._replicas.axes, gathers_stage_weights_once(self.config)
+        if gathered:
+            reduce_dtype = self.config.optim.grad_reduce_dtype
+            layer_params = gathered_stage_weights(layer_params, self.mesh, rules, reduce_dtype)
 
         def stage(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
-            """One data-parallel replica's share of a stage's work (vmapped over replicas)."""
+            """One replica's share of a stage's work (vmapped over replicas)."""
             layers = nnx.merge(layers_graphdef, chunk)
-            with placement_within_replica(self.mesh, rules):
+            with (
+                placement_within_replica(self.mesh, rules, replica_axes),
+                use_weight_gather(None) if gathered else contextlib.nullcontext(),
+            ):
                 return apply_layer_stack(layers, x, positions, segment_ids, remat)
 
         return stage, layer_params
@@ -247,13 +269,14 @@ class TrainProgram:
         unembedding = "embedding" if self.config.model.tied_embeddings else "unembedding"
         head_params = {name: params[name] for name in ("final_norm", unembedding)}
         loss_impl = self.config.model.loss_impl
+        replicas = self._replicas
 
         def head(
             head_params: Params, x: jax.Array, targets: jax.Array, weights: jax.Array
         ) -> jax.Array:
             # one data-parallel replica's rows (vmapped over replicas, as the stages); the head
             # reads only these parameters, the model's others stay abstract
-            with placement_within_replica(self.mesh, rules):
+            with placement_within_replica(self.mesh, rules, replicas.axes):
                 head_model = self.model(head_params)
                 features = head_model.finish(x)
                 losses = ops.token_losses(
@@ -265,7 +288,7 @@ class TrainProgram:
                 )
             return jnp.sum(losses * weights)
 
-        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.mesh, self.config.mesh.data)
+        summed_loss = one_f_one_b_loss(stage, head, self.pipeline, self.mesh, replicas)
         labels = (
             batch["targets"],
             real_token_weights(batch),

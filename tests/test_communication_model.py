@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from msjax.config import load_config
+from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
-from msjax.planner.planning import estimate_communication
+from msjax.planner.planning import estimate_communication, ring_all_gather_bytes
 
 CIRCULAR = "pipeline.schedule=circular pipeline.repeats=2"
 # name: (data,fsdp,tensor or data,fsdp,pipe,tensor, overrides) on configs/tiny.yaml (float32)
@@ -63,12 +64,26 @@ HELD_OUT_XFAIL = {
         "whole, and reduces the layers' gradients in fewer bytes than planned"
     ),
 }
+# pipeline.fsdp_gather=once: the stage's weights gathered and their gradient reduced once per
+# step, outside the loop (beside their per-iteration counterparts above)
+GATHER_ONCE = {
+    "pipe2-fsdp2-tensor2-gpipe-m2-gather-once": (
+        "1,2,2,2",
+        "pipeline.microbatches=2 pipeline.fsdp_gather=once",
+    ),
+    "pipe2-fsdp2-tensor2-1f1b-m4-gather-once": (
+        "1,2,2,2",
+        "pipeline.schedule=1f1b pipeline.microbatches=4 pipeline.fsdp_gather=once",
+    ),
+}
+SLOW_GATHER_ONCE = {"pipe2-fsdp2-tensor2-1f1b-m4-gather-once"}
 MESHES.update(HELD_OUT)
+MESHES.update(GATHER_ONCE)
 
 
 def _mesh_params():
     for name in MESHES:
-        marks = [pytest.mark.slow] if name in HELD_OUT else []
+        marks = [pytest.mark.slow] if name in HELD_OUT or name in SLOW_GATHER_ONCE else []
         if name in HELD_OUT_XFAIL:
             marks.append(pytest.mark.xfail(strict=True, reason=HELD_OUT_XFAIL[name]))
         yield pytest.param(name, marks=marks, id=name)
@@ -136,3 +151,66 @@ def test_pipe_meshes_reduce_data_parallel_gradients_once_per_step(name):
     )
     assert data > 0
     assert in_loops <= 0.01 * data
+
+
+# (per-iteration, once) on configs/tiny.yaml (float32) at fsdp 2 x pipe 2 x tensor 2, 2 layers a
+# device: the programs of test_plan's PIPE_CASES and HELD_OUT_PIPE_CASES
+FSDP_GATHERS = {
+    "gpipe": "pipeline.microbatches=2",
+    "circular": f"{CIRCULAR} pipeline.microbatches=4 model.remat=full",
+    "1f1b": "pipeline.schedule=1f1b pipeline.microbatches=4",
+}
+
+
+STACKED_ARRAYS = 9  # a layer's: q, k, v, out, gate, up, down, two norm scales
+
+
+def _fsdp_step(overrides: str):
+    config = load_config("configs/tiny.yaml", ["train.global_batch=8", *overrides.split()])
+    return compile_step(config, parse_mesh("1,2,2,2"))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(name, marks=[] if name == "gpipe" else [pytest.mark.slow])
+        for name in FSDP_GATHERS
+    ],
+)
+def test_fsdp_gather_once_moves_the_stages_weights_over_fsdp_outside_the_pipeline_loop(schedule):
+    per_iteration = _fsdp_step(FSDP_GATHERS[schedule])
+    once = _fsdp_step(f"{FSDP_GATHERS[schedule]} pipeline.fsdp_gather=once")
+    layout = PipelineLayout.of(once.config)
+    assert layout.layers_per_stage * layout.repeats == 2  # a layer scan in every stage run
+    # per iteration: the stage's layers gathered (and their gradients reduced) where the loop
+    # runs them, every iteration
+    gathers = per_iteration.collectives["all-gather"]
+    assert gathers.executions_in_loops >= layout.iterations
+    assert per_iteration.sent_by_axes_in_loops["fsdp"] > 0.9 * per_iteration.sent_by_axes["fsdp"]
+    # once: nothing over fsdp inside the loop; each stacked array gathered once per step,
+    # outside it, beside what the per-iteration program gathers there (the tables), and under
+    # 1F1B the loss head's two arrays, which its loop runs, once too
+    head_arrays = 2 if layout.interleaves_backward else 0
+    outside = gathers.executions - gathers.executions_in_loops
+    gathers = once.collectives["all-gather"]
+    assert gathers.executions_in_loops == 0
+    assert gathers.executions == outside + STACKED_ARRAYS + head_arrays
+    assert once.sent_by_axes_in_loops.get("fsdp", 0.0) == 0.0
+    # bytes: the stage's float32 weights (2 layers, tensor-split) gathered once and their
+    # gradient reduced once (and 1F1B's head), beside the tables as per iteration
+    model = once.config.model
+    embed, head_dim, tensor = model.embed_dim, model.resolved_head_dim, 2
+    per_layer = (
+        2 * embed * model.num_heads * head_dim
+        + 2 * embed * model.num_kv_heads * head_dim
+        + 3 * embed * model.mlp_dim
+    ) // tensor + 2 * embed  # tensor splits all but the norms
+    head = (model.vocab_size // tensor * embed + embed) if head_arrays else 0
+    once_bytes = 2 * ring_all_gather_bytes((2 * per_layer + head) * 4, 2)
+    tables = per_iteration.sent_by_axes["fsdp"] - per_iteration.sent_by_axes_in_loops["fsdp"]
+    assert once.sent_by_axes["fsdp"] == pytest.approx(once_bytes + tables, rel=0.01)
+    assert once.sent_by_axes["fsdp"] < per_iteration.sent_by_axes["fsdp"] / 3
+    # the planner prices both choices (the tables' gradients reduced over fsdp x pipe are pipe's)
+    for step in (per_iteration, once):
+        planned = estimate_communication(step.config, step.mesh).fsdp_bytes
+        assert planned == pytest.approx(step.sent_by_axes["fsdp"], rel=0.10)

@@ -46,6 +46,10 @@ def one_f_one_b(microbatches: int) -> dict:
     return {"schedule": "1f1b", "microbatches": microbatches}
 
 
+def once(pipeline: dict) -> dict:
+    return {**pipeline, "fsdp_gather": "once"}
+
+
 # (data, fsdp, pipe, tensor, sequence_parallel), model overrides, pipeline section
 CASES = {
     "pipe2-data2-tensor2-gpipe-m2": ((2, 1, 2, 2, False), FOUR_LAYERS, gpipe(2)),
@@ -69,6 +73,19 @@ CASES = {
         PARALLEL_WINDOWED,
         one_f_one_b(4),
     ),
+    # the stage's weights gathered over fsdp before the loop, each fsdp rank its own copy
+    # through it (pipeline.fsdp_gather=once): the same numbers as gathering them per iteration
+    "pipe2-fsdp2-tensor2-gpipe-m4-gather-once": ((1, 2, 2, 2, False), FOUR_LAYERS, once(gpipe(4))),
+    "pipe2-data2-fsdp2-circular-m4-gather-once": (
+        (2, 2, 2, 1, False),
+        FOUR_LAYERS,
+        once(circular(4)),
+    ),
+    "pipe2-fsdp2-tensor2-seqpar-1f1b-m4-gather-once": (
+        (1, 2, 2, 2, True),
+        FOUR_LAYERS,
+        once(one_f_one_b(4)),
+    ),
 }
 
 
@@ -90,7 +107,17 @@ def straight_run(model: dict) -> tuple:
     return _straight_runs[key]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# compile-heavy beside their per-iteration counterparts above
+SLOW_CASES = {
+    "pipe2-data2-fsdp2-circular-m4-gather-once",
+    "pipe2-fsdp2-tensor2-seqpar-1f1b-m4-gather-once",
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(case, marks=[pytest.mark.slow] if case in SLOW_CASES else []) for case in CASES],
+)
 def test_pipelined_training_matches_the_straight_run(case: str):
     mesh, model, pipeline = CASES[case]
     expected_losses, expected_params = straight_run(model)
@@ -422,6 +449,7 @@ def test_checkpoint_saved_under_one_pipeline_resumes_under_another(
             "pipeline.microbatches=3",
         ),
         (["mesh.pipe=2", "mesh.data=4", "pipeline.schedule=zigzag"], "gpipe, circular, 1f1b"),
+        (["mesh.pipe=2", "mesh.data=4", "pipeline.fsdp_gather=twice"], "per_iteration, once"),
     ],
     ids=[
         "layers",
@@ -434,6 +462,7 @@ def test_checkpoint_saved_under_one_pipeline_resumes_under_another(
         "1f1b-repeats",
         "1f1b-batch",
         "unknown-schedule",
+        "unknown-fsdp-gather",
     ],
 )
 def test_impossible_pipelines_are_one_line_and_write_nothing(tmp_path, capsys, overrides, named):

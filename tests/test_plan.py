@@ -65,6 +65,12 @@ PIPE_CASES = {
     ),
     "tiny-pipe2-tensor2-circular-m4": ("tiny", "2,1,2,2", f"{CIRCULAR} pipeline.microbatches=4"),
     "tiny-pipe2-fsdp2-tensor2-gpipe-m2": ("tiny", "1,2,2,2", "pipeline.microbatches=2"),
+    # the stage's weights gathered over fsdp once, before the loop (see GATHER_ONCE_CASES)
+    "tiny-pipe2-fsdp2-tensor2-gpipe-m2-gather-once": (
+        "tiny",
+        "1,2,2,2",
+        "pipeline.microbatches=2 pipeline.fsdp_gather=once",
+    ),
     "tiny-pipe2-fsdp2-tensor2-circular-m4-full": (
         "tiny",
         "1,2,2,2",
@@ -125,6 +131,22 @@ HELD_OUT_PIPE_CASES = {
     ),
     "tiny-pipe2-data2-fsdp2-gpipe-m2": ("tiny", "2,2,2,1", "pipeline.microbatches=2"),
 }
+# pipeline.fsdp_gather=once: the stage's float32 weights whole through the loop (the schedules'
+# gathered_weight_copies were counted on these; the same programs as test_communication_model's
+# FSDP_GATHERS). Planned with the weights as per iteration, these two read 0.82 and 0.86 of XLA.
+# The gpipe case is in PIPE_CASES.
+GATHER_ONCE_CASES = {
+    "tiny-pipe2-fsdp2-tensor2-circular-m4-full-gather-once": (
+        "tiny",
+        "1,2,2,2",
+        f"{CIRCULAR} pipeline.microbatches=4 model.remat=full pipeline.fsdp_gather=once",
+    ),
+    "tiny-pipe2-fsdp2-tensor2-1f1b-m4-gather-once": (
+        "tiny",
+        "1,2,2,2",
+        f"{ONE_F_ONE_B} pipeline.microbatches=4 pipeline.fsdp_gather=once",
+    ),
+}
 HELD_OUT_MEMORY_XFAIL = {
     "tiny-bf16-pipe2-fsdp2-tensor2-gpipe-m2": (
         "planned 22.65 MB, XLA 33.30 MB (0.68): XLA's CPU backend keeps the bfloat16 step's "
@@ -146,6 +168,14 @@ def _held_out_memory_params():
 @pytest.mark.parametrize("case", list(PIPE_CASES))
 def test_memory_model_is_within_10_percent_of_xla_on_pipe_meshes(case):
     name, mesh, overrides = PIPE_CASES[case]
+    config = load_config(f"configs/{name}.yaml", ["train.global_batch=8", *overrides.split()])
+    assert _model_over_xla(config, mesh) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(GATHER_ONCE_CASES))
+def test_memory_model_is_within_10_percent_of_xla_with_the_stages_weights_gathered_once(case):
+    name, mesh, overrides = GATHER_ONCE_CASES[case]
     config = load_config(f"configs/{name}.yaml", ["train.global_batch=8", *overrides.split()])
     assert _model_over_xla(config, mesh) == pytest.approx(1.0, abs=0.10)
 

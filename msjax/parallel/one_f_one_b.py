@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from msjax.parallel.context import constrain
 from msjax.parallel.pipeline import (
+    ONE_REPLICA,
     PIPE_AXIS,
     PipelineLayout,
+    Replicas,
     StageFunction,
     merge_microbatches,
     run_pipeline,
@@ -25,8 +27,6 @@ from msjax.parallel.pipeline import (
     stage_blocks,
 )
 from msjax.parallel.schedules import FORWARD, GPIPE, HEAD_BRANCH, one_f_one_b_pairs
-
-DATA_AXIS = "data"
 
 # (head parameters, the last stage's output x [batch, seq, embed], targets [batch, seq] int,
 #  token weights [batch, seq] float32) -> the weighted sum of the token losses, float32 scalar
@@ -42,7 +42,7 @@ def one_f_one_b_loss(
     head_fn: HeadFunction,
     layout: PipelineLayout,
     mesh: Any,
-    replicas: int = 1,
+    replicas: Replicas = ONE_REPLICA,
 ) -> SummedLoss:
     """The summed token loss of the layer stack run as a pipeline, then the head.
 
@@ -50,8 +50,8 @@ def one_f_one_b_loss(
     gradients it computed to autodiff, scaled by the incoming cotangent; so the caller stays
     `jax.value_and_grad(loss)` and the embedding before x gets its gradient as usual. Evaluated
     without a gradient, it runs the GPipe forward, which keeps no activations anyway.
-    mesh: the mesh whose `pipe` and `data` axes the loop is manual over; replicas: the size of
-    `data` (for the forward alone, see run_pipeline).
+    mesh: the mesh whose `pipe` axis and replicas' axes (`data`, and `fsdp` where the weights
+    come gathered whole) the loop is manual over; replicas: see run_pipeline.
     """
 
     forward_only = dataclasses.replace(layout, schedule=GPIPE)  # evaluation's forward
@@ -67,7 +67,7 @@ def one_f_one_b_loss(
     def forward(
         layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
     ) -> tuple[jax.Array, tuple]:
-        loop = OneFOneB(stage_fn, head_fn, layout, mesh)
+        loop = OneFOneB(stage_fn, head_fn, layout, mesh, replicas.axes)
         return loop.run(layer_params, head_params, x, labels)
 
     def backward(gradients: tuple, cotangent: jax.Array) -> tuple:
@@ -105,6 +105,7 @@ class OneFOneB:
     head_fn: HeadFunction
     layout: PipelineLayout
     mesh: Any
+    replica_axes: tuple[str, ...] = ONE_REPLICA.axes  # Replicas.axes: each rank its own rows
 
     def run(
         self, layer_params: Any, head_params: Any, x: jax.Array, labels: tuple
@@ -112,11 +113,12 @@ class OneFOneB:
         """(summed loss, (gradients of layer_params, of head_params, of x)).
 
         layer_params: a pytree of [layers, ...] arrays, their layer axis sharded over `pipe`.
-        The loop is a shard_map manual over `pipe` and `data` (fsdp and tensor stay with the
-        partitioner): each device reads its stage's weights, whole over `data` (each
-        data-parallel replica its own copy) and its replica's rows of every microbatch. The
-        gradients are summed over `data` once, after the loop; the last stage's loss and head
-        gradients and stage 0's input gradients are read from those stages.
+        The loop is a shard_map manual over `pipe` and the replicas' axes (`data`, and `fsdp`
+        where the weights come gathered whole; the rest stay with the partitioner): each device
+        reads its stage's weights, whole over those axes (each replica its own copy) and its
+        replica's rows of every microbatch. The gradients are summed over the replicas' axes
+        once, after the loop; the last stage's loss and head gradients and stage 0's input
+        gradients are read from those stages.
         """
         count, stages = self.layout.microbatches, self.layout.stages
         targets, weights, positions, segment_ids = labels
@@ -132,13 +134,14 @@ class OneFOneB:
         }
         if segment_ids is not None:
             microbatches["segments"] = split_microbatches(segment_ids, count)
-        pipe, whole, rows = P(PIPE_AXIS), P(), P(None, DATA_AXIS)
+        replicas = self.replica_axes
+        pipe, whole, rows = P(PIPE_AXIS), P(), P(None, replicas)
         loop = jax.shard_map(
             self._device_loop,
             mesh=self.mesh,
             in_specs=(pipe, whole, rows),
-            out_specs=(pipe, pipe, pipe, P(PIPE_AXIS, None, DATA_AXIS)),
-            axis_names={PIPE_AXIS, DATA_AXIS},
+            out_specs=(pipe, pipe, pipe, P(PIPE_AXIS, None, replicas)),
+            axis_names={PIPE_AXIS, *replicas},
             check_vma=False,
         )
         grads, head_grads, loss, input_grads = loop(stage_weights, head_params, microbatches)
@@ -178,8 +181,9 @@ class OneFOneB:
 
     def _device_loop(self, stage_weights: Any, head_params: Any, microbatches: dict) -> tuple:
         """One device's loop over the table (inside the shard_map): its stage's weights
-        [1, layers_per_stage, ...] -> its sums over its replica's rows, each summed over
-        `data` and given a leading axis of 1 (stage 0's input gradients stay its replica's)."""
+        [1, layers_per_stage, ...] -> its sums over its replica's rows, each summed over the
+        replicas' axes and given a leading axis of 1 (stage 0's input gradients stay its
+        replica's)."""
         layout, table = self.layout, self.layout.table
         stage = jax.lax.axis_index(PIPE_AXIS)
         chunk = jax.tree.map(lambda w: w[0], stage_weights)  # [layers_per_stage, ...]
@@ -220,7 +224,7 @@ class OneFOneB:
         carry = (jnp.zeros_like(inputs[0]), stash, sums)
         pairs = jnp.arange(table.iterations // 2, dtype=jnp.int32)
         (_, _, sums), _ = jax.lax.scan(two_iterations, carry, pairs)
-        grads, head_grads, loss, input_grads = jax.lax.psum(sums[:3], DATA_AXIS) + sums[3:]
+        grads, head_grads, loss, input_grads = jax.lax.psum(sums[:3], self.replica_axes) + sums[3:]
         return jax.tree.map(lambda a: a[None], (grads, head_grads, loss, input_grads))
 
     def _branches(

@@ -161,6 +161,13 @@ class PipelineLayout:
         return self.stages > 1 and self.repeats > 1
 
 
+def gathers_stage_weights_once(config: Config) -> bool:
+    """`pipeline.fsdp_gather=once` on a pipe mesh whose fsdp axis splits the stage's weights:
+    gathered whole before the pipeline loop, their gradient reduced once after it."""
+    mesh = config.mesh
+    return config.pipeline.fsdp_gather == "once" and mesh.fsdp > 1 and mesh.pipe > 1
+
+
 def visit_column(column: Any, last_stage_output: Any, xp: Any = jnp) -> Any:
     """A column of the streams after its iteration: every cell moves one stage back (stage 0's,
     read in this iteration, leaves: a collective permute over `pipe`), and the last stage's cell
@@ -200,6 +207,20 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """The copies of its stage's weights a pipeline loop works on: one per rank of `axes`, each
+    on its own rows, so the weights' gradients accumulate per copy through the loop and are
+    summed over `axes` once, after it. Data-parallel replicas (`data`), and under
+    `pipeline.fsdp_gather=once` the fsdp ranks too, whose weights are whole before the loop."""
+
+    count: int = 1  # the product of the axes' sizes
+    axes: tuple[str, ...] = ("data",)
+
+
+ONE_REPLICA = Replicas()
+
+
 def stage_blocks(layer_params: Any, layout: PipelineLayout, replicas: int) -> Any:
     """[layers, ...] arrays in memory order -> [stages, replicas, repeats, layers_per_stage, ...].
 
@@ -217,31 +238,33 @@ def stage_blocks(layer_params: Any, layout: PipelineLayout, replicas: int) -> An
     )
 
 
-def over_replicas(fn: Callable[..., Any], replicas: int) -> Callable[..., Any]:
-    """fn(params, *rows) run by each data-parallel replica on its own rows with its own params.
+def over_replicas(fn: Callable[..., Any], replicas: Replicas) -> Callable[..., Any]:
+    """fn(params, *rows) run by each replica on its own rows with its own params.
 
     The returned function takes params stacked [replicas, ...] and arrays whose rows are
     replica-major (None passes through) and returns fn's results stacked [replicas, ...]; fn is
-    vmapped with spmd axis `data`, so it runs under
+    vmapped with the replicas' axes as spmd axes, so it runs under
     `msjax.parallel.rules.placement_within_replica`.
     """
+    count = replicas.count
 
     def run(params: Any, *rows: jax.Array | None) -> Any:
         def split(a: jax.Array | None) -> jax.Array | None:
-            return None if a is None else a.reshape(replicas, a.shape[0] // replicas, *a.shape[1:])
+            return None if a is None else a.reshape(count, a.shape[0] // count, *a.shape[1:])
 
-        return jax.vmap(fn, spmd_axis_name="data")(params, *(split(a) for a in rows))
+        vmapped = jax.vmap(fn, spmd_axis_name=replicas.axes)
+        return vmapped(params, *(split(a) for a in rows))
 
     return run
 
 
-def replica_stage(stage_fn: StageFunction, replicas: int) -> StageFunction:
-    """stage_fn over a microbatch, each data-parallel replica's rows with its own weights: the
-    returned function takes a chunk of [replicas, layers_per_stage, ...] arrays."""
+def replica_stage(stage_fn: StageFunction, replicas: Replicas) -> StageFunction:
+    """stage_fn over a microbatch, each replica's rows with its own weights: the returned
+    function takes a chunk of [replicas, layers_per_stage, ...] arrays."""
     vmapped = over_replicas(stage_fn, replicas)
 
     def run(chunk: Any, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
-        if replicas == 1:
+        if replicas.count == 1:
             return stage_fn(jax.tree.map(lambda w: w[0], chunk), x, positions, segment_ids)
         return vmapped(chunk, x, positions, segment_ids).reshape(x.shape)
 
@@ -293,7 +316,7 @@ def run_pipeline(
     segment_ids: jax.Array | None,
     layout: PipelineLayout,
     checkpoint_policy: Callable[..., bool] | None = None,
-    replicas: int = 1,
+    replicas: Replicas = ONE_REPLICA,
 ) -> jax.Array:
     """The layer stack over x [batch, seq, embed] as a pipeline (run_streams); same result as
     running it whole, on every pipe rank (the outputs are gathered from the stages that hold
@@ -318,7 +341,7 @@ def run_streams(
     segment_ids: jax.Array | None,
     layout: PipelineLayout,
     checkpoint_policy: Callable[..., bool] | None = None,
-    replicas: int = 1,
+    replicas: Replicas = ONE_REPLICA,
 ) -> jax.Array:
     """The layer stack as a pipeline over microbatch streams held by the stages: a scan over the
     rows of the schedule's table (GPipe, circular), each row one ForwardLoop iteration.
@@ -338,13 +361,14 @@ def run_streams(
     being kept: without it the loop keeps every iteration's chunk, (R M + P - 1) / R times the
     device's layer weights.
 
-    replicas: the size of `data`. Each data-parallel replica works on its own copy of its stage's
-    weights (stage_blocks, replica_stage), so the weight gradients are summed over `data` once
-    per step, after the loop, not once per iteration.
+    replicas: the ranks of `data` (and of `fsdp` where the weights come gathered whole, see
+    Replicas). Each replica works on its own copy of its stage's weights (stage_blocks,
+    replica_stage), so the weight gradients are summed over its axes once per step, after the
+    loop, not once per iteration.
     """
     table = layout.table
     # [stages, replicas, repeats, layers_per_stage, ...]
-    weights = stage_blocks(layer_params, layout, replicas)
+    weights = stage_blocks(layer_params, layout, replicas.count)
     run_stages = stage_runner(stage_fn, layout, replicas, checkpoint_policy, positions, segment_ids)
     loop = ForwardLoop(layout, functools.partial(run_stages, weights))
     # per iteration: its index, its row of the table, and (a scalar every stage reads alike, so
@@ -359,7 +383,7 @@ def run_streams(
 def stage_runner(
     stage_fn: StageFunction,
     layout: PipelineLayout,
-    replicas: int,
+    replicas: Replicas,
     checkpoint_policy: Callable[..., bool] | None,
     positions: jax.Array,
     segment_ids: jax.Array | None,

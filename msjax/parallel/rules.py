@@ -145,14 +145,52 @@ def weight_gather(mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32") 
     return gather
 
 
-def within_replica(rules: Rules) -> Rules:
-    """The rules inside a computation vmapped over data-parallel replicas with spmd axis `data`
-    (msjax.parallel.pipeline): one replica's batch is split over the other batch axes only."""
-    batch = rules["batch"]
-    kept = tuple(
-        axis for axis in ((batch,) if isinstance(batch, str) else batch or ()) if axis != "data"
-    )
-    return dict(rules, batch=kept or None)
+def gathered_stage_weights(
+    layer_params: Any, mesh: Mesh, rules: Rules, grad_reduce_dtype: str = "float32"
+) -> Any:
+    """`pipeline.fsdp_gather=once`: the stacked layer parameters (an nnx.State, their logical
+    axes in its metadata) gathered over fsdp before a pipeline loop, in their own dtype: each
+    stage's layers whole on its devices, still split by pipe and tensor, so the loop gathers
+    nothing. Their gradient comes summed over the replicas that used them (each fsdp rank its
+    own rows) and is reduced onto the shards here, in `grad_reduce_dtype`, once per pass."""
+    specs = nnx.get_partition_spec(layer_params)
+    reduce_dtype = jnp.dtype(grad_reduce_dtype)
+
+    def gather(weight: jax.Array, spec: PartitionSpec) -> jax.Array:
+        stored = placed_on(mesh, logical_to_spec(tuple(spec), rules))
+        whole = placed_on(mesh, without_storage_axes(stored.spec))
+
+        @jax.custom_vjp
+        def gathered(shard: jax.Array) -> jax.Array:
+            return jax.lax.with_sharding_constraint(shard, whole)
+
+        def forward(shard: jax.Array) -> tuple[jax.Array, None]:
+            return gathered(shard), None
+
+        def backward(_: None, grad: jax.Array) -> tuple[jax.Array]:
+            reduced = jax.lax.with_sharding_constraint(grad.astype(reduce_dtype), stored)
+            return (reduced.astype(weight.dtype),)
+
+        gathered.defvjp(forward, backward)
+        return gathered(weight)
+
+    return jax.tree.map(gather, layer_params, specs)
+
+
+def within_replica(rules: Rules, replica_axes: tuple[str, ...] = ("data",)) -> Rules:
+    """The rules inside a computation vmapped over replicas with the replicas' axes as spmd
+    axes (msjax.parallel.pipeline.Replicas): one replica's batch is split over the other batch
+    axes only, and nothing else is split over the replicas' axes (under
+    `pipeline.fsdp_gather=once` a replica's weights are whole over fsdp)."""
+
+    def kept(entry: MeshAxes) -> MeshAxes:
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()))
+        left = tuple(a for a in axes if a not in replica_axes)
+        if isinstance(entry, str):
+            return left[0] if left else None
+        return left or None
+
+    return {name: kept(entry) for name, entry in rules.items()}
 
 
 def split_over_pipe(rules: Rules) -> Rules:
@@ -163,10 +201,12 @@ def split_over_pipe(rules: Rules) -> Rules:
 
 
 @contextmanager
-def placement_within_replica(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """While tracing code vmapped over data-parallel replicas: activation hints and per-shard
-    kernels follow `within_replica(rules)`; how weights are gathered stays as installed."""
-    inner = within_replica(rules)
+def placement_within_replica(
+    mesh: Mesh, rules: Rules, replica_axes: tuple[str, ...] = ("data",)
+) -> Iterator[None]:
+    """While tracing code vmapped over replicas: activation hints and per-shard kernels follow
+    `within_replica(rules, replica_axes)`; how weights are gathered stays as installed."""
+    inner = within_replica(rules, replica_axes)
 
     def place(x: jax.Array, axes: LogicalAxes) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, placed_on(mesh, logical_to_spec(axes, inner)))

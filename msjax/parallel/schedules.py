@@ -88,12 +88,18 @@ class Schedule:
     # under circular, which costs less than a copy: one copy in all fits XLA's totals). Read off
     # XLA's buffer assignment, tiny and small configs, pipe 2 and 4 (tests/test_plan.py).
     loop_weight_copies: int
+    # pipeline.fsdp_gather=once: float32 copies of the device's stacked layer weights, whole
+    # over fsdp, alive through the loop in place of loop_weight_copies: the gathered weights and
+    # their gradient's accumulator; under 1F1B also a backward's gradient of them and their sum
+    # over the replicas, both whole inside the loop's shard_map. Counted from the programs, and
+    # held against XLA's totals on tiny, pipe 2 x fsdp 2 x tensor 2 (tests/test_plan.py).
+    gathered_weight_copies: int
 
 
 SCHEDULES = {
-    GPIPE: Schedule(GPIPE, forward_table, False, False, False, 2),
-    CIRCULAR: Schedule(CIRCULAR, forward_table, False, False, True, 1),
-    ONE_F_ONE_B: Schedule(ONE_F_ONE_B, one_f_one_b_table, True, True, False, 2),
+    GPIPE: Schedule(GPIPE, forward_table, False, False, False, 2, 2),
+    CIRCULAR: Schedule(CIRCULAR, forward_table, False, False, True, 1, 2),
+    ONE_F_ONE_B: Schedule(ONE_F_ONE_B, one_f_one_b_table, True, True, False, 2, 4),
 }
 
 

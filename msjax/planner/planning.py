@@ -22,7 +22,7 @@ from flax import nnx
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.parallel.context import LogicalAxes
-from msjax.parallel.pipeline import PipelineLayout
+from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
 from msjax.parallel.schedules import ScheduleTable
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
@@ -263,6 +263,7 @@ class _StateBytes:
     stacked: int  # this device's shard of the stacked layers' parameters
     layer_gathered: int  # one layer's parameters as gathered over fsdp (still split by tensor)
     fsdp_gathered: int  # all parameters as gathered over fsdp
+    stage_gathered: int  # this device's stacked layers as gathered over fsdp
 
 
 def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
@@ -282,6 +283,7 @@ def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
         optimizer=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in opt_state)
         + STEP_BYTES,
         layer_gathered=layer_gathered // (config.model.num_layers // mesh.pipe),  # per layer
+        stage_gathered=layer_gathered,
         fsdp_gathered=sum(_shard_elements(a, rules, unsharded) * a.itemsize for a in params),
     )
 
@@ -314,13 +316,15 @@ def estimate_memory(
         head = table.head_share * head + table.stream_buffers * stream
     # With fsdp one layer's weights at a time are gathered whole (still split by tensor). The
     # pipeline's loop keeps the stage's weights as sharded (the schedule's loop_weight_copies):
-    # no gathered copy is among its buffers at the peak.
+    # no gathered copy is among its buffers at the peak; under `pipeline.fsdp_gather=once` it
+    # keeps them whole (_loop_weights).
     gathered = state.layer_gathered if mesh.fsdp > 1 and mesh.pipe == 1 else 0
-    pipeline_saved = pipeline_working = 0.0
-    if table is not None and dims.layers > 1:  # the stage's layer scan, and the copies it brings
-        pipeline_working += table.schedule.loop_weight_copies * state.stacked
-        if remat == "none":  # one stage run's saved activations on their way to the stash
-            pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
+    pipeline_working = _loop_weights(config, dims, state)
+    pipeline_saved = 0.0
+    # with a layer scan in the stage under remat none, one stage run's saved activations on
+    # their way to the stash
+    if table is not None and dims.layers > 1 and remat == "none":
+        pipeline_saved += dims.layers * _saved_per_layer(dims, remat)
     # Weights gathered in a narrower compute dtype are kept for the backward pass (every layer's,
     # unless remat recomputes the layer, and its gather with it).
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
@@ -340,6 +344,19 @@ def estimate_memory(
         working_bytes=round(_working_set(dims, remat) + gathered + pipeline_working),
         update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
     )
+
+
+def _loop_weights(config: Config, dims: LocalDims, state: _StateBytes) -> float:
+    """Bytes of the copies of a device's stacked layer weights the pipeline's loop holds (their
+    gradient's among them): the schedule's loop_weight_copies of the shard where the stage runs
+    a layer scan, or its gathered_weight_copies whole over fsdp where they are gathered before
+    the loop (`pipeline.fsdp_gather=once`), with or without a layer scan."""
+    if config.mesh.pipe == 1:
+        return 0.0
+    schedule = PipelineLayout.of(config).table.schedule
+    if gathers_stage_weights_once(config):
+        return schedule.gathered_weight_copies * state.stage_gathered
+    return schedule.loop_weight_copies * state.stacked if dims.layers > 1 else 0.0
 
 
 def _head_param_bytes(dims: LocalDims) -> float:
@@ -367,10 +384,8 @@ def _one_f_one_b_buffers(
     run_saved = microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
     saved = (layout.stash_slots + 2) * run_saved
     head_params = _head_param_bytes(dims)
-    # the loop's copy of the stage's weights and its gradient accumulator come with a layer scan
-    # in the stage, as under GPipe
-    copies = layout.table.schedule.loop_weight_copies if dims.layers > 1 else 0
-    return saved, 3 * replica_stream, copies * state.stacked + head_params
+    # the loop's copy of the stage's weights and its gradient accumulator, as under GPipe
+    return saved, 3 * replica_stream, _loop_weights(config, dims, state) + head_params
 
 
 @dataclass(frozen=True)
@@ -444,35 +459,7 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
             head_stream, mesh.tensor
         )
     state = _state_bytes(config, mesh)
-    fsdp_bytes = gather_bytes = 0.0
-    if mesh.fsdp > 1:
-        # Float32 compute: weights gathered for every forward pass and again for the backward
-        # pass (XLA does not keep them). A narrower compute dtype: weights cast on the shard and
-        # gathered in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward
-        # reusing them. Gradients reduced once, in optim.grad_reduce_dtype.
-        # On a pipe mesh the tables used outside the loop (embedding, unembedding) are gathered
-        # once per forward pass and kept. A stage's layers: with one layer per stage run XLA
-        # gathers them once per pass, outside the pipeline's loop; with a layer scan inside the
-        # stage it gathers (and reduces the gradient of) each layer where the scan runs it, so
-        # once per pipeline iteration.
-        narrow = dims.act_bytes < F32_BYTES
-        gathers = passes if narrow else passes + 1
-        stacked = state.layer_gathered * config.model.num_layers / mesh.pipe  # this device's
-        tables = state.fsdp_gathered - stacked
-        stacked_runs = dims.stage_runs if mesh.pipe > 1 and dims.layers > 1 else 1
-        if mesh.pipe > 1:
-            gathered = passes * tables + gathers * stacked_runs * stacked
-        else:
-            gathered = gathers * state.fsdp_gathered
-        weight_bytes = gathered * dims.act_bytes / F32_BYTES
-        fsdp_bytes = gather_bytes = ring_all_gather_bytes(weight_bytes, mesh.fsdp)
-        grad_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize if narrow else F32_BYTES
-        # GPipe and circular reduce the tables' gradients over fsdp within their reduction over
-        # data x pipe (see _pipe_bytes)
-        split_tables = table is not None and not table.runs_backward
-        reduced = ((0 if split_tables else tables) + stacked_runs * stacked) * grad_itemsize
-        reduced /= F32_BYTES
-        fsdp_bytes += ring_all_gather_bytes(reduced, mesh.fsdp)
+    fsdp_bytes, gather_bytes = _fsdp_bytes(config, mesh, dims, state) if mesh.fsdp > 1 else (0, 0)
     # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
     tables = state.params - state.stacked
     if split > 1:  # sequence-parallel lookups: each tensor rank's gradient of the whole table
@@ -491,6 +478,54 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         pipe_bytes=round(passes_per_step * pipe_bytes),
         fsdp_gather_bytes=round(passes_per_step * gather_bytes),
     )
+
+
+def _fsdp_bytes(
+    config: Config, mesh: MeshShape, dims: LocalDims, state: _StateBytes
+) -> tuple[float, float]:
+    """(bytes a device sends over fsdp per pass, of them the weights' all-gathers).
+
+    Float32 compute: weights gathered for every forward pass and again for the backward pass
+    (XLA does not keep them). A narrower compute dtype: weights cast on the shard and gathered
+    in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward reusing them.
+    Gradients reduced once, in optim.grad_reduce_dtype.
+
+    On a pipe mesh the tables used outside the loop (embedding, unembedding) are gathered once
+    per forward pass and kept. A stage's layers: with one layer per stage run XLA gathers them
+    once per pass, outside the pipeline's loop; with a layer scan inside the stage, or a
+    repeat's chunk selected per iteration (circular), it gathers (and reduces the gradient of)
+    each layer where the loop runs it, so once per pipeline iteration. Under
+    `pipeline.fsdp_gather=once` they are gathered in their own dtype (float32) before the loop
+    and their gradient reduced, in optim.grad_reduce_dtype, after it, once each per pass,
+    whatever the schedule and remat.
+    """
+    table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
+    passes = forward_passes(config.model.remat)
+    narrow = dims.act_bytes < F32_BYTES
+    gathers = passes if narrow else passes + 1
+    stacked = state.stage_gathered  # this device's stacked layers, whole over fsdp
+    tables = state.fsdp_gathered - stacked
+    reduce_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize
+    grad_itemsize = reduce_itemsize if narrow else F32_BYTES
+    # a stage run gathers what it runs: one repeat's chunk of the device's layers under circular
+    chunk, stacked_runs = stacked, 1
+    if table is not None and (dims.layers > 1 or table.repeats > 1):
+        chunk, stacked_runs = stacked / table.repeats, dims.stage_runs
+    if mesh.pipe == 1:
+        gathered = gathers * state.fsdp_gathered * dims.act_bytes / F32_BYTES
+        stacked_reduced = stacked * grad_itemsize / F32_BYTES
+    elif gathers_stage_weights_once(config):
+        gathered = passes * tables * dims.act_bytes / F32_BYTES + stacked
+        stacked_reduced = stacked * reduce_itemsize / F32_BYTES
+    else:
+        gathered = (passes * tables + gathers * stacked_runs * chunk) * dims.act_bytes / F32_BYTES
+        stacked_reduced = stacked_runs * chunk * grad_itemsize / F32_BYTES
+    gather_bytes = ring_all_gather_bytes(gathered, mesh.fsdp)
+    # GPipe and circular reduce the tables' gradients over fsdp within their reduction over
+    # data x pipe (see _pipe_bytes)
+    split_tables = table is not None and not table.runs_backward
+    reduced = (0 if split_tables else tables * grad_itemsize / F32_BYTES) + stacked_reduced
+    return gather_bytes + ring_all_gather_bytes(reduced, mesh.fsdp), gather_bytes
 
 
 def _pipe_bytes(
