@@ -156,6 +156,9 @@ def check_observe_overhead(out: str, _: Path) -> None:
     assert "(smoke: tiny model)" in out
 
 
+SMOKE_SCHEDULES = ("pipe 2 1f1b M=4", "pipe 2 gpipe M=4")  # the equal-remat comparison's pair
+
+
 def check_pipeline(out: str, _: Path) -> None:
     rows = {
         label: line.split()[-9:]
@@ -171,6 +174,7 @@ def check_pipeline(out: str, _: Path) -> None:
         assert float(in_loop) >= 0 and float(outside) >= 0
     assert float(rows["pipe 1 (baseline)"][2]) == float(rows["pipe 1 (baseline)"][3]) == 0
     assert float(rows["pipe 2 gpipe M=4"][2]) > 0
+    work_1f1b, work_gpipe = (float(rows[label][0]) for label in SMOKE_SCHEDULES)
     rows = {label: row[4:] for label, row in rows.items()}
     for bubble, tokens_per_s, speed_ratio, gib, memory_ratio in rows.values():
         assert positive(float(tokens_per_s.replace(",", "")), float(gib), float(memory_ratio))
@@ -178,9 +182,13 @@ def check_pipeline(out: str, _: Path) -> None:
     assert rows["pipe 1 (baseline)"][2] == "1.00" and rows["pipe 1 (baseline)"][4] == "1.00"
     # both memories against pipe 1's, two decimals each: their quotient within rounding
     one_f_one_b, gpipe = float(rows["pipe 2 1f1b M=4"][4]), float(rows["pipe 2 gpipe M=4"][4])
-    memory_ratio = number(r"1f1b needs {N}x gpipe's XLA memory", out)
+    memory_ratio = number(r"remat none: 1f1b needs {N}x gpipe's XLA memory", out)
     assert positive(memory_ratio)
     assert memory_ratio == pytest.approx(one_f_one_b / gpipe, rel=0.03)
+    # the same comparison of compiled work, against the two rows' work columns
+    assert number(r"{N}x its compiled work", out) == pytest.approx(
+        work_1f1b / work_gpipe, abs=0.01 + 0.01 * work_1f1b / work_gpipe
+    )
 
 
 def check_recovery(out: str, _: Path) -> None:
