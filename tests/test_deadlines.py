@@ -178,6 +178,74 @@ def test_votes_one_round_behind_agree_and_a_missing_voter_is_named(tmp_path):
     assert 2.5 < seconds < 10, output[-3000:]
 
 
+SPACED_VOTER = """
+import json, sys, time
+import jax
+rank, port = int(sys.argv[1]), sys.argv[2]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+from msjax.parallel.agreement import ProcessVote, VoteSpacing
+from msjax.training.decisions import Decision, agree
+vote, spacing = ProcessVote("spaced", timeout_s=30.0), VoteSpacing()
+stopped_at = None
+for step in range(1, 200):
+    time.sleep(0.001 if rank == 0 else 0.002)  # steps far shorter than VOTE_SPACING_S
+    seen = "SIGTERM" if rank == 1 and step >= 50 else None  # only rank 1 is signalled
+    decision, _ = agree(Decision(step=step, stop_by=seen), False, vote, spacing=spacing)
+    if decision.stop_by is not None:
+        stopped_at = step
+        break
+print(json.dumps({"stopped_at": stopped_at, "rounds": vote.rounds, "apart": spacing.steps_between}))
+"""
+
+
+def test_short_steps_space_the_vote_s_rounds_and_every_process_acts_at_the_same_step():
+    import portpicker
+
+    port = str(portpicker.pick_unused_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", SPACED_VOTER, str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [process.communicate(timeout=120)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    seen = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    assert seen[0] == seen[1], outputs  # the same step, the same rounds, the same spacing
+    # rank 1's signal, cast at its next round, is acted on by both one round later: at most
+    # two spacings of MAX_STEPS_BETWEEN_ROUNDS after it
+    assert 50 < seen[0]["stopped_at"] <= 50 + 2 * 8, seen
+    assert seen[0]["apart"] > 1, seen  # 1-2 ms steps: rounds several steps apart
+    assert seen[0]["rounds"] < seen[0]["stopped_at"] // 2, seen
+
+
+def test_the_vote_s_spacing_follows_the_time_per_step_and_is_capped():
+    from msjax.parallel.agreement import VoteSpacing
+
+    spacing = VoteSpacing(spacing_s=0.001, max_steps=8)
+    assert spacing.due(1) and spacing.proposal(1) == 1  # nothing measured yet
+    time.sleep(0.01)
+    assert spacing.proposal(2) == 1  # a step longer than the spacing: every step
+    spacing.agreed(2, 3)
+    assert [step for step in range(3, 9) if spacing.due(step)] == [5, 6, 7, 8]
+    spacing.agreed(5, None)  # no answer this round: the spacing stays
+    assert spacing.next_round_step == 8
+    spacing.agreed(8, 40)  # never past the cap, whatever a round says
+    assert spacing.steps_between == 8
+    fast = VoteSpacing(spacing_s=10.0, max_steps=8)
+    fast.proposal(1)
+    time.sleep(0.01)
+    assert fast.proposal(3) == 8  # 5 ms steps against a 10 s spacing: the cap
+
+
 IGNORES_SIGTERM = (
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
     "print('ready', flush=True); time.sleep(600)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +26,11 @@ VOTE_TIMEOUT_S = 30 * 60.0  # a peer that never votes is a hang: the supervisor'
 JOB_SECRET = "MSJAX_JOB_SECRET"  # the job's key for sealing what it writes to the store
 _SEAL_SEPARATOR = ";"
 _votes_made: dict[str, int] = {}  # ProcessVotes made by this process, per name
+# At least this much stepping between two rounds of a per-step vote: a round costs a few of the
+# store's round trips (about 0.1 ms each on one host, benchmarks/agreement_overhead.py), so 1% of
+# 40 ms. Steps longer than this vote every step.
+VOTE_SPACING_S = 0.04
+MAX_STEPS_BETWEEN_ROUNDS = 8  # what a vote decides waits at most twice this many steps
 
 
 class VoteTimeout(Exception):
@@ -124,39 +130,87 @@ class ProcessVote:
         assert self.rounds < self.cast_rounds, "collect a round only after casting it"
         round_key = f"{self.prefix}/{self.rounds}"
         deadline = time.monotonic() + self.timeout_s
+        cast = self._round_in_store(round_key)  # one read: one step behind, all are in
         votes = []
         for rank in range(self.processes):
             key = f"{round_key}/{rank}"
-            wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-            try:
-                sealed = self.client.blocking_key_value_get(key, wait_ms)
-            except Exception as error:  # jax's runtime error: the wait's end, or no service
-                if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() < deadline:
-                    raise
-                raise VoteTimeout(
-                    self.prefix.removeprefix("msjax/vote/"),
-                    self.rounds,
-                    self._missing(round_key),
-                    self.timeout_s,
-                ) from None
+            sealed = cast.get(key)
+            if sealed is None:
+                sealed = self._wait_for(key, round_key, deadline)
             votes.append(tuple(int(v) for v in unseal(key, sealed, self.secret).split(",")))
         # Every process has cast this round, so every one has collected the round two before
         # (a process casts round r only after collecting round r - 2, even one round behind):
-        # this process's key there is no longer needed.
-        if self.rounds >= 2:
-            self.client.key_value_delete(f"{self.prefix}/{self.rounds - 2}/{self.rank}")
+        # its keys are no longer needed. The processes take turns to delete them.
+        if self.rounds >= 2 and self.rounds % self.processes == self.rank:
+            self.client.key_value_delete(f"{self.prefix}/{self.rounds - 2}")
         self.rounds += 1
         return votes
+
+    def _round_in_store(self, round_key: str) -> dict[str, str]:
+        """The keys of a round as the store holds them now, each under its full name."""
+        return dict(self.client.key_value_dir_get(round_key))
+
+    def _wait_for(self, key: str, round_key: str, deadline: float) -> str:
+        """key's value once it is set; VoteTimeout past the deadline."""
+        wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+        try:
+            return self.client.blocking_key_value_get(key, wait_ms)
+        except Exception as error:  # jax's runtime error: the wait's end, or no service
+            if "DEADLINE_EXCEEDED" not in str(error) and time.monotonic() < deadline:
+                raise
+            raise VoteTimeout(
+                self.prefix.removeprefix("msjax/vote/"),
+                self.rounds,
+                self._missing(round_key),
+                self.timeout_s,
+            ) from None
 
     def _missing(self, round_key: str) -> list[int]:
         """The ranks with no key in this round (as the store holds it now)."""
         try:
-            present = {
-                key.rpartition("/")[2] for key, _ in self.client.key_value_dir_get(round_key)
-            }
+            present = self._round_in_store(round_key)
         except Exception:  # the store itself cannot answer: every peer is unaccounted for
-            present = {str(self.rank)}
-        return [rank for rank in range(self.processes) if str(rank) not in present]
+            present = {f"{round_key}/{self.rank}": ""}
+        return [rank for rank in range(self.processes) if f"{round_key}/{rank}" not in present]
+
+
+class VoteSpacing:
+    """The steps a per-step vote casts its rounds in: every step, or every few where steps are
+    so short that a round would cost more than 1% of them.
+
+    Each round carries every process's proposal (`proposal`: the steps that make
+    VOTE_SPACING_S, from its own time per step since its round before), and the agreed one (the
+    maximum, `agreed`) sets how many steps pass before the next round. Every process reads the
+    same answer at the same step, so all cast their rounds at the same steps.
+    """
+
+    def __init__(
+        self, spacing_s: float = VOTE_SPACING_S, max_steps: int = MAX_STEPS_BETWEEN_ROUNDS
+    ):
+        self.spacing_s = spacing_s
+        self.max_steps = max_steps
+        self.steps_between = 1
+        self.next_round_step: int | None = None  # None: the first step casts
+        self._last_round: tuple[int, float] | None = None  # (step, time) of the round before
+
+    def due(self, step: int) -> bool:
+        """Whether the round of this step is cast."""
+        return self.next_round_step is None or step >= self.next_round_step
+
+    def proposal(self, step: int) -> int:
+        """This process's proposal, in steps, from its own time per step since its last round."""
+        now = time.monotonic()
+        last, self._last_round = self._last_round, (step, now)
+        if last is None or step <= last[0]:
+            return 1
+        seconds_per_step = max((now - last[1]) / (step - last[0]), 1e-9)
+        return min(self.max_steps, max(1, math.ceil(self.spacing_s / seconds_per_step)))
+
+    def agreed(self, step: int, steps_between: int | None) -> None:
+        """The round cast at this step was answered with steps_between (None: no answer yet)."""
+        if steps_between is not None:
+            self.steps_between = min(self.max_steps, max(1, steps_between))
+        self.next_round_step = step + self.steps_between
 
 
 def process_vote(name: str, timeout_s: float = VOTE_TIMEOUT_S) -> ProcessVote | None:
