@@ -2,8 +2,10 @@
 the same sharded step loop without a vote, with one `ProcessVote.agree` per step (decided in the
 step), with one `ProcessVote.agree_behind` per step (decided one step behind), and with
 msjax.training.decisions's own `agree` (one round behind, its rounds spaced by `VoteSpacing` where
-steps are short), interleaved for 3 rounds; each keeps its best round, so a burst of load from
-elsewhere does not decide a ratio. Also counts the key-value store calls per round.
+steps are short), interleaved in chunks of 25 steps (each label's chunk in turn, 24 times over);
+each label's time is the median of its chunks, so a burst of load from elsewhere does not decide a
+ratio. The timings are noisy at the 1% level on a shared machine, so it also counts the work: the
+key-value store calls per round and per step.
 
     python benchmarks/agreement_overhead.py            # starts both processes itself
     python benchmarks/agreement_overhead.py --smoke    # 10 steps a measurement: seconds
@@ -12,17 +14,19 @@ elsewhere does not decide a ratio. Also counts the key-value store calls per rou
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-STEPS = 200
-ROUNDS = 3
-SMOKE_STEPS = 10
+CHUNK_STEPS = 25
+CHUNKS = 24  # per label
+SMOKE_CHUNK_STEPS = 5
+SMOKE_CHUNKS = 2
 
 
-def worker(rank: int, port: int, steps: int) -> None:
+def worker(rank: int, port: int, steps: int, chunks: int) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 2)
@@ -54,7 +58,7 @@ def worker(rank: int, port: int, steps: int) -> None:
         vote.client = CountingClient(vote.client)
     spacing = VoteSpacing()
     timings: dict[str, list[float]] = {label: [] for label in labels}
-    for label in labels * ROUNDS:  # interleaved
+    for label in labels * chunks:  # interleaved
         x, metric = step(x)
         previous = metric
         started = time.perf_counter()
@@ -74,22 +78,25 @@ def worker(rank: int, port: int, steps: int) -> None:
                     spacing=spacing,
                 )
         timings[label].append((time.perf_counter() - started) / steps * 1e3)
-    best = {label: min(times) for label, times in timings.items()}
+    best = {label: statistics.median(times) for label, times in timings.items()}
     if rank == 0:
         base = best["without"]
-        print(f"agreement, {steps} steps a round, best of {ROUNDS}, 2 processes:")
+        print(f"agreement, median of {chunks} chunks of {steps} steps each, 2 processes:")
         print(f"  without a vote: {base:.2f} ms/step")
         for label in labels[1:]:
             print(
-                f"  {label}: {best[label]:.2f} ms/step (+{best[label] - base:.2f} ms, "
+                f"  {label}: {best[label]:.2f} ms/step ({best[label] - base:+.2f} ms, "
                 f"ratio {best[label] / base:.3f})"
             )
-    calls = {label: vote.client.calls / max(vote.rounds, 1) for label, vote in votes.items()}
+    per_round = {label: vote.client.calls / max(vote.rounds, 1) for label, vote in votes.items()}
+    per_step = {label: vote.client.calls / (chunks * steps) for label, vote in votes.items()}
     rounds = votes["as msjax.train"].rounds
     print(
-        f"rank {rank}: key-value store calls per round: "
-        + ", ".join(f"{label} {count:.2f}" for label, count in calls.items())
-        + f"; msjax.train's rounds: {rounds} in {ROUNDS * steps} steps "
+        f"rank {rank}: key-value store calls per round / per step: "
+        + ", ".join(
+            f"{label} {per_round[label]:.2f} / {per_step[label]:.2f}" for label in per_round
+        )
+        + f"; msjax.train's rounds: {rounds} in {chunks * steps} steps "
         f"({spacing.steps_between} steps apart at the end)",
         flush=True,
     )
@@ -112,18 +119,21 @@ class CountingClient:
 
 
 def main() -> None:
-    if len(sys.argv) == 4:
-        worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    if len(sys.argv) == 5:
+        worker(*(int(argument) for argument in sys.argv[1:]))
         return
     if sys.argv[1:] not in ([], ["--smoke"]):
         raise SystemExit(f"usage: {sys.argv[0]} [--smoke]")
-    steps = SMOKE_STEPS if sys.argv[1:] == ["--smoke"] else STEPS
+    smoke = sys.argv[1:] == ["--smoke"]
+    steps, chunks = (SMOKE_CHUNK_STEPS, SMOKE_CHUNKS) if smoke else (CHUNK_STEPS, CHUNKS)
     import portpicker
 
     port = portpicker.pick_unused_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     processes = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(steps)], env=env)
+        subprocess.Popen(
+            [sys.executable, __file__, *(str(a) for a in (rank, port, steps, chunks))], env=env
+        )
         for rank in range(2)
     ]
     codes = [process.wait(timeout=600) for process in processes]

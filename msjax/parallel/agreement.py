@@ -26,11 +26,11 @@ VOTE_TIMEOUT_S = 30 * 60.0  # a peer that never votes is a hang: the supervisor'
 JOB_SECRET = "MSJAX_JOB_SECRET"  # the job's key for sealing what it writes to the store
 _SEAL_SEPARATOR = ";"
 _votes_made: dict[str, int] = {}  # ProcessVotes made by this process, per name
-# At least this much stepping between two rounds of a per-step vote: a round costs a few of the
-# store's round trips (about 0.1 ms each on one host, benchmarks/agreement_overhead.py), so 1% of
-# 40 ms. Steps longer than this vote every step.
-VOTE_SPACING_S = 0.04
-MAX_STEPS_BETWEEN_ROUNDS = 8  # what a vote decides waits at most twice this many steps
+# At least this much stepping between two rounds of a per-step vote: a round (a write, a read and
+# half a delete) cost about 0.6 ms beside a 19 ms step of two processes on 2 CPU cores
+# (benchmarks/agreement_overhead.py), 0.6% of 100 ms. Steps longer than this vote every step.
+VOTE_SPACING_S = 0.1
+MAX_STEPS_BETWEEN_ROUNDS = 16  # what a vote decides waits at most twice this many steps
 
 
 class VoteTimeout(Exception):
