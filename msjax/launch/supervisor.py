@@ -447,8 +447,8 @@ class Supervisor:
 
     def _kill_at_once(self, attempt: Attempt, faulty_rank: int) -> list[int]:
         """SIGKILL the faulty rank (it is not trusted to finish anything), then the other ranks
-        with nothing left to finish (policy.ranks_to_kill_at_once); those others. The rest get
-        SIGTERM and resilience.stop_grace_s."""
+        with nothing left to finish (policy.ranks_to_kill_at_once), and return the latter. The
+        rest get SIGTERM and resilience.stop_grace_s."""
         for worker in attempt.workers:
             if worker.rank == faulty_rank:
                 worker.signal(signal.SIGKILL)
