@@ -5,6 +5,8 @@ steps, and read tokens/s from their own metrics.jsonl. "Off" is `observe.rank_ti
 observe.flight_recorder_events=0`. The two alternate for --rounds rounds and each keeps its best,
 so a burst of load from elsewhere on a shared machine does not decide the ratio (target: the
 observed run within 2% of the unobserved one). Which runs first alternates from round to round.
+One lucky round of either still decides a best-of ratio, so the median of the rounds' own ratios
+(each pair run back to back) is printed too.
 
     python benchmarks/observe_overhead.py [--steps 60] [--rounds 3]
     python benchmarks/observe_overhead.py --smoke   # a tiny model, 6 steps, 1 round: seconds
@@ -78,6 +80,9 @@ def main() -> None:
     print(f"{'per-rank timing + flight recorder off':<40} {off:10,.0f} tokens/s")
     print(f"{'per-rank timing + flight recorder on':<40} {on:10,.0f} tokens/s")
     print(f"{'ratio (on / off)':<40} {on / off:10.3f}   (target >= 0.98)")
+    # each round's pair ran back to back, so its own ratio shares that round's load
+    paired = statistics.median(a / b for a, b in zip(on_rounds, off_rounds, strict=True))
+    print(f"{'median of the rounds own ratios':<40} {paired:10.3f}")
 
 
 if __name__ == "__main__":

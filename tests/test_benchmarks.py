@@ -164,6 +164,10 @@ def check_observe_overhead(out: str, _: Path) -> None:
     off = number(r"flight recorder off\s+{N} tokens/s", out)
     on = number(r"flight recorder on\s+{N} tokens/s", out)
     assert_ratio(number(r"ratio \(on / off\)\s+{N}", out), on, off, 3, 0)
+    # one round in the smoke form: its own ratio is the best-of ratio
+    assert number(r"median of the rounds own ratios\s+{N}", out) == pytest.approx(
+        number(r"ratio \(on / off\)\s+{N}", out), abs=2e-3
+    )
     assert "(smoke: tiny model)" in out
 
 
