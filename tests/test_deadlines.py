@@ -127,6 +127,24 @@ def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path)
     assert deadline_s(fewer, "step", [record]) == fewer.step_deadline_s
 
 
+def start_voters(script: str) -> list[subprocess.Popen]:
+    """Two processes of one jax.distributed job on 127.0.0.1, each running script as its rank."""
+    import portpicker
+
+    port = str(portpicker.pick_unused_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+
+
 VOTER = """
 import os, sys, time
 import jax
@@ -153,20 +171,7 @@ else:
 
 @pytest.mark.slow
 def test_votes_one_round_behind_agree_and_a_missing_voter_is_named(tmp_path):
-    import portpicker
-
-    port = str(portpicker.pick_unused_port())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", VOTER, str(rank), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
+    processes = start_voters(VOTER)
     try:
         output = processes[0].communicate(timeout=120)[0]
     finally:
@@ -199,20 +204,7 @@ print(json.dumps({"stopped_at": stopped_at, "rounds": vote.rounds, "apart": spac
 
 
 def test_short_steps_space_the_vote_s_rounds_and_every_process_acts_at_the_same_step():
-    import portpicker
-
-    port = str(portpicker.pick_unused_port())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", SPACED_VOTER, str(rank), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in range(2)
-    ]
+    processes = start_voters(SPACED_VOTER)
     try:
         outputs = [process.communicate(timeout=120)[0] for process in processes]
     finally:
