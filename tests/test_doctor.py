@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from msjax.resilience import exit_codes
 from msjax.resilience.health import KNOWN_ANSWER_TOLERANCE, Bounds, judge
+from msjax.resilience.self_checks import check_disk
 
 REPO = Path(__file__).resolve().parents[1]
 # data 2 x fsdp 2. The speed bound is raised: simulated CPU devices share two cores with other
@@ -303,6 +305,20 @@ def run_launch(
 
 
 @pytest.mark.slow
+def test_disk_checks_sharing_a_folder_at_once_leave_each_others_files_alone(tmp_path) -> None:
+    """A spare checked alone is rank 0 of its own round, beside the job's rank 0, in the same
+    health folder: neither check may truncate or delete the other's file."""
+    others = tmp_path / ".disk-check-rank0"  # the file another rank-0 check is writing
+    others.write_bytes(b"another check's bytes")
+    with ThreadPoolExecutor(2) as pool:
+        figures = list(pool.map(lambda _: check_disk(tmp_path, 0), range(2)))
+    for disk in figures:
+        assert disk.get("intact") is True, disk
+        assert disk["write_mb_s"] > 0 and disk["read_mb_s"] > 0
+    assert others.read_bytes() == b"another check's bytes"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [others.name]
+
+
 def test_launch_checks_before_the_start_and_the_restart(tmp_path) -> None:
     run_dir = tmp_path / "restarted"
     code, output = run_launch(run_dir, "crash@step=2,rank=1", "checkpoint.every_steps=2")

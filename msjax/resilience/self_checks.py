@@ -10,6 +10,7 @@ import argparse
 import functools
 import hashlib
 import os
+import secrets
 import socket
 import threading
 import time
@@ -135,12 +136,20 @@ def check_host_memory() -> dict[str, Any]:
 
 def check_disk(folder: Path, rank: int) -> dict[str, Any]:
     """Write DISK_CHECK_BYTES into folder, fsync, read them back: MB/s each way, and whether the
-    bytes came back as written."""
+    bytes came back as written. The file's name is this check's own: checks that share the
+    folder at once (a spare checked alone as rank 0 beside the job's rank 0) never touch each
+    other's file."""
     data = os.urandom(DISK_CHECK_BYTES)
-    path = folder / f".disk-check-rank{rank}"
+    path = (
+        folder
+        / f".disk-check-rank{rank}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    )
+    started = time.perf_counter()
     try:
-        started = time.perf_counter()
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as error:
+        return {"error": f"{path}: {error}"}
+    try:
         try:
             view = memoryview(data)
             while view:
