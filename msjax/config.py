@@ -239,6 +239,11 @@ class ResilienceConfig:
     # (transient if the mismatch does not come back); stop, or a mismatch that comes back,
     # ends the run with exit code 11 naming the rank
     on_corruption: Literal["rerun", "stop"] = "rerun"
+    # a restart takes warm standbys: once an attempt has stepped for warm_standby_after_s, a
+    # process with its imports done (JAX, msjax's trainer) waits in each slot for the next
+    # attempt's rank (msjax.launch.spare), so that a restart does not import again
+    warm_standbys: bool = True
+    warm_standby_after_s: float = 30.0
     max_restarts: int = 10  # restarts of the whole job before the supervisor gives up
     # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8
     # (exit 2 if each crashed the same way before its first step: a mistake, not the machine)

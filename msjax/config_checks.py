@@ -276,6 +276,11 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
     for key in ("measured_deadline_after_steps", "measured_deadline_after_saves"):
         if getattr(resilience, key) < 1:
             raise ConfigError(f"resilience.{key}={getattr(resilience, key)} must be at least 1")
+    if not resilience.warm_standby_after_s >= 0:
+        raise ConfigError(
+            f"resilience.warm_standby_after_s={resilience.warm_standby_after_s} must be at "
+            "least 0 (seconds of an attempt's steps before its warm standbys start)"
+        )
     if resilience.restart_backoff_s < 0:
         raise ConfigError(
             f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"

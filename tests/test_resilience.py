@@ -64,7 +64,13 @@ def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
 class Launch:
     """One `python -m msjax.launch --nprocs 2 --devices-per-proc 2` job; output to a log."""
 
-    def __init__(self, run_dir: Path, cache_dir: Path, launch_flags: list[str] = ()):
+    def __init__(
+        self,
+        run_dir: Path,
+        cache_dir: Path,
+        launch_flags: list[str] = (),
+        overrides: list[str] = (),
+    ):
         self.run_dir = run_dir
         self.log_path = run_dir.parent / f"{run_dir.name}-launch.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -77,6 +83,7 @@ class Launch:
             *launch_flags,
             "--",
             *train_args(run_dir, cache_dir),
+            *overrides,
         ]
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
@@ -203,11 +210,14 @@ def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
     1. rank 1 SIGKILLed from outside after step 4 (checkpoint 3 on disk);
     2. rank 1 crashes while checkpoint 6 is being written (injected);
     3. rank 0 reads a NaN loss at step 8 (injected): roll back to checkpoint 6, skip step 8;
-    4. rank 0 SIGSTOPped from outside after step 10: a hang, caught by its heartbeat deadline."""
+    4. rank 0 SIGSTOPped from outside after step 10: a hang, caught by its heartbeat deadline.
+    Its restarts take warm standbys (started from each attempt's first step on), so the
+    reference's parameters are also those of workers that waited with their imports done."""
     started["storm"].finish()  # alone on the CPUs: hang detection is about time
     run_dir = tmp_path_factory.mktemp("faulty") / "run"
     faults = f"crash_in_save@step=6,rank=1;nan@step={NAN_STEP},rank=0"
-    job = Launch(run_dir, cache_dir, [f"--fault={faults}"])
+    standbys = ["resilience.warm_standby_after_s=0"]
+    job = Launch(run_dir, cache_dir, [f"--fault={faults}"], standbys)
     pid = job.wait_for(job.worker_at(1, attempt=0, step=4), "step 4 on rank 1")
     os.kill(pid, signal.SIGKILL)
     pid = job.wait_for(job.worker_at(0, attempt=3, step=10), "step 10 on rank 0 of attempt 3")
@@ -252,6 +262,28 @@ def test_job_through_four_faults_ends_with_parameters_bitwise_equal_to_the_refer
     assert sorted(arrays) == sorted(expected)
     for name, value in expected.items():
         assert arrays[name].tobytes() == value.tobytes(), name
+
+
+@pytest.mark.slow
+def test_restarts_take_the_warm_standbys_and_their_output_goes_to_the_ranks_logs(faulty):
+    started = [line for line in faulty.output.splitlines() if "warm standbys start" in line]
+    assert started[0].endswith("attempt 0: warm standbys start in slot(s) 0 1"), started
+    attempts = [line for line in faulty.output.splitlines() if ": 2 workers (ranks 0-1" in line]
+    assert len(attempts) == 5, attempts  # the first and four restarts
+    assert "waiting with their imports done" not in attempts[0]
+    assert attempts[1].endswith(", 2 of them waiting with their imports done"), attempts[1]
+    for rank in (0, 1):
+        log = RunDir(faulty.run_dir).log(rank).read_text()
+        # the SIGKILLed worker's successor: the standby of attempt 0, its pid named in the header
+        header = next(line for line in log.splitlines() if "attempt 1, rank" in line)
+        pid = int(header.split(" pid ")[1].split()[0])
+        assert str(pid) in attempts[1].split("pids ")[1].split(",")[0].split(), attempts[1]
+        assert f"slot {rank} takes rank {rank}" in log.split(header)[1]
+        standby = RunDir(faulty.run_dir).standby_log(rank).read_text()
+        assert "imports done" in standby and "takes rank" not in standby
+    # rank 0's output reaches the launcher's, as a fresh worker's would; rank 1's does not
+    assert "msjax.launch.spare: slot 0 takes rank 0" in faulty.output
+    assert "msjax.launch.spare: slot 1 takes rank 1" not in faulty.output
 
 
 @pytest.mark.slow

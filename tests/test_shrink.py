@@ -322,8 +322,11 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     assert membership["slots"]["active"] == [0, 1, 2, 4]
     assert membership["first_fault_to_new_mesh_s"] > 0
     # the spare ran rank 3 (it did not inherit slot 3's fault) in the waiting process itself
-    spare_log = (spare.run_dir / "logs" / "spare-slot4.log").read_text()
-    assert "imports done" in spare_log and "slot 4 takes rank 3" in spare_log
+    assert "imports done" in (spare.run_dir / "logs" / "spare-slot4.log").read_text()
+    # and what it printed as rank 3 is in rank 3's log, after the header of its attempt
+    rank_log = (spare.run_dir / "logs" / "rank3.log").read_text()
+    as_rank = rank_log.split(", rank 3, pid ")[-1]  # the attempt the spare took rank 3 in
+    assert " waited " in as_rank.splitlines()[0] and "slot 4 takes rank 3" in as_rank
     crashes = [f for f in spare.jsonl("faults.jsonl") if f["kind"] == "crash"]
     assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
     # on the job's own mesh, slot 3 re-admitted after its check passed waits as a spare

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from msjax.checkpoint.commits import committed_steps
@@ -52,7 +53,9 @@ class JobMembership:
         self.incidents = incidents
         self.say = say
         self.slots = Slots(layout.nprocs, spares)
-        self.spare_workers: dict[int, WorkerProcess] = {}
+        # processes that did their imports and wait for a rank (msjax.launch.spare), by slot:
+        # each spare slot's, and a warm standby in each rank slot (resilience.warm_standbys)
+        self.waiting: dict[int, WorkerProcess] = {}
         self.full_plan: MeshPlan | None = None
         if layout.devices_per_proc is not None and layout.nnodes == 1:
             with contextlib.suppress(MsjaxError):  # a mesh that does not fit: workers refuse it
@@ -119,32 +122,49 @@ class JobMembership:
     def keep_spares_ready(self, number: int, env: dict[str, str]) -> None:
         """A waiting process in every spare slot that passed its check (started anew where one
         has ended)."""
-        for slot in self.slots.spares():
-            if slot in self.unchecked_spares:
+        checked = [slot for slot in self.slots.spares() if slot not in self.unchecked_spares]
+        self._keep_waiting(checked, number, env, self.run_dir.spare_log)
+
+    def keep_standbys_ready(self, number: int, env: dict[str, str]) -> list[int]:
+        """A warm standby in every slot that runs a rank, for the next restart (started anew
+        where one has ended); the slots it started one in. A slot that left the job (excluded)
+        has its standby stopped: that process would run on the machine left out."""
+        rank_slots, spares = set(self.slots.rank_slots), set(self.slots.spares())
+        gone = [slot for slot in self.waiting if slot not in rank_slots | spares]
+        stop_workers([self.waiting.pop(slot) for slot in gone], grace_s=1.0)
+        return self._keep_waiting(sorted(rank_slots), number, env, self.run_dir.standby_log)
+
+    def _keep_waiting(
+        self, slots: list[int], number: int, env: dict[str, str], log: Callable[[int], Path]
+    ) -> list[int]:
+        started = []
+        for slot in slots:
+            waiting = self.waiting.get(slot)
+            if waiting is not None and waiting.alive:
                 continue
-            spare = self.spare_workers.get(slot)
-            if spare is not None and spare.alive:
-                continue
-            if spare is not None:
-                spare.close()
+            if waiting is not None:
+                waiting.close()
             spare_module = [sys.executable, "-m", "msjax.launch.spare"]
             command = [*spare_module, str(self.run_dir.path), str(slot)]
-            log = self.run_dir.spare_log(slot)
-            self.spare_workers[slot] = WorkerProcess(-1, command, env, log, number, echo=None)
+            self.waiting[slot] = WorkerProcess(-1, command, env, log(slot), number, echo=None)
+            started.append(slot)
+        return started
 
-    def waiting_spare(self, slot: int) -> WorkerProcess | None:
-        """The spare process waiting in `slot`, taken out of the pool; None where there is none
-        (or it ended while waiting: a fresh worker starts instead)."""
-        spare = self.spare_workers.pop(slot, None)
-        if spare is not None and not spare.alive:
-            spare.close()
+    def take_waiting(self, slot: int) -> WorkerProcess | None:
+        """The process waiting in `slot` (a spare, or a rank slot's warm standby), taken out of
+        the pool; None where there is none (or it ended while waiting: a fresh worker starts
+        instead)."""
+        waiting = self.waiting.pop(slot, None)
+        if waiting is not None and not waiting.alive:
+            waiting.close()
             return None
-        return spare
+        return waiting
 
     def close(self, grace_s: float) -> None:
-        """The job ends: a re-admission check under way is cancelled, the spares stop."""
+        """The job ends: a re-admission check under way is cancelled, the waiting processes
+        (spares, warm standbys) stop."""
         self.readmission.cancel()
-        stop_workers(list(self.spare_workers.values()), grace_s)
+        stop_workers(list(self.waiting.values()), grace_s)
 
     # --- excluding a bad slot ------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""`python -m msjax.launch.spare RUN_DIR SLOT`: a spare worker of `msjax.launch --spares N`.
+"""`python -m msjax.launch.spare RUN_DIR SLOT`: a worker that waits with its imports done, either
+a spare of `msjax.launch --spares N` or the warm standby of a slot that runs a rank
+(resilience.warm_standbys), which the next restart takes instead of starting a fresh process.
 
 It does its imports (JAX, msjax's trainer), then waits for the supervisor to hand it a rank in
 RUN_DIR/spares/slot<SLOT>.json, and runs as that rank's `msjax.train` worker. The wait is bounded:

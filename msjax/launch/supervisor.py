@@ -82,6 +82,9 @@ def launch_id(layout: JobLayout, context: dict[str, Any], started_unix_s: float)
     return f"{context['slurm_job_id']}.{context['slurm_restart_count']} {layout.coordinator}"
 
 
+STANDBY_CHECK_EVERY_S = 5.0  # how often a running attempt's warm standbys are looked after
+
+
 class Supervisor:
     """Runs `python -m msjax.train TRAIN_ARGS` as a job of workers until it reaches train.steps."""
 
@@ -121,6 +124,7 @@ class Supervisor:
             config, layout, self.run_dir, faults, spares, self.incidents, self.say
         )
         self.slots = self.membership.slots
+        self._standbys_checked = (-1, 0.0)  # the attempt _keep_standbys_ready last looked in, when
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -350,7 +354,7 @@ class Supervisor:
             for gone in range(num_processes, layout.nprocs):
                 self.run_dir.heartbeat(gone).unlink(missing_ok=True)
                 self.run_dir.flight_record(gone).unlink(missing_ok=True)
-        workers = []
+        workers, warm = [], 0
         for local_rank, slot in enumerate(self.slots.rank_slots):
             rank = layout.process_id(local_rank)
             self.run_dir.heartbeat(rank).unlink(missing_ok=True)
@@ -358,15 +362,16 @@ class Supervisor:
                 **worker_env(coordinator, num_processes, rank, number),
                 SLOT_ENV_VAR: str(slot if one_node else rank),  # injected faults follow the slot
             }
-            spare = self.membership.waiting_spare(slot)
-            if spare is not None:  # a spare taking a rank: its imports are done
-                write_assignment(self.run_dir.path, slot, rank, job_env, args)
-                spare.rank, spare.spawned_unix_s = rank, time.time()
-                workers.append(spare)
-                continue
-            env = {**self._worker_base_env(), **job_env}
             echo = self.out if rank == 0 else None
             log = self.run_dir.log(rank)
+            waiting = self.membership.take_waiting(slot)
+            if waiting is not None:  # a spare or a warm standby: its imports are done
+                waiting.assign(rank, log, number, echo)  # before it can print as that rank
+                write_assignment(self.run_dir.path, slot, rank, job_env, args)
+                workers.append(waiting)
+                warm += 1
+                continue
+            env = {**self._worker_base_env(), **job_env}
             workers.append(WorkerProcess(rank, command, env, log, number, echo=echo))
         self.membership.keep_spares_ready(number, self._worker_base_env())
         attempt = Attempt.started(number, workers)
@@ -380,6 +385,8 @@ class Supervisor:
         where = ""
         if one_node and (self.slots.spares() or self.membership.shrunk):
             where = f", slots {self.slots.describe()}"
+        if warm:
+            where += f", {warm} of them waiting with their imports done"
         self.say(
             f"attempt {number}: {len(workers)} workers ({ranks} of {num_processes}), "
             f"coordinator {coordinator}, pids {' '.join(str(w.pid) for w in workers)}{where}"
@@ -417,8 +424,32 @@ class Supervisor:
                 return None  # every worker exited 0 and says it finished
             if self.membership.poll_readmission(attempt, self._worker_base_env()):
                 return None  # _run stops the attempt and grows the mesh back
+            self._keep_standbys_ready(attempt, now_unix_s)
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
+
+    def _keep_standbys_ready(self, attempt: Attempt, now_unix_s: float) -> None:
+        """Once the attempt has stepped for resilience.warm_standby_after_s, a warm standby
+        waits in each of its slots (a process with its imports done), so that a restart skips
+        them. Not before: their imports would slow the attempt's own start, and a short job
+        never needs one. Checked again every few seconds of the attempt, to replace one that
+        ended."""
+        first_step = attempt.first_step_unix_s
+        if not self.resilience.warm_standbys or first_step is None:
+            return
+        if now_unix_s - first_step < self.resilience.warm_standby_after_s:
+            return
+        checked_attempt, checked_unix_s = self._standbys_checked
+        if (
+            checked_attempt == attempt.number
+            and now_unix_s - checked_unix_s < STANDBY_CHECK_EVERY_S
+        ):
+            return
+        self._standbys_checked = (attempt.number, now_unix_s)
+        started = self.membership.keep_standbys_ready(attempt.number, self._worker_base_env())
+        if started:
+            slots = " ".join(str(slot) for slot in started)
+            self.say(f"attempt {attempt.number}: warm standbys start in slot(s) {slots}")
 
     # --- after a fault -------------------------------------------------------------------------
 

@@ -80,7 +80,8 @@ class WorkerProcess:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = AppendLog(log_path)  # no link followed; a full disk drops lines, warning once
-        self._log.write(f"{LOG_HEADER} {attempt}, rank {rank} ===\n".encode())
+        role = f"rank {rank}" if rank >= 0 else "waiting for a rank"  # rank -1: msjax.launch.spare
+        self._log.write(f"{LOG_HEADER} {attempt}, {role} ===\n".encode())
         self._log.flush()
         self.spawned_unix_s = time.time()
         self.process = subprocess.Popen(
@@ -97,6 +98,7 @@ class WorkerProcess:
         self.exited_unix_s: float | None = None
         self._ended_unix_s: float | None = None  # when the process ended, seen by _note_end
         self._echo = echo
+        self._output_lock = threading.Lock()  # assign() changes where the output goes
         self._forward = threading.Thread(target=self._forward_output, daemon=True)
         self._forward.start()
         threading.Thread(target=self._note_end, daemon=True).start()
@@ -112,11 +114,28 @@ class WorkerProcess:
     def _forward_output(self) -> None:
         assert self.process.stdout is not None
         for line in iter(self.process.stdout.readline, b""):  # b"": no process holds the pipe
-            self._log.write(line)
-            self._log.flush()
-            if self._echo is not None:
-                self._echo.write(line.decode(errors="replace"))
-                self._echo.flush()
+            with self._output_lock:
+                self._log.write(line)
+                self._log.flush()
+                if self._echo is not None:
+                    self._echo.write(line.decode(errors="replace"))
+                    self._echo.flush()
+
+    def assign(self, rank: int, log_path: Path, attempt: int, echo: IO[str] | None) -> None:
+        """A waiting process (msjax.launch.spare) takes `rank` in `attempt`: from now on its
+        output goes to that rank's log (and to echo), as a fresh worker's would. Call before
+        handing it the assignment, so that all it prints as that rank lands there."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = AppendLog(log_path)
+        waited_s = time.time() - self.spawned_unix_s
+        log.write(
+            f"{LOG_HEADER} {attempt}, rank {rank}, pid {self.pid} waited {waited_s:.1f} s ===\n"
+        )
+        log.flush()
+        with self._output_lock:
+            self._log.close()
+            self._log, self.log_path, self._echo = log, log_path, echo
+        self.rank, self.spawned_unix_s = rank, time.time()
 
     def poll(self) -> int | None:
         """The exit code once the process has ended (noting when it was first seen ended)."""
