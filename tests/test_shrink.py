@@ -347,6 +347,24 @@ def _gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"  # ended, not reaped by its new parent
 
 
+def test_a_waiting_process_imports_everything_and_starts_no_jax_backend():
+    """What a spare or a warm standby imports while it waits starts no backend: on a GPU node it
+    holds no device memory beside the rank's own worker, and XLA_FLAGS set later still count."""
+    script = (
+        "import importlib\n"
+        "from msjax.launch.spare import WARM_IMPORTS\n"
+        "for name in WARM_IMPORTS: importlib.import_module(name)\n"
+        "from jax._src import xla_bridge\n"
+        "print('backends started:', xla_bridge.backends_are_initialized())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "backends started: False", result.stdout
+
+
 @pytest.mark.slow
 def test_spare_waits_bounded_and_leaves_when_its_supervisor_is_gone(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
