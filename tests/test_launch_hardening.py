@@ -129,8 +129,13 @@ def test_when_an_attempt_ends_nothing_of_a_workers_group_is_left_nor_its_pipe_or
     assert "child started" in worker.log_path.read_text()
 
 
-# a worker that waits, then fails as a survivor does once a peer is gone (crash code 1)
-FOLLOWS_A_PEER = "import sys, time; time.sleep(float(sys.argv[1])); sys.exit(1)"
+# a worker that waits for word of its peer's death (a file), then fails as a survivor does once
+# a peer is gone (crash code 1): its exit follows the kill by its delay, however slowly it started
+FOLLOWS_A_PEER = (
+    "import os, sys, time\n"
+    "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+    "time.sleep(float(sys.argv[1])); sys.exit(1)"
+)
 
 
 def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the_same_poll(
@@ -138,11 +143,12 @@ def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the
 ):
     """Rank 2 is SIGKILLed from outside; ranks 0, 1 and 3 exit (code 1) as a consequence, 0 last,
     before the supervisor polls again: the fault names rank 2, not the lowest rank seen exited."""
-    follow_s = {0: 1.5, 1: 0.6, 3: 0.5}
+    follow_s = {0: 2.0, 1: 1.2, 3: 1.0}  # after the kill
+    peer_gone = tmp_path / "peer-gone"
     workers = [
         WorkerProcess(
             rank,
-            [sys.executable, "-c", FOLLOWS_A_PEER, str(follow_s.get(rank, 600))],
+            [sys.executable, "-c", FOLLOWS_A_PEER, str(follow_s.get(rank, 600)), str(peer_gone)],
             env(),
             tmp_path / f"rank{rank}.log",
             0,
@@ -152,6 +158,7 @@ def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the
     ]
     attempt = Attempt.started(0, workers)
     os.kill(workers[2].pid, signal.SIGKILL)
+    peer_gone.touch()
     assert wait_for(lambda: all(w.state() in ("Z", "?") for w in workers), 60)
     exited = [w for w in workers if w.poll() is not None]  # one poll sees all four, as _watch
     poll = Poll(attempt, exited, time.time(), time.time(), ResilienceConfig(), 10, {})
