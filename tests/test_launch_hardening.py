@@ -129,11 +129,13 @@ def test_when_an_attempt_ends_nothing_of_a_workers_group_is_left_nor_its_pipe_or
     assert "child started" in worker.log_path.read_text()
 
 
-# a worker that waits for word of its peer's death (a file), then fails as a survivor does once
-# a peer is gone (crash code 1): its exit follows the kill by its delay, however slowly it started
+# a worker that waits (at most 60 s) for word of its peer's death (a file), then fails as a
+# survivor does once a peer is gone (crash code 1): its exit follows the kill by its delay,
+# however slowly it started
 FOLLOWS_A_PEER = (
     "import os, sys, time\n"
-    "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+    "deadline = time.monotonic() + 60\n"
+    "while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline: time.sleep(0.01)\n"
     "time.sleep(float(sys.argv[1])); sys.exit(1)"
 )
 
@@ -141,8 +143,8 @@ FOLLOWS_A_PEER = (
 def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the_same_poll(
     tmp_path,
 ):
-    """Rank 2 is SIGKILLed from outside; ranks 0, 1 and 3 exit (code 1) as a consequence, 0 last,
-    before the supervisor polls again: the fault names rank 2, not the lowest rank seen exited."""
+    """Rank 2 is SIGKILLed from outside; ranks 0, 1 and 3 exit (code 1) 1 to 2 s after it, 0 last,
+    and one poll sees all four: the fault names rank 2, not the lowest rank seen exited."""
     follow_s = {0: 2.0, 1: 1.2, 3: 1.0}  # after the kill
     peer_gone = tmp_path / "peer-gone"
     workers = [
