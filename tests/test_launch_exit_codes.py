@@ -72,7 +72,7 @@ def cases(tmp: Path) -> dict[str, Case]:
             exit_codes.RESTARTS_EXHAUSTED,
             ["--max-restarts=0", "--fault=save_error@step=1,rank=0,times=1000"],
             [
-                "train.steps=400",
+                "train.steps=100000",  # it ends by exit 6, however fast it steps
                 "checkpoint.every_steps=1",
                 "checkpoint.max_unsaved_minutes=0.02",
             ],

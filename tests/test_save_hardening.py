@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,8 +19,10 @@ from checkpoint_fault_helpers import (
     SMALL_RUN,
     committed_on_disk,
     mounted_tmpfs,
+    stopped_step,
     unfinished_on_disk,
 )
+from checkpoint_fault_helpers import start_run as start_run  # a fixture, re-exported for pytest
 
 from msjax.config import CheckpointConfig
 from msjax.resilience import exit_codes
@@ -66,7 +69,7 @@ def test_saves_failing_in_the_background_end_the_attempt_after_max_unsaved_minut
     clock keep running until exit 6, long before the run's last step; each failed save's partial
     files are removed once it is known failed."""
     run_dir = tmp_path / "run"
-    steps = 400
+    steps = 100_000  # it ends by exit 6, however fast it steps
     overrides = [
         *SMALL_RUN,
         "data.max_corpus_mib=1",
@@ -126,34 +129,45 @@ def checkpoint_spans(run_dir: Path, rank: int) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def one_rank_fails_a_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
-    """A 2-process job (msjax.launch) whose save of step 2 fails on rank 1 only (ENOSPC)."""
+    """A 2-process job (msjax.launch) whose save of step 2 fails on rank 1 only (ENOSPC). It runs
+    until a save after step 2 is committed (the retry, 1 s later, however fast the machine
+    steps), then gets SIGTERM and both processes save the step they stop at."""
     run_dir = tmp_path_factory.mktemp("one_rank") / "run"
     cache_dir = tmp_path_factory.mktemp("compile_cache")
     command = [
         sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2",
         "--fault=save_error@step=2,rank=1", "--",
         "model.num_layers=2", "data.seq_len=32", "data.max_corpus_mib=1",
-        "train.global_batch=8", "train.steps=12", "train.eval_every=0",
+        "train.global_batch=8", "train.steps=100000", "train.eval_every=0",
         "train.peak_tflops=0.5", "checkpoint.every_steps=2", "mesh.data=2", "mesh.fsdp=2",
         "mesh.tensor=1", "resilience.max_restarts=0", f"resilience.compile_cache_dir={cache_dir}",
         f"run.dir={run_dir}",
     ]  # fmt: skip
-    done = subprocess.run(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=worker_env(),
-        cwd=run_dir.parent,
-        timeout=RUN_TIMEOUT_S,
-    )
-    return run_dir, done.returncode, done.stdout
+    log_path = run_dir.parent / "launch.log"
+    with log_path.open("w") as log:
+        job = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=run_dir.parent
+        )
+    checkpoints = RunDir(run_dir).checkpoints
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not [step for step in committed_on_disk(checkpoints) if step > 2]:
+            if job.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return run_dir, code, log_path.read_text()
 
 
 @pytest.mark.slow
 def test_a_save_failing_on_one_process_is_skipped_by_all_without_waiting(one_rank_fails_a_save):
     run_dir, code, output = one_rank_fails_a_save
-    assert code == 0, output[-5000:]
+    assert code == exit_codes.TERMINATED, output[-5000:]
     spans = [checkpoint_spans(run_dir, rank) for rank in (0, 1)]
     # rank 0 did not wait in Orbax's save barrier (300 s) for rank 1, which never entered it
     assert spans[0][2] < 30 and spans[1][2] < 30, spans
@@ -171,14 +185,14 @@ def test_a_save_failing_on_one_process_is_skipped_by_all_without_waiting(one_ran
 @pytest.mark.slow
 def test_both_processes_retry_the_skipped_save_together_and_it_commits(one_rank_fails_a_save):
     run_dir, code, output = one_rank_fails_a_save
-    assert code == 0, output[-5000:]
+    assert code == exit_codes.TERMINATED, output[-5000:]
     saved = [sorted(checkpoint_spans(run_dir, rank)) for rank in (0, 1)]
     assert saved[0] == saved[1], saved  # every save entered by both processes, at one step
-    retry = saved[0][1]  # the first save after the skipped one of step 2
-    assert 2 < retry < 12, saved
+    retry, stopped = saved[0][1], saved[0][-1]  # the first save after step 2's; SIGTERM's
+    assert 2 < retry <= stopped, saved
     committed = committed_on_disk(RunDir(run_dir).checkpoints)
     assert retry in committed or retry < min(committed), committed  # committed (maybe pruned)
-    assert 2 not in committed and committed[-1] == 12, committed
+    assert 2 not in committed and committed[-1] == stopped == stopped_step(output), committed
 
 
 # --- a worker killed in a save ------------------------------------------------------------------
@@ -207,34 +221,43 @@ def test_a_save_killed_mid_write_leaves_nothing_behind_after_the_restart(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_failed_save_due_by_the_clock_is_retried_on_the_back_off_not_at_every_step(tmp_path):
+def test_a_failed_save_due_by_the_clock_is_retried_on_the_back_off_not_at_every_step(
+    tmp_path, start_run
+):
+    """Three saves due by the clock fail in a row; the run goes on (however fast the machine
+    steps) until the fourth is committed, then gets SIGTERM."""
     run_dir = tmp_path / "run"
     overrides = [
         *SMALL_RUN,
         "model.num_layers=2",
-        "train.steps=40",
+        "train.steps=100000",
         "checkpoint.every_steps=0",
         "checkpoint.every_minutes=0.02",
         "observe.flight_recorder_events=4096",
     ]
-    code, output = run_train(run_dir, overrides, MSJAX_FAULT="save_error@step=1,rank=0,times=3")
-    assert code == 0, output[-4000:]
-    begun = [  # the saves tried in the loop (the run's last one is not the back-off's)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MSJAX_FAULT", "save_error@step=1,rank=0,times=3")
+        run = start_run(run_dir, overrides)
+    run.wait_until(lambda: committed_on_disk(RunDir(run_dir).checkpoints), "a committed save")
+    code = run.stop(signal.SIGTERM)
+    output = run.output
+    assert code == exit_codes.OK, output[-4000:]  # stopped by SIGTERM, saved
+    begun = [  # the saves tried in the loop (not the one SIGTERM asked for)
         event["t"]
         for event in flight_events(run_dir, 0)
-        if event["event"] == "checkpoint_begin" and event["step"] < 40
+        if event["event"] == "checkpoint_begin" and event["step"] < stopped_step(output)
     ]
     failed = [
         line
         for line in output.splitlines()
         if line.startswith("warning: checkpoint save at step") and "injected save_error" in line
     ]
-    assert len(failed) == 3 and len(begun) >= 3, (failed, begun)
+    assert len(failed) == 3 and len(begun) >= 4, (failed, begun)
     gaps = [later - earlier for earlier, later in itertools.pairwise(begun[:4])]
     # retried 1 s, 2 s, 4 s after each failure, not at the next step because the clock still
     # says a save is due
-    assert all(gap >= pause for gap, pause in zip(gaps, (1, 2, 4), strict=False)), gaps
-    assert 40 in committed_on_disk(RunDir(run_dir).checkpoints)
+    assert all(gap >= pause for gap, pause in zip(gaps, (1, 2, 4), strict=True)), gaps
+    assert committed_on_disk(RunDir(run_dir).checkpoints)[-1] == stopped_step(output)
 
 
 def test_one_schedule_answers_save_now_and_while_saves_fail_only_its_back_off_does():
