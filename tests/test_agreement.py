@@ -19,7 +19,7 @@ from small_runs import QUICK_RUN
 from msjax.resilience import exit_codes
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 60  # long enough for a signal to land mid-run (steps take ~0.1 s)
+STEPS = 100  # a signal after step 4 lands mid-run, though the vote it waits for may be 32 steps off
 TIMEOUT_S = 420
 TRAIN_ARGS = [
     *QUICK_RUN,

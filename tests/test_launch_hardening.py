@@ -402,7 +402,7 @@ class SignalledRuns:
 @pytest.fixture(scope="module")
 def signalled(tmp_path_factory: pytest.TempPathFactory) -> SignalledRuns:
     """Two runs with Grain processes: one SIGTERMed (its whole group, as a scheduler does) every
-    50 ms from its third step until it has saved; one whose worker alone is SIGKILLed."""
+    10 ms from its third step until it has saved; one whose worker alone is SIGKILLed."""
     base = tmp_path_factory.mktemp("signalled")
     storm_dir, killed_dir = base / "storm", base / "killed"
     overrides = ["train.steps=2000", "checkpoint.every_steps=1000", *GRAIN_PROCESSES]
@@ -414,7 +414,7 @@ def signalled(tmp_path_factory: pytest.TempPathFactory) -> SignalledRuns:
         while storm.poll() is None and "stopped by SIGTERM" not in storm_log.read_text():
             os.killpg(storm.pid, signal.SIGTERM)
             signals += 1
-            time.sleep(0.05)
+            time.sleep(0.01)
         storm_code = storm.wait(timeout=120)
         wait_for(lambda: live_group_members(storm.pid) == {}, 10)
         assert wait_for(lambda: steps_done(killed_dir) >= 2 or killed.poll() is not None, 400)

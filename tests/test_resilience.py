@@ -24,7 +24,7 @@ import pytest
 
 from msjax.launch.incidents import IncidentDir
 from msjax.resilience import exit_codes
-from msjax.resilience.faults import parse_faults
+from msjax.resilience.faults import parse_faults, read_firings
 from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
@@ -211,21 +211,43 @@ def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
     2. rank 1 crashes while checkpoint 6 is being written (injected);
     3. rank 0 reads a NaN loss at step 8 (injected): roll back to checkpoint 6, skip step 8;
     4. rank 0 SIGSTOPped from outside after step 10: a hang, caught by its heartbeat deadline.
+    The signals are sent while the rank waits in an injected hang (before step 5 and step 11),
+    so they land between the same steps however fast the machine steps.
     Its restarts take warm standbys (started from each attempt's first step on), so the
     reference's parameters are also those of workers that waited with their imports done."""
     started["storm"].finish()  # alone on the CPUs: hang detection is about time
     run_dir = tmp_path_factory.mktemp("faulty") / "run"
-    faults = f"crash_in_save@step=6,rank=1;nan@step={NAN_STEP},rank=0"
+    faults = ";".join(
+        [
+            "hang@step=5,rank=1",
+            "crash_in_save@step=6,rank=1",
+            f"nan@step={NAN_STEP},rank=0",
+            "hang@step=11,rank=0",
+        ]
+    )
     standbys = ["resilience.warm_standby_after_s=0"]
     job = Launch(run_dir, cache_dir, [f"--fault={faults}"], standbys)
-    pid = job.wait_for(job.worker_at(1, attempt=0, step=4), "step 4 on rank 1")
+    pid = job.wait_for(hanging(run_dir, rank=1, step=5), "rank 1 waiting before step 5")
+    job.wait_for(lambda: SAVE_EVERY in committed_steps(run_dir), "checkpoint 3 committed")
     os.kill(pid, signal.SIGKILL)
-    pid = job.wait_for(job.worker_at(0, attempt=3, step=10), "step 10 on rank 0 of attempt 3")
+    pid = job.wait_for(hanging(run_dir, rank=0, step=11), "rank 0 waiting before step 11")
     os.kill(pid, signal.SIGSTOP)
     code = job.finish()
     incidents_path = RunDir(run_dir).incidents_log
     incidents = read_jsonl(incidents_path) if incidents_path.exists() else []
     return Finished(run_dir, code, job.output, incidents)
+
+
+def hanging(run_dir: Path, rank: int, step: int) -> Callable[[], int | None]:
+    """A condition: rank's injected hang before `step` has fired; gives the hanging pid."""
+
+    def fired() -> int | None:
+        for firing in read_firings(run_dir):
+            if (firing["kind"], firing["rank"], firing["step"]) == ("hang", rank, step):
+                return firing["pid"]
+        return None
+
+    return fired
 
 
 def incident(runs: Finished, number: int) -> dict[str, Any]:
@@ -474,7 +496,7 @@ def test_launcher_reads_the_node_layout_from_slurm():
 
 
 def test_injected_faults_fire_on_their_rank_as_often_as_asked_over_restarts(tmp_path):
-    from msjax.resilience.faults import FaultInjector, read_firings
+    from msjax.resilience.faults import FaultInjector
 
     faults = parse_faults("nan@step=3,rank=1,times=2;nan@step=3,rank=0")
     for attempt in range(3):  # three attempts of rank 1 through step 3

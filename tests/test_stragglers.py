@@ -279,14 +279,20 @@ def test_a_rank_slowed_from_outside_is_named_and_a_sigstopped_rank_is_named_by_t
     workers = start_job(run_dir, 100_000)
     try:
         wait_until(lambda: flight_step(run_dir, 0) >= 10, 300, "step 10")
+        wait_until(lambda: RunDir(run_dir).ranks.exists() and read_ranks(run_dir)[1], 60, "timing")
+        step_times = [record["step_time_s"] for record in read_ranks(run_dir)[1]]  # per rank
+        step_s = float(np.median(step_times))
+        # stopped 80 ms at a time, and let run for at most half a step in between: every step
+        # has a stop in it, however fast the machine steps
+        running_s = min(0.12, step_s / 2)
         duty_rank = 1
         deadline = time.monotonic() + 60
         named = []
         while time.monotonic() < deadline and not named:
-            workers[duty_rank].send_signal(signal.SIGSTOP)  # 40% of the time stopped
+            workers[duty_rank].send_signal(signal.SIGSTOP)
             time.sleep(0.08)
             workers[duty_rank].send_signal(signal.SIGCONT)
-            time.sleep(0.12)
+            time.sleep(running_s)
             if RunDir(run_dir).ranks.exists():
                 named = read_ranks(run_dir)[2]
         assert [event["rank"] for event in named] == [duty_rank]
