@@ -94,9 +94,6 @@ class Launch:
     def output(self) -> str:
         return self.log_path.read_text()
 
-    def heartbeat(self, rank: int) -> HeartbeatRecord | None:
-        return HeartbeatRecord.read(RunDir(self.run_dir).heartbeat(rank))
-
     def wait_for(self, condition: Callable[[], Any], what: str) -> Any:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not (found := condition()):
@@ -110,16 +107,6 @@ class Launch:
                 pytest.fail(f"no {what} within {RUN_TIMEOUT_S} s:\n{self.output[-5000:]}")
             time.sleep(POLL_S)
         return found
-
-    def worker_at(self, rank: int, attempt: int, step: int) -> Callable[[], int | None]:
-        """A condition: rank's worker of `attempt` has completed `step` steps; gives its pid."""
-
-        def reached() -> int | None:
-            record = self.heartbeat(rank)
-            ok = record and record.attempt == attempt and record.step >= step
-            return record.pid if ok and record.phase == "step" else None
-
-        return reached
 
     def finish(self) -> int:
         try:
