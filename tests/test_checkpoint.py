@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -166,6 +168,44 @@ def test_fingerprints_fetched_in_the_background_are_of_the_state_as_saved(tmp_pa
     with pytest.raises(MsjaxError, match=f"checkpoint {tmp_path / '3'}"):
         checkpointer.restore(3, abstract)
     checkpointer.close()
+
+
+HELD_SAVE_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+import jax.numpy as jnp
+from msjax.checkpoint.commits import committed_steps, uncommitted_entries
+from msjax.checkpoint.manager import Checkpointer
+from msjax.config import CheckpointConfig
+
+directory = Path(sys.argv[1])
+checkpointer = Checkpointer(directory, CheckpointConfig())
+state = {"weights": jnp.ones((64, 256))}
+checkpointer.save(1, state, {})
+checkpointer.wait()
+checkpointer.hold_write(2)
+checkpointer.save(2, state, {})
+time.sleep(3.0)  # far longer than the write of 1 took
+found = [committed_steps(directory), uncommitted_entries(directory), checkpointer.save_in_flight()]
+print(json.dumps(found), flush=True)
+os._exit(0)  # as the injected crash in a save does; the held write would never end
+"""
+
+
+def test_a_held_save_stays_unfinished_however_long_its_process_lives(tmp_path: Path):
+    """What makes an injected crash_in_save land mid-write on any machine: the held save does
+    not commit while the process goes on, and the process dies with it unfinished."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELD_SAVE_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    committed, unfinished, in_flight = json.loads(done.stdout.splitlines()[-1])
+    assert committed == [1] and in_flight, done.stdout  # 2 still being written after 3 s
+    assert [name.split(".")[0] for name in unfinished] == ["2"], unfinished
+    assert committed_steps(tmp_path) == [1]  # and never finished once its process was gone
 
 
 def test_list_marks_damaged_checkpoints_and_inspect_shows_the_tree(

@@ -523,7 +523,7 @@ def test_a_nonfinite_loss_lets_the_saves_in_flight_commit_before_the_rank_says_i
         record = HeartbeatRecord.read(heartbeat.path)
         phases_while_waiting.append(record.phase if record else None)
 
-    worker = WorkerResilience(tmp_path, heartbeat, 0, wait_for_saves)
+    worker = WorkerResilience(tmp_path, heartbeat, 0, wait_for_saves, lambda step: None)
     worker.step_end({"step": 4, "loss": 2.5})
     assert phases_while_waiting == []  # a finite loss waits for nothing
     with pytest.raises(NonFiniteLoss, match="the loss of step 5 is nan"):

@@ -10,6 +10,7 @@ is committed with an intact record, counting only those.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import itertools
@@ -109,13 +110,18 @@ class _MetaHandler(ocp.JsonCheckpointHandler):
     never waits for them to be computed.
     """
 
+    held_steps: frozenset[int] = frozenset()  # this process's part of their saves never ends
+
     async def async_save(
         self, directory: Any, item: Any = None, args: Any = None
     ) -> list[ocp.future.Future] | None:
         if not isinstance(args, _MetaSave):
             return await super().async_save(directory, item, args)
+        held = args.meta["step"] in self.held_steps
 
         async def write() -> None:
+            while held:  # the process exits mid-save (an injected crash_in_save)
+                await asyncio.sleep(1.0)
             if jax.process_index() == 0:
                 meta = {**args.meta, "fingerprints": args.fingerprints.result()}
                 (Path(directory) / META_FILE).write_bytes(seal_record(meta))
@@ -148,11 +154,12 @@ class Checkpointer:
         # float weights and moments barely compress; zstd would only take host CPU from the
         # steps that overlap the write
         self._state_handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+        self._meta_handler = _MetaHandler(META_FILE)
         self._manager = ocp.CheckpointManager(
             directory.absolute(),
             item_handlers={
                 "state": self._state_handler,
-                "meta": _MetaHandler(META_FILE),
+                "meta": self._meta_handler,
             },
             # Retention is msjax's (`prune`): Orbax would count a damaged step as kept and delete
             # the last good one for it.
@@ -192,6 +199,12 @@ class Checkpointer:
             self._compiling.join()  # if it failed, the dispatch in save() compiles (and raises)
             self._compiling = None
         self.wait()
+
+    def hold_write(self, step: int) -> None:
+        """This process's part of the save of `step` is never finished, so that save never
+        commits: an injected crash in that save then lands while it is being written, however
+        fast the machine writes."""
+        self._meta_handler.held_steps |= {step}
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start an asynchronous save; returns once the arrays are copied off the devices.

@@ -221,8 +221,11 @@ class FaultInjector:
             return float("nan")
         return loss
 
-    def before_save(self, step: int) -> None:
-        """A save of step >= the fault's step fails as on a full disk, `times` saves in a row."""
+    def before_save(self, step: int, hold_write: Callable[[int], None]) -> None:
+        """A save of step >= the fault's step fails as on a full disk, `times` saves in a row;
+        the save of a crash_in_save step is held unfinished (the crash comes once it started)."""
+        if any(fault.kind == "crash_in_save" and fault.step == step for fault in self._pending):
+            hold_write(step)
         for fault in self._pending:
             if fault.kind == "save_error" and step >= fault.step:
                 self._record(fault, step)

@@ -83,6 +83,7 @@ class WorkerResilience(LoopEvents):
         heartbeat: Heartbeat,
         attempt: int,
         wait_for_saves: Callable[[], None],
+        hold_save_write: Callable[[int], None],
         vocab_size: int = 0,
     ):
         self.heartbeat = heartbeat  # the rank's one heartbeat, made when its run dir was known
@@ -90,6 +91,7 @@ class WorkerResilience(LoopEvents):
         self.faults = FaultInjector.from_env(run_dir, heartbeat.rank, attempt)
         self.skipped_steps = read_skipped_steps(run_dir)
         self.wait_for_saves = wait_for_saves
+        self.hold_save_write = hold_save_write  # an injected crash_in_save holds its save
         self.vocab_size = vocab_size  # an injected bad token is this id, just past the table
         self.heartbeat.beat("init")
 
@@ -142,7 +144,7 @@ class WorkerResilience(LoopEvents):
 
     def save_begin(self, step: int) -> None:
         self.heartbeat.beat("checkpoint", step)
-        self.faults.before_save(step)
+        self.faults.before_save(step, self.hold_save_write)
 
     def save_end(self, step: int, blocked_s: float | None) -> None:
         if blocked_s is not None:

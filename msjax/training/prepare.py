@@ -202,6 +202,7 @@ def _prepare(
         heartbeat,
         job.attempt,
         checkpointer.wait,
+        checkpointer.hold_write,
         config.model.vocab_size,
     )
     program = build_program(config, mesh)
