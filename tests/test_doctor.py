@@ -156,8 +156,11 @@ def test_corrupt_compute_changes_what_the_training_matmul_computes(tmp_path) -> 
     assert [(f["kind"], f["rank"]) for f in firings] == [("corrupt_compute", 1)]
 
 
+OWN_CHECKS = ("compute", "memory", "disk")  # the phases before the collectives
+
+
 @pytest.mark.slow
-def test_stopped_process_in_the_collective_check_is_named_within_its_deadline(tmp_path) -> None:
+def test_process_stopped_before_its_collective_check_is_named_within_its_deadline(tmp_path) -> None:
     budget_s, wait_s = 40.0, 10.0  # the doctor gives each wait on peers a quarter of its budget
     run_dir = tmp_path / "stopped"
     process = start_doctor(run_dir, 2, 2, f"resilience.check_budget_s={budget_s:g}")
@@ -168,10 +171,12 @@ def test_stopped_process_in_the_collective_check_is_named_within_its_deadline(tm
             figures = json.loads(progress.read_text())
         except (OSError, ValueError):
             figures = {}
-        if figures.get("phase") == "collectives":  # its own checks done, its peers' to come
+        # stopped in its own checks, before the collectives: however fast those would be, it
+        # cannot have done them before the stop lands
+        if figures.get("phase") in OWN_CHECKS:
             break
         time.sleep(0.01)
-    assert figures.get("phase") == "collectives", process.communicate()[0][-3000:]
+    assert figures.get("phase") in OWN_CHECKS, process.communicate()[0][-3000:]
     os.kill(figures["pid"], signal.SIGSTOP)
     stopped = time.monotonic()
     output, _ = process.communicate(timeout=120)

@@ -42,13 +42,15 @@ class Case:
     train_args: list[str] = field(default_factory=list)
     signal_when_training: int | None = None
     fresh_token_cache: bool = False
+    stopped_in_compile_s: float = 0.0  # rank 0 SIGSTOPped this long once it starts compiling
 
 
 def cases(tmp: Path) -> dict[str, Case]:
     empty_checkpoints = tmp / "no-checkpoints"
     empty_checkpoints.mkdir(exist_ok=True)
     return {
-        # long start-up phases (tokenizing 32 MiB, compiling) beside a 3 s step deadline
+        # long start-up phases (tokenizing 32 MiB, compiling) beside a 3 s step deadline; the
+        # compile is stretched past it by a stop, however fast the machine compiles
         "done": Case(
             exit_codes.OK,
             train_args=[
@@ -57,6 +59,7 @@ def cases(tmp: Path) -> dict[str, Case]:
                 "resilience.data_deadline_s=1",
             ],
             fresh_token_cache=True,
+            stopped_in_compile_s=STEP_DEADLINE_S + 1,
         ),
         "user_error": Case(
             exit_codes.USER_ERROR, train_args=[f"checkpoint.resume_from={empty_checkpoints}"]
@@ -143,21 +146,36 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Finished]:
     phases: dict[str, dict[str, list[float]]] = {name: {} for name in jobs}
     progress = dict.fromkeys(jobs, 0)
     signalled: set[str] = set()
+    stopped: dict[str, tuple[int, float]] = {}  # job: its rank 0's pid, when to let it go on
     deadline = time.monotonic() + TIMEOUT_S
-    while any(p.poll() is None for _, _, p, _ in jobs.values()) and time.monotonic() < deadline:
-        for name, (case, run_dir, process, _) in jobs.items():
-            record = HeartbeatRecord.read(RunDir(run_dir).heartbeat(0))
-            if record is None or process.poll() is not None:
-                continue
-            seen = phases[name].setdefault(record.phase, [time.monotonic(), time.monotonic()])
-            seen[1] = time.monotonic()
-            if record.phase == "data":
-                progress[name] = max(progress[name], record.progress)
-            wants_signal = case.signal_when_training and name not in signalled
-            if wants_signal and record.phase == "step" and record.step >= 2:
-                process.send_signal(case.signal_when_training)
-                signalled.add(name)
-        time.sleep(0.02)
+    try:
+        while any(p.poll() is None for _, _, p, _ in jobs.values()) and time.monotonic() < deadline:
+            for name, (case, run_dir, process, _) in jobs.items():
+                record = HeartbeatRecord.read(RunDir(run_dir).heartbeat(0))
+                if record is None or process.poll() is not None:
+                    continue
+                now = time.monotonic()
+                seen = phases[name].setdefault(record.phase, [now, now])
+                seen[1] = now
+                if record.phase == "data":
+                    progress[name] = max(progress[name], record.progress)
+                wants_signal = case.signal_when_training and name not in signalled
+                if wants_signal and record.phase == "step" and record.step >= 2:
+                    process.send_signal(case.signal_when_training)
+                    signalled.add(name)
+                stops = case.stopped_in_compile_s and name not in stopped
+                if stops and record.phase == "compile":
+                    os.kill(record.pid, signal.SIGSTOP)
+                    stopped[name] = (record.pid, now + case.stopped_in_compile_s)
+            for name, (pid, until) in stopped.items():
+                if until and time.monotonic() >= until:
+                    os.kill(pid, signal.SIGCONT)
+                    stopped[name] = (pid, 0.0)  # stopped once, and let go
+            time.sleep(0.02)
+    finally:
+        for pid, until in stopped.values():
+            if until:
+                os.kill(pid, signal.SIGCONT)
     results = {}
     for name, (_, run_dir, process, log_path) in jobs.items():
         if process.poll() is None:

@@ -199,7 +199,8 @@ def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
     3. rank 0 reads a NaN loss at step 8 (injected): roll back to checkpoint 6, skip step 8;
     4. rank 0 SIGSTOPped from outside after step 10: a hang, caught by its heartbeat deadline.
     The signals are sent while the rank waits in an injected hang (before step 5 and step 11),
-    so they land between the same steps however fast the machine steps.
+    once the save before it has committed (and attempt 0's standbys have started), so they land
+    between the same steps however fast the machine steps.
     Its restarts take warm standbys (started from each attempt's first step on), so the
     reference's parameters are also those of workers that waited with their imports done."""
     started["storm"].finish()  # alone on the CPUs: hang detection is about time
@@ -216,8 +217,10 @@ def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
     job = Launch(run_dir, cache_dir, [f"--fault={faults}"], standbys)
     pid = job.wait_for(hanging(run_dir, rank=1, step=5), "rank 1 waiting before step 5")
     job.wait_for(lambda: SAVE_EVERY in committed_steps(run_dir), "checkpoint 3 committed")
+    job.wait_for(lambda: "attempt 0: warm standbys start" in job.output, "standbys started")
     os.kill(pid, signal.SIGKILL)
     pid = job.wait_for(hanging(run_dir, rank=0, step=11), "rank 0 waiting before step 11")
+    job.wait_for(lambda: 3 * SAVE_EVERY in committed_steps(run_dir), "checkpoint 9 committed")
     os.kill(pid, signal.SIGSTOP)
     code = job.finish()
     incidents_path = RunDir(run_dir).incidents_log
@@ -301,6 +304,8 @@ def test_sigkill_of_a_worker_is_a_crash_of_that_rank_resumed_from_the_last_check
     assert (record["rank"], record["detail"]) == (1, "killed by SIGKILL")
     assert record["step"] >= 4 and record["resumed_from_step"] == SAVE_EVERY
     assert record["steps_lost"] == record["step"] - SAVE_EVERY
+    # timed by its exit, not by the injected hang the rank was waiting in when it was killed
+    assert record["fault_time_from"] == "exit seen by polling"
     assert 0 <= record["detection_latency_s"] < 2.0
     assert record["restart_s"] > 0 and record["catch_up_s"] >= record["restart_s"]
 

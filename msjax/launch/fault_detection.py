@@ -42,6 +42,18 @@ class DetectedFault:
 
 
 INJECTED_CRASHES = ("crash", "crash_in_save")  # injected faults that end their process
+# what each injected fault is detected as: its record times that fault alone (a rank's hang
+# that fired earlier does not time its SIGKILL from outside)
+DETECTED_AS = {
+    "crash": fault_kinds.CRASH,
+    "crash_in_save": fault_kinds.CRASH,
+    "hang": fault_kinds.HANG,
+    "nan": fault_kinds.NONFINITE_LOSS,
+    "bad_token": fault_kinds.NONFINITE_LOSS,
+    "save_error": fault_kinds.SAVES_FAILED,
+    "bitflip": fault_kinds.SILENT_CORRUPTION,
+    "corrupt_compute": fault_kinds.SILENT_CORRUPTION,
+}
 Timings = dict[str, tuple[int, float]]  # phase: (how many timed on every rank, the slowest s)
 
 
@@ -274,9 +286,10 @@ def name_the_corrupt_rank(fault: DetectedFault, run_dir: RunDir) -> None:
 
 
 def use_injection_time(fault: DetectedFault, attempt: Attempt, run_dir: RunDir) -> None:
-    """An injected fault's own record says exactly when it fired; an injected crash also says
-    which rank crashed, where the exits of the others (their collectives failing, the job's end
-    they then published) were seen in the same poll and so could be named first."""
+    """An injected fault's own record says exactly when it fired (a record of another kind of
+    fault on that rank says nothing of this one); an injected crash also says which rank
+    crashed, where the exits of the others (their collectives failing, the job's end they then
+    published) were seen in the same poll and so could be named first."""
     workers = {worker.pid: worker for worker in attempt.workers}
     firings = [f for f in read_firings(run_dir.path) if f["pid"] in workers]
     crashed = [
@@ -292,7 +305,7 @@ def use_injection_time(fault: DetectedFault, attempt: Attempt, run_dir: RunDir) 
             fault.detail = f"{describe_exit(code)}; the other ranks' exits followed from it"
             fault.phase = record.phase if record is not None else "init"
     for firing in firings:
-        if firing["rank"] == fault.rank and firing["kind"] != "slow":
+        if firing["rank"] == fault.rank and DETECTED_AS.get(firing["kind"]) is fault.kind:
             fault.fault_unix_s = firing["unix_s"]
             fault.fault_time_from = f"injection record ({firing['fault']})"
 
