@@ -298,15 +298,46 @@ def test_judge_holds_each_figure_to_its_bound() -> None:
     assert "gave [4.0] on device 1 (rank 1), expected [3.0]" in found[(0, "collectives")]
 
 
-def run_launch(
-    run_dir: Path, fault: str, *overrides: str, flags: tuple[str, ...] = ("--nprocs", "2")
-) -> tuple[int, str]:
+def launch_command(
+    run_dir: Path, fault: str, overrides: tuple[str, ...], flags: tuple[str, ...]
+) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "msjax.launch", *flags, "--devices-per-proc", "2"]
     command += ["--fault", fault, "--", *TINY, f"run.dir={run_dir}", "train.steps=4"]
     command += ["resilience.check_budget_s=60", "resilience.restart_backoff_s=0", *overrides]
     env = {key: value for key, value in os.environ.items() if key != "MSJAX_FAULT"}
+    return command, env
+
+
+def run_launch(
+    run_dir: Path, fault: str, *overrides: str, flags: tuple[str, ...] = ("--nprocs", "2")
+) -> tuple[int, str]:
+    command, env = launch_command(run_dir, fault, overrides, flags)
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return result.returncode, result.stdout + result.stderr
+
+
+def launch_until(
+    run_dir: Path,
+    fault: str,
+    seen: str,
+    *overrides: str,
+    flags: tuple[str, ...] = ("--nprocs", "2"),
+) -> tuple[int, str]:
+    """A launch that trains on until its output shows `seen`, then gets SIGTERM."""
+    command, env = launch_command(run_dir, fault, overrides, flags)
+    log_path = run_dir.parent / f"{run_dir.name}-launch.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while seen not in log_path.read_text() and process.poll() is None:
+            assert time.monotonic() < deadline, f"no {seen!r} in 600 s"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        return process.wait(timeout=120), log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 @pytest.mark.slow
@@ -337,11 +368,16 @@ def test_launch_checks_before_the_start_and_the_restart(tmp_path) -> None:
 @pytest.mark.slow
 def test_launch_excludes_a_slot_failing_its_self_check_and_keeps_it_out_while_it_fails(tmp_path):
     run_dir = tmp_path / "corrupt"
-    code, output = run_launch(
-        run_dir, "corrupt_compute@rank=1", "train.steps=30", "resilience.readmit_after_s=2"
+    # it trains on (however fast the machine steps) until slot 1 failed its check alone once
+    code, output = launch_until(
+        run_dir,
+        "corrupt_compute@rank=1",
+        "slot 1 failed its self-check for re-admission",
+        "train.steps=100000",
+        "resilience.readmit_after_s=2",
     )
     # slot 1 fails the checks before attempt 0 and is excluded; the job shrinks onto slot 0
-    assert code == exit_codes.OK, output[-3000:]
+    assert code == exit_codes.TERMINATED, output[-3000:]
     assert verdict(run_dir)["failed_ranks"] == [1]
     bad_slots = json.loads((run_dir / "health" / "bad_slots.json").read_text())["slots"]
     assert [(slot["slot"], slot["rank"]) for slot in bad_slots] == [("1", 1)]
@@ -378,8 +414,10 @@ def test_launch_excludes_a_slot_failing_its_self_check_and_keeps_it_out_while_it
     assert "slot 1 failed its self-check for re-admission" in output
     assert "re-admitted" not in output
     assert (run_dir / "logs" / "check-slot1.log").exists()
+    # trained on slot 0 alone past the check, and saved where SIGTERM stopped it
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert max(m["step"] for m in metrics if "loss" in m) == 29
+    last = max(m["step"] for m in metrics if "loss" in m)
+    assert f"stopped by SIGTERM after step {last + 1}; checkpoint in" in output
 
 
 @pytest.mark.slow
