@@ -41,7 +41,6 @@ class DetectedFault:
         return self.kind.cause
 
 
-INJECTED_CRASHES = ("crash", "crash_in_save")  # injected faults that end their process
 # what each injected fault is detected as: its record times that fault alone (a rank's hang
 # that fired earlier does not time its SIGKILL from outside)
 DETECTED_AS = {
@@ -54,6 +53,8 @@ DETECTED_AS = {
     "bitflip": fault_kinds.SILENT_CORRUPTION,
     "corrupt_compute": fault_kinds.SILENT_CORRUPTION,
 }
+# injected faults that end their process
+INJECTED_CRASHES = tuple(kind for kind, seen in DETECTED_AS.items() if seen is fault_kinds.CRASH)
 Timings = dict[str, tuple[int, float]]  # phase: (how many timed on every rank, the slowest s)
 
 
