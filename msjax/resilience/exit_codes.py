@@ -21,6 +21,13 @@ SELF_CHECK_FAILED = 10  # msjax.doctor or a worker: a self-check failed on this 
 SILENT_CORRUPTION = 11  # train: a data-parallel replica's parameters differed from the others'
 # and the difference came back when its window was replayed (or resilience.on_corruption=stop);
 # the message names the rank: a machine that computes or stores wrong numbers
+STALE_COMPILE_CACHE = 12  # train: an executable loaded from the compile cache failed at its
+# first step; its entry is dropped and the supervisor restarts at once (the attempt recompiles),
+# charging no slot
+SOFTWARE_FAULT = 13  # launch: the same failure repeated at the same step after a restart: the
+# program's or its inputs' fault, not a machine's; no slot is marked (the line names the log)
+INFRASTRUCTURE = 14  # a failure of the machine room, not of a slot (a full disk, storage errors,
+# a device that fails to initialise, a self-check every slot fails alike): retry later
 WRITE_FAILED = 74  # msjax.hf export: OUT_DIR could not be written (disk full, I/O error);
 # nothing half-written is left (sysexits' EX_IOERR): free space and rerun
 INTERRUPTED = 130  # SIGINT
