@@ -3,8 +3,11 @@ tampered entry (here a pickle that would run code) is never unpickled, and is re
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -19,6 +22,8 @@ from msjax.resilience.compile_cache import (
     compile_cached,
     signing_key,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class RunsCode:
@@ -102,3 +107,51 @@ def test_foreign_or_tampered_entry_is_never_unpickled(
     assert not marker.exists(), "the crafted entry was unpickled"
     assert "was not written by this user's msjax" in capsys.readouterr().out
     assert entry.read_bytes().startswith(ENTRY_MAGIC) and crafted not in entry.read_bytes()
+
+
+def run_program(folder: Path, mode: str, key_folder: Path) -> dict:
+    """One process's turn at tests/compile_cache_program.py: JAX's persistent cache and msjax's
+    entries in `folder`, which outlives the process as a user's cache outlives a run."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MSJAX_CACHE_DIR": str(key_folder),
+        "JAX_NUM_CPU_DEVICES": "1",  # the program runs on one device
+    }
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "compile_cache_program.py"), str(folder), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_program_that_jax_loaded_from_its_cache_is_not_written_again(tmp_path: Path) -> None:
+    """A second run on a warm JAX cache: JAX serves the program, so msjax writes no entry of its
+    own (serialized again, it would lack code), and the next process gets it from JAX again."""
+    folder, keys = tmp_path / "cache", tmp_path / "keys"
+    cold = run_program(folder, "compile", keys)
+    assert (cold["loaded"], cold["entry"]) == (False, True)
+    for entry in folder.glob("layers-*.xla"):
+        entry.unlink()  # a fresh run dir: JAX's cache is warm, msjax's own is empty
+    warm = run_program(folder, "compile", keys)
+    assert (warm["loaded"], warm["entry"]) == (False, False)
+    again = run_program(folder, "compile", keys)
+    assert (again["loaded"], again["entry"]) == (False, False)
+    assert warm["sum"] == again["sum"] == cold["sum"] != 0.0
+
+
+def test_an_entry_that_fails_at_its_first_call_is_dropped_and_never_fatal(tmp_path: Path) -> None:
+    """An entry written from what JAX's cache served (as msjax did before) loads, then fails at
+    its first result: it is dropped with a StaleCompileCache, and the next process compiles."""
+    folder, keys = tmp_path / "cache", tmp_path / "keys"
+    cold = run_program(folder, "compile", keys)
+    assert run_program(folder, "as_jax_served", keys) == {"entry": True}
+    stale = run_program(folder, "compile", keys)
+    assert stale["entry"] is False
+    assert "failed at its first step (NOT_FOUND: Function" in stale["stale"]
+    recompiled = run_program(folder, "compile", keys)
+    assert (recompiled["loaded"], recompiled["sum"]) == (False, cold["sum"])

@@ -5,6 +5,7 @@ around it, from plain inputs (no processes)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from msjax.launch.policy import FaultHistory, decide, ranks_to_kill_at_once
 from msjax.launch.slots import SlotFault, faults_in_a_row
 from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes, fault_kinds
+from msjax.resilience.compile_cache import StaleCompileCache
 from msjax.resilience.fault_kinds import KINDS, kind_of_error, kind_of_exit
 from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
@@ -408,3 +410,13 @@ def test_after_a_fault_only_ranks_with_nothing_to_finish_go_without_their_grace(
     assert ranks_to_kill_at_once(1, heartbeats, save_being_written=True) == []
     # a rank without a heartbeat (still starting, or its beat unreadable) keeps its grace
     assert ranks_to_kill_at_once(1, {}, save_being_written=False) == []
+
+
+def test_a_compile_cache_entry_that_failed_restarts_and_marks_no_slot():
+    error = StaleCompileCache(Path("train_step.xla"), RuntimeError("NOT_FOUND: Function f"))
+    kind = kind_of_error(error)
+    assert kind is fault_kinds.STALE_COMPILE_CACHE is kind_of_exit(exit_codes.STALE_COMPILE_CACHE)
+    assert (kind.exit_code, kind.action) == (12, fault_kinds.RESTART)
+    resilience = ResilienceConfig(max_faults_per_slot=1)
+    action = decide(fault(kind), slot_history("0", [slot_fault("0", 1, 1.0)]), resilience, ONE_NODE)
+    assert (action.stop_code, action.bad_slot) == (None, None)

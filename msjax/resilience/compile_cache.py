@@ -1,6 +1,11 @@
 """Compilation caches, so a restarted worker loads its programs instead of compiling them again:
 JAX's persistent cache (this user's, never in a run dir) and, for the train step, one serialized
-executable per process, signed so that only what this user's msjax wrote loads."""
+executable per process, signed so that only what this user's msjax wrote loads.
+
+An executable that JAX itself loaded from its persistent cache serializes without all of its
+code (XLA:CPU, jax 0.10 and 0.12: the entry loads, then its first result fails with "NOT_FOUND:
+Function ... not found"), so only a program compiled in this process is written here; and an
+entry that fails at its first step anyway is dropped, never fatal (StaleCompileCache)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import os
 import secrets
 import stat
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,19 @@ from msjax.run_dir import RunDir
 ENTRY_MAGIC = b"msjax-signed-executable-v1\n"
 KEY_FILE = "compile_cache.key"  # in the user's msjax cache folder, never in a run dir
 JAX_CACHE_FOLDER = "jax_compile_cache"  # in the same folder: JAX's entries are native code
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # jax.monitoring, jax 0.10 and 0.12
+
+
+class StaleCompileCache(Exception):
+    """An executable loaded from this process's compile cache failed at its first step; its entry
+    is dropped, and the next attempt compiles afresh (not the machine's fault, nor the user's)."""
+
+    def __init__(self, entry: Path, error: BaseException):
+        super().__init__(
+            f"the executable loaded from {entry} failed at its first step "
+            f"({_first_line(error)}); the entry is dropped and the restart compiles afresh"
+        )
+        self.entry = entry
 
 
 def compile_cache_dir(resilience: ResilienceConfig, run_dir: Path, launched: bool) -> Path | None:
@@ -106,18 +125,80 @@ def compile_cached(lowered: Any, directory: Path | None, name: str) -> Any:
     payload = read_signed(path, key, path.name)
     if payload is not None:
         try:
-            return serialize_executable.deserialize_and_load(
+            loaded = serialize_executable.deserialize_and_load(
                 payload, lowered.in_tree, lowered.out_tree
             )
+            return CheckedOnFirstCall(loaded, path)
         except Exception as error:  # a stale entry of our own: compile afresh and replace it
             print(f"msjax: compile cache entry {path} not usable ({error}); compiling")
+    hits_before = jax_cache_hits()
     compiled = lowered.compile()
-    if key is not None:
-        payload, _, _ = serialize_executable.serialize(compiled)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        partial.write_bytes(ENTRY_MAGIC + _signature(key, path.name, payload) + payload)
-        os.replace(partial, path)
+    if jax_cache_hits() > hits_before:
+        # JAX loaded it from its own cache: serialized again, it would lack code; JAX's cache
+        # serves the restart as it served this attempt (and a stale entry of ours must go)
+        path.unlink(missing_ok=True)
+    elif key is not None:
+        write_signed(path, key, serialize_executable.serialize(compiled)[0])
     return compiled
+
+
+def write_signed(path: Path, key: bytes, payload: bytes) -> None:
+    """A cache entry at path (atomically): payload, signed with key for this name."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_bytes(ENTRY_MAGIC + _signature(key, path.name, payload) + payload)
+    os.replace(partial, path)
+
+
+class CheckedOnFirstCall:
+    """A loaded executable whose first call waits for its results: one that fails there raises
+    StaleCompileCache after dropping its entry. Later calls go straight through; everything
+    else (cost and memory analysis, the HLO text) is the executable's own."""
+
+    def __init__(self, executable: Any, entry: Path):
+        self.executable = executable
+        self.entry = entry
+        self.checked = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.checked:
+            return self.executable(*args)
+        import jax
+
+        try:
+            outputs = jax.block_until_ready(self.executable(*args))
+        except jax.errors.JaxRuntimeError as error:
+            self.entry.unlink(missing_ok=True)
+            raise StaleCompileCache(self.entry, error) from error
+        self.checked = True
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.executable, name)
+
+
+_jax_cache_hits = 0
+_hits_lock = threading.Lock()
+_listening = False
+
+
+def jax_cache_hits() -> int:
+    """How many programs JAX's persistent cache has served in this process (counted from the
+    first call on, through jax.monitoring)."""
+    global _listening
+    with _hits_lock:
+        if not _listening:
+            import jax
+
+            jax.monitoring.register_event_listener(_count_jax_cache_hit)
+            _listening = True
+        return _jax_cache_hits
+
+
+def _count_jax_cache_hit(event: str, **_: Any) -> None:
+    global _jax_cache_hits
+    if event == JAX_CACHE_HIT_EVENT:
+        with _hits_lock:
+            _jax_cache_hits += 1
 
 
 def cache_entry(lowered: Any, directory: Path, name: str) -> Path:
@@ -195,6 +276,11 @@ def _make_key(folder: Path, path: Path) -> None:
         pass
     finally:
         partial.unlink()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _signature(key: bytes, name: str, payload: bytes) -> bytes:

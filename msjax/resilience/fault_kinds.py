@@ -11,6 +11,7 @@ from msjax.checkpoint.read_errors import CheckpointUnreadable
 from msjax.errors import MsjaxError
 from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes
+from msjax.resilience.compile_cache import StaleCompileCache
 from msjax.resilience.replica_guard import SilentCorruption
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
 from msjax.writable import WriteFailed
@@ -101,6 +102,17 @@ INTERRUPTED = FaultKind(
     line=lambda error: "interrupted",
     reason=lambda error: "interrupted",
 )
+STALE_COMPILE_CACHE = FaultKind(
+    "stale_compile_cache",
+    "stale_compile_cache",
+    RESTART,  # at once: the restart compiles afresh (the entry is gone)
+    exit_codes.STALE_COMPILE_CACHE,
+    (StaleCompileCache,),
+    reason=lambda error: "a compile cache entry failed at its first step (dropped)",
+    exit_detail=" (a compile cache entry failed at its first step; dropped, so the restart "
+    "compiles afresh)",
+    names_slot=False,  # the entry's fault, not the machine's
+)
 SELF_CHECK_FAILED = FaultKind(
     "self_check_failed", "self_check_failed", MARK_SLOT_BAD, exit_codes.SELF_CHECK_FAILED
 )
@@ -133,6 +145,7 @@ KINDS = (
     CRASH,
     CHECKPOINT_UNREADABLE,
     INTERRUPTED,
+    STALE_COMPILE_CACHE,
     SELF_CHECK_FAILED,
     SILENT_CORRUPTION,
     BAD_NODE,
