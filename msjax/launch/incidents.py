@@ -21,6 +21,7 @@ from msjax.launch.policy import Action
 from msjax.launch.workers import describe_exit
 from msjax.observe.flight_recorder import diagnose
 from msjax.observe.goodput import read_records
+from msjax.resilience.fault_kinds import UNATTRIBUTED_CORRUPTION
 from msjax.resilience.heartbeat import STARTUP_PHASES
 from msjax.run_dir import RunDir
 from msjax.writable import (
@@ -195,7 +196,8 @@ class Incident:
         return cls(
             incident=number,
             cause=fault.cause,
-            rank=fault.rank,
+            # an undecided corruption verdict names no rank: none is blamed
+            rank=None if fault.kind is UNATTRIBUTED_CORRUPTION else fault.rank,
             detail=fault.detail,
             attempt=attempt.number,
             phase=fault.phase,

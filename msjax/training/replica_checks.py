@@ -57,7 +57,10 @@ class ReplicaChecks:
             self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings)
             self.fingerprints.compile(run.program.abstract_state())
         self.compute_every = resilience.compute_check_every
-        self.compute = ComputeCheck(mesh)  # also the tie-break of two replicas (replica_guard)
+        self.mesh = mesh
+        self._compute: ComputeCheck | None = None
+        if self.compute_every > 0:
+            self._compute = ComputeCheck(mesh)  # compiled before the loop: no step waits
         vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
         self.log = MismatchLog(
             run.run_dir.path,
@@ -66,11 +69,18 @@ class ReplicaChecks:
             barrier=lambda: agree_any(vote, False),
         )
         self.machine = RerunStateMachine(
-            resilience.on_corruption, run.start.step, self.log, self.compute.failing_ranks
+            resilience.on_corruption, run.start.step, self.log, self.failing_ranks
         )
         self.devices = mesh.devices
         self.agreed_at: int | None = None  # the step of the last check that agreed
         run.saves.replica_record = self.record  # every checkpoint records its replicas' check
+
+    def failing_ranks(self) -> tuple[int, ...]:
+        """The ranks whose devices get the known answer wrong (also the tie-break of two
+        replicas that each reproduce their own state: replica_guard)."""
+        if self._compute is None:
+            self._compute = ComputeCheck(self.mesh)
+        return self._compute.failing_ranks()
 
     def compute_due(self, step: int) -> bool:
         """Whether every device's known-answer matmul is checked after `step` updates."""
@@ -110,7 +120,7 @@ class ReplicaChecks:
 
     def check_compute(self, step: int) -> None:
         """SilentCorruption naming the ranks whose devices got the known answer wrong."""
-        failed = self.compute.failing_ranks()
+        failed = self.failing_ranks()
         if not failed:
             return
         named = ", ".join(map(str, failed))
