@@ -51,7 +51,12 @@ def mean_step_s(overrides: list[str], every: int) -> float:
         run_dir = Path(run_root) / "run"
         config = load_config(
             REPO / "configs" / "small.yaml",
-            [*overrides, f"resilience.replica_check_every={every}", f"run.dir={run_dir}"],
+            [
+                *overrides,
+                f"resilience.replica_check_every={every}",
+                "resilience.compute_check_every=0",  # the known-answer check: compute_check.py
+                f"run.dir={run_dir}",
+            ],
         )
         with open(os.devnull, "w") as quiet:
             train(config, progress_stream=quiet)
@@ -64,15 +69,16 @@ def one_check(overrides: list[str]) -> tuple[float, int, int, int]:
     counts them, the tensors it fingerprints, parameter bytes per device)."""
     config = resolve(load_config(REPO / "configs" / "small.yaml", overrides), 2, "cpu")
     program = build_program(config, build_mesh(config.mesh))
-    params = program.init_state().params
-    fingerprints = ReplicaFingerprints(program.mesh, program.state_shardings.params)
-    compiled = fingerprints.lower(params).compile()
+    state = program.init_state()
+    params = state.params
+    fingerprints = ReplicaFingerprints(program.mesh, program.state_shardings)
+    compiled = fingerprints.lower(state).compile()
     gathered = count_collectives(collective_ops(compiled.as_text()))["all-gather"].result_bytes
-    fingerprints.table(params)  # compiled and warm
+    fingerprints.table(state)  # compiled and warm
     timings = []
     for _ in range(CHECK_TIMINGS):
         started = time.perf_counter()
-        fingerprints.table(params)
+        fingerprints.table(state)
         timings.append(time.perf_counter() - started)
     local = jax.local_devices()[0]
     param_bytes = sum(

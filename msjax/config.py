@@ -233,8 +233,14 @@ class ResilienceConfig:
     measured_deadline_after_saves: int = 3
     on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
     # Corruption guard (msjax.resilience.replica_guard): every N steps, and before every save,
-    # the data-parallel replicas' parameters are fingerprinted on device and compared (0: off)
+    # the data-parallel replicas' state (parameters, optimizer state) is fingerprinted on
+    # device and compared (0: off)
     replica_check_every: int = 100
+    # every N steps each device multiplies small known matrices through msjax's matmul path,
+    # checked against the host's answer (msjax.resilience.compute_checks): wrong compute before
+    # the gradients' all-reduce, which replicas cannot see; a device that fails ends the run
+    # with exit code 11 naming its rank (0: off)
+    compute_check_every: int = 100
     # a replica that differs: rerun replays the window from the last checkpoint before it
     # (transient if the mismatch does not come back); stop, or a mismatch that comes back,
     # ends the run with exit code 11 naming the rank

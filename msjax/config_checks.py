@@ -290,6 +290,11 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
             f"resilience.replica_check_every={resilience.replica_check_every} must be >= 0 "
             "(0: no replica checks)"
         )
+    if resilience.compute_check_every < 0:
+        raise ConfigError(
+            f"resilience.compute_check_every={resilience.compute_check_every} must be >= 0 "
+            "(0: no in-training known-answer checks)"
+        )
     if resilience.max_restarts < 0:
         raise ConfigError(f"resilience.max_restarts={resilience.max_restarts} must be >= 0")
     if resilience.max_attempts_without_progress < 1:

@@ -190,6 +190,7 @@ CASES: list[tuple[str, list[str], str]] = [
     # the corruption guard
     ("msjax.train", ["resilience.replica_check_every=-1"], "replica_check_every=-1 must be >= 0"),
     ("msjax.train", ["resilience.on_corruption=retry"], "resilience.on_corruption"),
+    ("msjax.train", ["resilience.compute_check_every=-1"], "compute_check_every=-1 must be >= 0"),
 ]
 # Commands whose module imports JAX: their cases share one interpreter.
 IN_ONE_INTERPRETER: dict[str, list[tuple[list[str], str]]] = {

@@ -1,6 +1,8 @@
 """Specifications of the corruption guard: the comparison and the rerun state machine on tables
 of fingerprints, then real 2-process `jax.distributed` jobs (data 2) whose rank 1 gets a bit of
-a parameter flipped in device memory, once (transient) and at every replay (persistent)."""
+a parameter flipped in device memory, once (transient), at every replay (persistent) and on the
+same element at every replay (a stuck bit), rank 0 a bit of its optimizer state, and rank 1
+wrong matmuls before the gradients' all-reduce (the known-answer check)."""
 
 from __future__ import annotations
 
@@ -88,6 +90,36 @@ def corrupted(data: int, replica: int, amount: int = 1) -> np.ndarray:
     return fingerprints
 
 
+def test_a_transient_mismatch_is_blamed_on_the_replica_that_differs_from_its_own_replay():
+    state_machine, events = machine()
+    assert observed(state_machine, 8, corrupted(2, 1)) == Replay(at_most=0, until=8)
+    for step in range(1, 9):
+        assert observed(state_machine, step, table(2)) is None
+    assert events[0]["ranks"] == [0, 1]  # two replicas: the mismatch alone names both
+    assert events[1]["event"] == "transient" and events[1]["ranks"] == [1]
+    assert events[1]["named_by_mismatch"] == [0, 1]
+
+
+def test_two_replicas_that_each_reproduce_themselves_are_undecided_and_nobody_is_blamed():
+    state_machine, events = machine()
+    observed(state_machine, 8, corrupted(2, 1))
+    observed(state_machine, 6, corrupted(2, 1))
+    with pytest.raises(SilentCorruption, match="none is marked bad") as raised:
+        observed(state_machine, 6, corrupted(2, 1))  # bitwise as in the first replay
+    assert raised.value.ranks == ()
+    assert events[-1]["event"] == "undecided" and events[-1]["bad_ranks"] == []
+
+
+def test_without_a_majority_the_known_answer_check_names_the_rank_that_fails_it():
+    events: list[dict] = []
+    state_machine = RerunStateMachine(
+        "stop", 0, lambda record, line: events.append(record), known_answer=lambda: (1,)
+    )
+    with pytest.raises(SilentCorruption, match="known-answer check failed") as raised:
+        observed(state_machine, 8, corrupted(2, 0))
+    assert raised.value.ranks == (1,) and events[-1]["bad_ranks"] == [1]
+
+
 def test_a_mismatch_that_does_not_come_back_in_the_replay_is_transient():
     state_machine, events = machine()
     assert observed(state_machine, 4, table(3)) is None
@@ -163,10 +195,11 @@ def test_a_restore_passes_over_a_checkpoint_whose_replicas_differed_for_an_earli
 # ---- real 2-process jobs ------------------------------------------------------------------------
 
 STEPS, CHECK_EVERY, FLIP_STEP = 12, 4, 5  # the flip after step 5's update is found at step 8
+COMPUTE_CHECK_EVERY = 2
 JOB_TIMEOUT_S = 900
 
 
-def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
+def train_args(run_dir: Path, cache_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         "model.num_layers=2",
         "model.embed_dim=64",
@@ -184,6 +217,7 @@ def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
         "mesh.fsdp=1",
         "mesh.tensor=1",
         f"run.dir={run_dir}",
+        *extra,
     ]
 
 
@@ -225,7 +259,7 @@ class Job:
         return cls(run_dir, processes, logs)
 
     @classmethod
-    def launch(cls, run_dir: Path, cache_dir: Path, fault: str) -> Job:
+    def launch(cls, run_dir: Path, cache_dir: Path, fault: str, extra: tuple[str, ...] = ()) -> Job:
         """Under the supervisor, with no restart: its first incident is the one to read."""
         command = [
             sys.executable,
@@ -236,7 +270,7 @@ class Job:
             "--max-restarts=0",
             f"--fault={fault}",
             "--",
-            *train_args(run_dir, cache_dir),
+            *train_args(run_dir, cache_dir, extra),
         ]
         log_path = run_dir.parent / "launch.log"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -289,9 +323,18 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finishe
 
     finished = {"reference": Job.start(run_dir("reference"), cache_dir).finish()}
     flip = f"bitflip@step={FLIP_STEP},rank=1"
+    # rank 0's optimizer state, after the last update: the final check and save come next
+    optimizer_flip = f"opt_bitflip@step={STEPS - 1},rank=0"
     started = {
-        "transient": Job.start(run_dir("transient"), cache_dir, flip),
+        "transient": Job.launch(run_dir("transient"), cache_dir, f"{flip};{optimizer_flip}"),
         "persistent": Job.launch(run_dir("persistent"), cache_dir, f"{flip},times=99"),
+        "stuck": Job.launch(run_dir("stuck"), cache_dir, f"stuck_bit@step={FLIP_STEP},rank=1"),
+        "compute": Job.launch(
+            run_dir("compute"),
+            cache_dir,
+            "corrupt_compute@rank=1",
+            (f"resilience.compute_check_every={COMPUTE_CHECK_EVERY}",),
+        ),
     }
     finished.update({name: job.finish() for name, job in started.items()})
     yield finished
@@ -300,7 +343,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finishe
 @pytest.mark.slow
 def test_a_flipped_bit_is_found_at_the_next_check_with_its_ranks_tensor_and_window(jobs):
     transient = jobs["transient"]
-    assert transient.exit_codes == [0, 0], transient.logs[0][-3000:]
+    assert transient.exit_codes == [0], transient.logs[0][-3000:]
     first = transient.events[0]
     assert first["event"] == "mismatch" and first["step"] == 8 and first["window"] == [4, 8]
     assert first["tensor"] == "params/embedding"  # the first parameter: where the bit flipped
@@ -314,9 +357,10 @@ def test_a_flipped_bit_is_found_at_the_next_check_with_its_ranks_tensor_and_wind
 @pytest.mark.slow
 def test_a_flip_that_does_not_come_back_is_transient_and_the_run_ends_bitwise_as_without_it(jobs):
     transient, reference = jobs["transient"], jobs["reference"]
-    assert [event["event"] for event in transient.events] == ["mismatch", "transient"]
+    assert [event["event"] for event in transient.events][:2] == ["mismatch", "transient"]
     assert transient.events[1]["replayed_from"] == 4
-    assert "was transient" in transient.logs[0]
+    assert transient.events[1]["ranks"] == [1]  # the replica that differed from its own replay
+    assert "was transient" in transient.logs[1]
     assert reference.exit_codes == [0, 0]
     assert transient.final_loss() == reference.final_loss()  # bitwise
     for step in (4, 8, 12):  # every checkpoint records that its replicas agreed
@@ -346,3 +390,70 @@ def test_the_supervisor_names_rank_1_as_the_cause_and_marks_its_slot_bad(jobs):
     assert incident["cause"] == "silent_corruption" and incident["rank"] == 1
     assert f"exit code {exit_codes.SILENT_CORRUPTION}" in incident["detail"]
     assert incident["bad_slot"]["slot"] == "1"
+
+
+def checkpoint_meta(run_dir: Path, step: int) -> dict:
+    return json.loads((RunDir(run_dir).checkpoints / str(step) / "meta" / "metadata").read_bytes())
+
+
+@pytest.mark.slow
+def test_a_flip_in_the_optimizer_state_is_caught_before_its_save_and_not_spread(jobs):
+    transient, reference = jobs["transient"], jobs["reference"]
+    mismatch, verdict = transient.events[2:4]
+    assert mismatch["event"] == "mismatch" and mismatch["step"] == STEPS
+    assert mismatch["tensor"].startswith("opt_state/")  # the parameters still agreed
+    assert verdict["event"] == "transient" and verdict["ranks"] == [0]
+    assert verdict["replayed_from"] == 8
+    saved, expected = (
+        checkpoint_meta(transient.run_dir, STEPS),
+        checkpoint_meta(reference.run_dir, STEPS),
+    )
+    assert saved["replicas"] == {"checked": True, "agreed": True}
+    assert saved["fingerprints"] == expected["fingerprints"]  # the flipped copy was not saved
+
+
+@pytest.mark.slow
+def test_a_stuck_bit_on_one_of_two_replicas_stops_the_job_without_excluding_the_healthy_slot(jobs):
+    stuck = jobs["stuck"]
+    assert stuck.exit_codes == [exit_codes.SILENT_CORRUPTION], stuck.logs[0][-3000:]
+    verdict = stuck.events[-1]
+    assert verdict["event"] == "undecided" and verdict["ranks"] == [0, 1]
+    assert verdict["bad_ranks"] == [] and "reproduced each replica as before" in verdict["how"]
+    (incident,) = stuck.incidents
+    assert incident["cause"] == "silent_corruption" and incident["action"] == "stop"
+    assert incident["rank"] is None  # not the first of the two ranks named
+    assert "bad_slot" not in incident  # neither slot is left out: no replica could be blamed
+    assert incident["corruption"]["event"] == "undecided"
+    assert "slot 0 is marked bad" not in stuck.logs[0]
+    assert "slot 1 is marked bad" not in stuck.logs[0]
+
+
+@pytest.mark.slow
+def test_wrong_compute_before_the_all_reduce_is_caught_by_the_known_answer_check(jobs):
+    compute = jobs["compute"]
+    assert compute.exit_codes == [exit_codes.RESTARTS_EXHAUSTED], compute.logs[0][-3000:]
+    (verdict,) = compute.events
+    assert verdict["event"] == "compute_check" and verdict["step"] == COMPUTE_CHECK_EVERY
+    assert verdict["bad_ranks"] == [1]
+    incident = compute.incidents[0]
+    assert incident["cause"] == "silent_corruption" and incident["rank"] == 1
+    assert incident["bad_slot"]["slot"] == "1"
+    assert incident["corruption"]["event"] == "compute_check"
+
+
+@pytest.mark.slow
+def test_every_corruption_verdict_is_an_incident_and_counted_in_goodput(jobs):
+    transient, persistent = jobs["transient"], jobs["persistent"]
+    assert [(i["cause"], i["action"], i["rank"], i["step"]) for i in transient.incidents] == [
+        ("silent_corruption", "replay", 1, 8),
+        ("silent_corruption", "replay", 0, STEPS),
+    ]
+    assert [i["corruption"]["window"] for i in transient.incidents] == [[4, 8], [8, STEPS]]
+    assert all(i["corruption"]["event"] == "transient" for i in transient.incidents)
+    goodput = json.loads(RunDir(transient.run_dir).goodput.read_text())
+    assert goodput["corruption_verdicts"] == {"transient": 2}
+    (final,) = persistent.incidents
+    assert final["corruption"]["event"] == "persistent"
+    assert final["corruption"]["window"] == [4, 6] and final["corruption"]["bad_ranks"] == [1]
+    goodput = json.loads(RunDir(persistent.run_dir).goodput.read_text())
+    assert goodput["corruption_verdicts"] == {"persistent": 1}

@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from msjax.config import ResilienceConfig
 from msjax.launch.attempt import Attempt
@@ -18,7 +19,7 @@ from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.fault_kinds import FaultKind, kind_of_exit
 from msjax.resilience.faults import read_firings
 from msjax.resilience.heartbeat import TIMED_PHASES, HeartbeatRecord
-from msjax.resilience.replica_guard import recorded_bad_ranks
+from msjax.resilience.replica_guard import UNDECIDED, recorded_verdict
 from msjax.run_dir import RunDir
 
 
@@ -35,12 +36,15 @@ class DetectedFault:
     step: int  # updates completed by the furthest rank before the fault
     phase: str
     nonfinite_step: int | None = None
+    corruption: dict[str, Any] | None = None  # silent corruption: the guard's verdict record
 
     @property
     def cause(self) -> str:
         return self.kind.cause
 
 
+# what a corruption incident keeps of the guard's verdict (RUN_DIR/replica_mismatches.jsonl)
+CORRUPTION_KEYS = ("event", "step", "window", "ranks", "bad_ranks", "tensor")
 # what each injected fault is detected as: its record times that fault alone (a rank's hang
 # that fired earlier does not time its SIGKILL from outside)
 DETECTED_AS = {
@@ -51,6 +55,8 @@ DETECTED_AS = {
     "bad_token": fault_kinds.NONFINITE_LOSS,
     "save_error": fault_kinds.SAVES_FAILED,
     "bitflip": fault_kinds.SILENT_CORRUPTION,
+    "stuck_bit": fault_kinds.SILENT_CORRUPTION,
+    "opt_bitflip": fault_kinds.SILENT_CORRUPTION,
     "corrupt_compute": fault_kinds.SILENT_CORRUPTION,
 }
 # injected faults that end their process
@@ -278,12 +284,25 @@ def _phase(attempt: Attempt, rank: int) -> str:
 
 
 def name_the_corrupt_rank(fault: DetectedFault, run_dir: RunDir) -> None:
-    """Silent corruption: every worker exits 11 alike; the replicas' record names the bad rank."""
-    if fault.kind is fault_kinds.SILENT_CORRUPTION:
-        bad = recorded_bad_ranks(run_dir.path)
-        if bad:
-            fault.rank = bad[0]
-            fault.detail += f" (replica_mismatches.jsonl names rank {', '.join(map(str, bad))})"
+    """Silent corruption: every worker exits 11 alike; the replicas' record names the bad rank,
+    or says that no check could blame one (the job stops then, and no slot is marked bad)."""
+    if fault.kind is not fault_kinds.SILENT_CORRUPTION:
+        return
+    verdict = recorded_verdict(run_dir.path)
+    if verdict is None:
+        return
+    fault.corruption = {key: verdict.get(key) for key in CORRUPTION_KEYS}
+    bad = [int(rank) for rank in verdict.get("bad_ranks", ())]
+    if bad:
+        fault.rank = bad[0]
+        fault.detail += f" (replica_mismatches.jsonl names rank {', '.join(map(str, bad))})"
+    elif verdict.get("event") == UNDECIDED:
+        fault.kind = fault_kinds.UNATTRIBUTED_CORRUPTION
+        fault.detail += (
+            " (replica_mismatches.jsonl: ranks "
+            + ", ".join(map(str, verdict.get("ranks", ())))
+            + " disagree and each reproduced itself; no slot is blamed)"
+        )
 
 
 def use_injection_time(fault: DetectedFault, attempt: Attempt, run_dir: RunDir) -> None:

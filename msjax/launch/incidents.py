@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from msjax.launch.attempt import Attempt
-from msjax.launch.fault_detection import DetectedFault
+from msjax.launch.fault_detection import CORRUPTION_KEYS, DetectedFault
 from msjax.launch.policy import Action
 from msjax.launch.workers import describe_exit
 from msjax.observe.flight_recorder import diagnose
+from msjax.observe.goodput import read_records
+from msjax.resilience.fault_kinds import UNATTRIBUTED_CORRUPTION
 from msjax.resilience.heartbeat import STARTUP_PHASES
 from msjax.run_dir import RunDir
 from msjax.writable import (
@@ -161,6 +163,9 @@ class Incident:
     restart_to_first_step_s: float | None = None
     bad_slot: dict[str, Any] | None = None  # the fault's slot, marked bad (msjax.launch.slots)
     membership: dict[str, Any] | None = None  # a slot excluded or re-admitted, with its timings
+    # silent corruption: the guard's verdict (event: transient, persistent, undecided,
+    # compute_check), its step, window, the ranks it named and those it marked bad
+    corruption: dict[str, Any] | None = None
 
     OPTIONAL = (
         "launch",
@@ -174,6 +179,7 @@ class Incident:
         "restart_to_first_step_s",
         "bad_slot",
         "membership",
+        "corruption",
     )
 
     @classmethod
@@ -190,7 +196,8 @@ class Incident:
         return cls(
             incident=number,
             cause=fault.cause,
-            rank=fault.rank,
+            # an undecided corruption verdict names no rank: none is blamed
+            rank=None if fault.kind is UNATTRIBUTED_CORRUPTION else fault.rank,
             detail=fault.detail,
             attempt=attempt.number,
             phase=fault.phase,
@@ -203,6 +210,38 @@ class Incident:
             diagnostics=diagnostics,
             flight_recorder=flight_recorder,
             killed_after_grace=killed_after_grace,
+            corruption=fault.corruption,
+        )
+
+    @classmethod
+    def of_transient_corruption(cls, number: int, record: dict[str, Any], attempt: int) -> Incident:
+        """A replica mismatch its replay did not reproduce (RUN_DIR/replica_mismatches.jsonl):
+        the attempt went on from the replay, blaming the rank(s) that differed from their own."""
+        ranks = [int(rank) for rank in record.get("ranks", ())]
+        unix_s = float(record.get("unix_s", time.time()))
+        return cls(
+            incident=number,
+            cause="silent_corruption",
+            rank=ranks[0] if ranks else None,
+            detail=(
+                f"transient replica mismatch after step {record['step']} (window "
+                f"{record['window'][0]}..{record['window'][1]}, first in {record['tensor']}); "
+                "replayed from step "
+                f"{record.get('replayed_from')}, rank(s) {', '.join(map(str, ranks)) or 'none'} "
+                "differed from their own replay"
+            ),
+            attempt=attempt,
+            phase="step",
+            step=int(record["step"]),
+            fault_unix_s=unix_s,
+            fault_time_from="replica_mismatches.jsonl",
+            detected_unix_s=unix_s,
+            detection_latency_s=0.0,
+            stop_s=0.0,
+            diagnostics=None,
+            flight_recorder=None,
+            action="replay",
+            corruption={key: record.get(key) for key in CORRUPTION_KEYS},
         )
 
     def take(self, action: Action) -> None:
@@ -271,6 +310,7 @@ class IncidentLog:
         self.open_incident: Incident | None = None
         self.held: list[Incident] = []  # added while an incident was open (add)
         self.count = self._count_so_far()
+        self.transients_recorded = self._transients_so_far()
 
     def _count_so_far(self) -> int:
         """Incidents of earlier supervisors of this run (numbers go on from there)."""
@@ -279,6 +319,27 @@ class IncidentLog:
         except FileNotFoundError:
             return 0
         return sum(1 for line in text.splitlines() if line.strip())
+
+    def _transients_so_far(self) -> int:
+        """Transient corruption verdicts earlier supervisors of this run made incidents of."""
+        try:
+            text = read_no_follow(self.path).decode(errors="replace")
+        except FileNotFoundError:
+            return 0
+        return text.count('"event": "transient"')
+
+    def record_transient_corruption(self, attempt: Attempt) -> None:
+        """Every transient verdict the guard logged (RUN_DIR/replica_mismatches.jsonl) and no
+        incident records yet becomes one (the final verdicts end their attempt: the fault's
+        incident carries them)."""
+        records = [
+            record
+            for record in read_records(self.run_dir.replica_mismatches)
+            if record.get("event") == "transient"
+        ]
+        for record in records[self.transients_recorded :]:
+            self.add(Incident.of_transient_corruption(self.next_number(), record, attempt.number))
+            self.transients_recorded += 1
 
     def next_number(self) -> int:
         """The next incident number, claimed by making RUN_DIR/incidents/<n>/ (mkdir is atomic,
@@ -313,6 +374,7 @@ class IncidentLog:
             self.update(attempt)
         if self.open_incident is not None:
             self.write()
+        self.record_transient_corruption(attempt)
 
     def add(self, incident: Incident) -> None:
         """An incident no attempt stops for (a slot kept out after its check for re-admission):

@@ -6,7 +6,8 @@ supervisor's start to the last one's end. The rest is split into start-up, compi
 checkpoint pauses, lost progress (steps trained and then redone after a fault, and the time
 until the fault was detected), restarting (diagnostics, stopping workers, backoff) and the
 scheduler's time between two launcher sessions of one run (a requeued job waiting and starting
-again). Written to RUN_DIR/goodput.json by the supervisor (msjax.launch) for the whole run,
+again). The corruption guard's verdicts are counted beside it (a replayed window's steps are lost
+progress). Written to RUN_DIR/goodput.json by the supervisor (msjax.launch) for the whole run,
 every requeue included; the report reads it, or splits metrics.jsonl alone the same way.
 """
 
@@ -107,6 +108,18 @@ def session_split(
     }
 
 
+def corruption_verdicts(run_dir: RunDir) -> dict[str, int]:
+    """How many of each verdict the corruption guard logged in RUN_DIR/replica_mismatches.jsonl
+    (transient, persistent, undecided, compute_check); the mismatches themselves are not
+    verdicts."""
+    counts: dict[str, int] = {}
+    for record in read_records(run_dir.replica_mismatches):
+        event = record.get("event")
+        if isinstance(event, str) and event != "mismatch":
+            counts[event] = counts.get(event, 0) + 1
+    return counts
+
+
 def write_goodput(run_dir: RunDir, sessions: list[dict[str, Any]], outcome: str) -> str:
     """Write RUN_DIR/goodput.json for the whole run and return a one-line summary.
 
@@ -149,6 +162,7 @@ def write_goodput(run_dir: RunDir, sessions: list[dict[str, Any]], outcome: str)
         "launches": len(sessions),
         "attempts": attempts,
         "incidents": incidents,
+        "corruption_verdicts": corruption_verdicts(run_dir),
         "breakdown_s": {key: round(value, 3) for key, value in breakdown.items()},
     }
     rewrite_best_effort(run_dir.goodput, json.dumps(summary, indent=1) + "\n")  # full disk: warns
@@ -156,7 +170,11 @@ def write_goodput(run_dir: RunDir, sessions: list[dict[str, Any]], outcome: str)
         f"{key[:-2]} {100 * value / wall_s:.0f}%" for key, value in breakdown.items() if value > 0
     )
     launches = f"{len(sessions)} launches, " if len(sessions) > 1 else ""
+    verdicts = "".join(
+        f", {count} {verdict.replace('_', ' ')}"
+        for verdict, count in summary["corruption_verdicts"].items()
+    )
     return (
         f"goodput: effective training time {100 * ratio:.1f}% of {wall_s:.0f} s wall "
-        f"({launches}{attempts} attempts, {incidents} incidents; {shares})"
+        f"({launches}{attempts} attempts, {incidents} incidents{verdicts}; {shares})"
     )

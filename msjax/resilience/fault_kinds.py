@@ -127,6 +127,15 @@ SILENT_CORRUPTION = FaultKind(
         + (", ".join(map(str, getattr(error, "ranks", ()))) or "unknown")
     ),
 )
+# the supervisor's reading of exit 11 when the guard could blame no replica (two replicas that
+# each reproduce their own state): the job stops, and no slot is marked bad
+UNATTRIBUTED_CORRUPTION = FaultKind(
+    "unattributed_corruption",
+    "silent_corruption",
+    STOP,
+    exit_codes.SILENT_CORRUPTION,
+    names_slot=False,
+)
 # the launcher's own code on a multi-node job; a process that exits with it (a check of the
 # whole node) marks its slot bad too
 BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)

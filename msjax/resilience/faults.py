@@ -12,6 +12,11 @@
   save_error     saves from step K on fail with OSError ENOSPC (a full disk), `times` saves
   bitflip        after step K's update, one bit of rank R's copy of the first parameter flips
                  in device memory (firing n flips element n of its first local block)
+  stuck_bit      after step K's update, the same bit of the same element of rank R's first
+                 parameter flips, in every replay and attempt: a stuck memory cell that
+                 reproduces bitwise (`times` is not needed)
+  opt_bitflip    after step K's update, one bit of rank R's copy of the first floating tensor of
+                 the optimizer state flips (firing n flips element n), `times` times
   corrupt_compute  every matmul rank R's process computes is slightly wrong, in every attempt
                  (step is not needed): a device with silent data corruption, for self-checks
 Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
@@ -48,8 +53,14 @@ KINDS = (
     "bad_token",
     "corrupt_compute",
     "bitflip",
+    "stuck_bit",
+    "opt_bitflip",
 )
-PERSISTENT_KINDS = ("slow", "corrupt_compute")  # they act in every attempt, not `times` times
+PERSISTENT_KINDS = (
+    "slow",
+    "corrupt_compute",
+    "stuck_bit",
+)  # they act in every attempt, not `times` times
 CORRUPTION = 1e-2  # corrupt_compute: a matmul's relative error (msjax.ops.matmul)
 # bitflip: a mantissa bit per parameter width (bytes): the value changes by about 1/8, stays finite
 BITFLIP_BIT = {2: 4, 4: 20, 8: 49}
@@ -258,16 +269,20 @@ class FaultInjector:
         return {**batch, "inputs": placed}
 
     def after_update(self, step: int, state: Any) -> Any:
-        """The state after step `step`'s update, with one bit flipped on this rank if injected
-        (a replay of that step fires it again until it has fired `times` times)."""
-        for fault in self._pending:
-            if fault.kind == "bitflip" and fault.step == step:
-                firing = self._fired.get(fault.spec, 0)
-                self._record(fault, step)
-                self._fired[fault.spec] = firing + 1
-                if firing + 1 >= fault.times:
-                    self._pending.remove(fault)
-                return _flip_one_bit(state, firing)
+        """The state after step `step`'s update, with bits flipped on this rank as injected (a
+        replay of that step fires bitflip and opt_bitflip again until they have fired `times`
+        times, stuck_bit always, on the same element)."""
+        for fault in list(self._pending):
+            if fault.step != step or fault.kind not in ("bitflip", "stuck_bit", "opt_bitflip"):
+                continue
+            firing = self._fired.get(fault.spec, 0)
+            self._record(fault, step)
+            self._fired[fault.spec] = firing + 1
+            if fault.kind != "stuck_bit" and firing + 1 >= fault.times:
+                self._pending.remove(fault)
+            element = 0 if fault.kind == "stuck_bit" else firing
+            part = "opt_state" if fault.kind == "opt_bitflip" else "params"
+            state = _flip_one_bit(state, element, part)
         return state
 
     def after_save_started(self, step: int) -> None:
@@ -276,21 +291,27 @@ class FaultInjector:
             os._exit(CRASH_EXIT_CODE)
 
 
-def _flip_one_bit(state: Any, element: int) -> Any:
-    """state with a mantissa bit (BITFLIP_BIT) of one element of the first parameter's first
-    local block flipped on that device: the block is rebuilt there, every other one kept."""
+def _flip_one_bit(state: Any, element: int, part: str = "params") -> Any:
+    """state with a mantissa bit (BITFLIP_BIT) of one element of the first floating tensor of
+    state.<part> flipped in its first local block on that device: the block is rebuilt there,
+    every other one kept."""
     import dataclasses
 
     import jax
     import numpy as np
 
-    leaves, treedef = jax.tree.flatten(state.params)
-    array = leaves[0]
+    leaves, treedef = jax.tree.flatten(getattr(state, part))
+    first = next(
+        index
+        for index, leaf in enumerate(leaves)
+        if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and leaf.size
+    )
+    array = leaves[first]
     shards = array.addressable_shards
     block = np.array(shards[0].data)  # [block shape] of the first local device
     unsigned = np.dtype(f"uint{8 * block.dtype.itemsize}")
     words = block.reshape(-1).view(unsigned)  # the parameter's bits
     words[element % words.size] ^= unsigned.type(1 << BITFLIP_BIT[block.dtype.itemsize])
     blocks = [jax.device_put(block, shards[0].device), *(shard.data for shard in shards[1:])]
-    leaves[0] = jax.make_array_from_single_device_arrays(array.shape, array.sharding, blocks)
-    return dataclasses.replace(state, params=jax.tree.unflatten(treedef, leaves))
+    leaves[first] = jax.make_array_from_single_device_arrays(array.shape, array.sharding, blocks)
+    return dataclasses.replace(state, **{part: jax.tree.unflatten(treedef, leaves)})

@@ -1,6 +1,7 @@
-"""The corruption guard: the data-parallel replicas' parameters fingerprinted on device and
-compared, the replica that differs named, and the rerun state machine that tells a transient
-mismatch from a persistent one. The loop's side (when to check, the replay) is in msjax.train.
+"""The corruption guard: the data-parallel replicas' whole state (parameters and optimizer
+state) fingerprinted on device and compared, the replica that differs named, and the rerun state
+machine that tells a transient mismatch from a persistent one. The loop's side (when to check,
+the replay) is in msjax.training.replica_checks.
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ import numpy as np
 
 from msjax.run_dir import RunDir
 
+# the verdicts of RUN_DIR/replica_mismatches.jsonl that end the run (SilentCorruption)
+PERSISTENT, UNDECIDED, COMPUTE_CHECK = "persistent", "undecided", "compute_check"
+FINAL_VERDICTS = (PERSISTENT, UNDECIDED, COMPUTE_CHECK)
+
 
 class SilentCorruption(Exception):
-    """A replica's parameters differed from the others' and the difference came back when its
-    window was replayed (or resilience.on_corruption=stop): the ranks named are bad."""
+    """A replica's state differed from the others' and the difference came back when its window
+    was replayed (or resilience.on_corruption=stop), or a device failed the in-training
+    known-answer check: the ranks named are bad. No rank named: corruption that no check could
+    pin on one replica (two replicas that each reproduce their own state bitwise)."""
 
     def __init__(self, message: str, ranks: Sequence[int]):
         super().__init__(message)
@@ -42,11 +49,12 @@ def _block_fingerprint(block: Any) -> Any:
 
 
 class ReplicaFingerprints:
-    """One jitted program: every device fingerprints its own block of each parameter, and one
-    all-gather of those integers (2 x 4 bytes per tensor per device) gives every
-    device, and so every process, the same table. No parameter leaves its device."""
+    """One jitted program: every device fingerprints its own block of each tensor of the state
+    (parameters, optimizer state, step), and one all-gather of those integers (2 x 4 bytes per
+    tensor per device) gives every device, and so every process, the same table. No tensor
+    leaves its device."""
 
-    def __init__(self, mesh: Any, param_shardings: Any):
+    def __init__(self, mesh: Any, state_shardings: Any):
         import jax
         from jax.sharding import PartitionSpec
 
@@ -55,12 +63,12 @@ class ReplicaFingerprints:
 
         self.mesh = mesh
         self._compiled: Any = None
-        paths = jax.tree_util.tree_flatten_with_path(param_shardings)[0]
-        self.tensor_names = tuple("params/" + leaf_name(path) for path, _ in paths)
-        specs = jax.tree.map(lambda sharding: sharding.spec, param_shardings)
+        paths = jax.tree_util.tree_flatten_with_path(state_shardings)[0]
+        self.tensor_names = tuple(leaf_name(path) for path, _ in paths)
+        specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings)
 
-        def local(params: Any) -> Any:
-            blocks = jax.tree.leaves(params)
+        def local(state: Any) -> Any:
+            blocks = jax.tree.leaves(state)
             mine = jax.numpy.stack([_block_fingerprint(block) for block in blocks])  # [K, 2]
             return jax.lax.all_gather(mine, MESH_AXES)  # [devices, K, 2], mesh order
 
@@ -72,17 +80,17 @@ class ReplicaFingerprints:
             )
         )
 
-    def lower(self, abstract_params: Any) -> Any:
-        return self._program.lower(abstract_params)
+    def lower(self, abstract_state: Any) -> Any:
+        return self._program.lower(abstract_state)
 
-    def compile(self, abstract_params: Any) -> None:
+    def compile(self, abstract_state: Any) -> None:
         """Compile the program now (before the loop), so no step waits for it."""
-        self._compiled = self.lower(abstract_params).compile()
+        self._compiled = self.lower(abstract_state).compile()
 
-    def table(self, params: Any) -> np.ndarray:
+    def table(self, state: Any) -> np.ndarray:
         """uint64 [data, fsdp, pipe, tensor, tensors]: each device's fingerprint of each of its
-        parameter blocks, read from this process's own copy of the gathered table."""
-        gathered = (self._compiled or self._program)(params)
+        blocks of the state, read from this process's own copy of the gathered table."""
+        gathered = (self._compiled or self._program)(state)
         local = np.asarray(gathered.addressable_shards[0].data)  # [devices, K, 2] uint32
         combined = (local[..., 0].astype(np.uint64) << np.uint64(32)) | local[..., 1]
         return combined.reshape(*self.mesh.devices.shape, len(self.tensor_names))
@@ -90,7 +98,7 @@ class ReplicaFingerprints:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """Replicas whose parameters differ after `step`; the last check that agreed was at
+    """Replicas whose state differs after `step`; the last check that agreed was at
     `agreed_step` (the window is agreed_step..step)."""
 
     step: int
@@ -113,7 +121,7 @@ class Mismatch:
             replicas = self.table.shape[0]
             who = f"{places} disagree, with no majority of {replicas} data replicas to judge by"
         return (
-            f"the data-parallel replicas' parameters differ after step {self.step} (window: "
+            f"the data-parallel replicas' state differs after step {self.step} (window: "
             f"steps {self.agreed_step}..{self.step}, the last check that agreed at step "
             f"{self.agreed_step}): {who}; first in {self.tensor}"
         )
@@ -190,21 +198,31 @@ class Replay:
     until: int
 
 
+KnownAnswerCheck = Callable[[], tuple[int, ...]]  # ranks whose devices fail it, alike everywhere
+
+
 class RerunStateMachine:
     """Megatron's rerun state machine, made multi-process: every process feeds it the same
     gathered fingerprints, so all take the same transitions.
 
     run: a check that agrees moves the window's start; a mismatch (window L..C) replays from the
       newest checkpoint at or before L, checking every step up to C (on_corruption=stop: bad now).
-    replay: no mismatch through C: transient (logged; the run goes on from the replay). One that
-      comes back is persistent: with a majority its ranks are bad at once; with none (two
-      replicas) `locate` replays up to that step once more.
+    replay: no mismatch through C: transient, blamed on the replica whose state at C differs
+      from its own replay (logged; the run goes on from the replay). One that comes back is
+      persistent: with a majority its ranks are bad at once; with none (two replicas) `locate`
+      replays up to that step once more.
     locate: the replica whose fingerprints at that step changed between the two replays is the
-      one that did not compute or keep its parameters right: its ranks are bad.
+      one that did not compute or keep its state right: its ranks are bad. Where each replica
+      reproduced itself bitwise (a stuck bit), the known-answer check runs on every device: the
+      ranks that fail it are bad; none failing, the verdict is undecided and nobody is blamed.
     """
 
     def __init__(
-        self, on_corruption: str, start_step: int, log: Callable[[dict[str, Any], str], None]
+        self,
+        on_corruption: str,
+        start_step: int,
+        log: Callable[[dict[str, Any], str], None],
+        known_answer: KnownAnswerCheck = lambda: (),
     ):
         self.on_corruption = on_corruption
         self.mode = "run"
@@ -213,6 +231,7 @@ class RerunStateMachine:
         self.came_back: Mismatch | None = None
         self.replay: Replay | None = None
         self.log = log
+        self.known_answer = known_answer
 
     def checks_every_step(self, step: int) -> bool:
         """Whether the state after `step` updates is checked because a replay is under way."""
@@ -224,7 +243,7 @@ class RerunStateMachine:
         if self.mode == "run":
             return self._run(step, mismatch)
         if self.mode == "replay":
-            return self._replaying(step, mismatch)
+            return self._replaying(step, table, mismatch)
         return self._locating(step, table, mismatch)
 
     def _run(self, step: int, mismatch: Mismatch | None) -> Replay | None:
@@ -233,23 +252,17 @@ class RerunStateMachine:
             return None
         self.log(mismatch.record("mismatch"), f"warning: {mismatch.describe()}")
         if self.on_corruption == "stop":
-            self._bad(mismatch, mismatch.ranks, "resilience.on_corruption=stop")
+            self._persistent(mismatch, "resilience.on_corruption=stop")
         self.first, self.mode = mismatch, "replay"
         self.replay = Replay(self.agreed_step, step)
         return self.replay
 
-    def _replaying(self, step: int, mismatch: Mismatch | None) -> Replay | None:
+    def _replaying(self, step: int, table: np.ndarray, mismatch: Mismatch | None) -> Replay | None:
         assert self.first is not None and self.replay is not None
         if mismatch is None:
             if step < self.replay.until:
                 return None
-            self.log(
-                {**self.first.record("transient"), "replayed_from": self.replay.at_most},
-                f"the replica mismatch after step {self.first.step} was transient: replayed "
-                f"from step {self.replay.at_most} or before, the replicas agreed through step "
-                f"{step}; going on from the replay",
-            )
-            self.mode, self.agreed_step, self.first, self.replay = "run", step, None, None
+            self._transient(step, table)
             return None
         how = f"it came back when the window from step {self.replay.at_most} was replayed"
         if mismatch.majority:
@@ -258,46 +271,93 @@ class RerunStateMachine:
         self.replay = Replay(self.replay.at_most, step)
         return self.replay
 
+    def _transient(self, step: int, table: np.ndarray) -> None:
+        """The replay agreed through the mismatch's step: the replica whose state there differs
+        from its own replay is the one that went wrong once."""
+        first, replay = self.first, self.replay
+        assert first is not None and replay is not None
+        suspects = dict(zip(first.devices, first.device_ranks, strict=True))
+        changed = changed_devices(first.table, table)
+        ranks = sorted({rank for device, rank in suspects.items() if device in changed})
+        blamed = f"rank {', '.join(map(str, ranks))}" if ranks else "no replica"
+        self.log(
+            {
+                **first.record("transient"),
+                "ranks": ranks,
+                "named_by_mismatch": list(first.ranks),
+                "replayed_from": replay.at_most,
+            },
+            f"the replica mismatch after step {first.step} was transient: replayed from step "
+            f"{replay.at_most} or before, the replicas agreed through step {step}; {blamed} "
+            "differed from its own replay; going on from the replay",
+        )
+        self.mode, self.agreed_step, self.first, self.replay = "run", step, None, None
+
     def _locating(self, step: int, table: np.ndarray, mismatch: Mismatch | None) -> Replay | None:
         assert self.came_back is not None and self.replay is not None
         how = f"it came back when the window from step {self.replay.at_most} was replayed"
         if step < self.replay.until:
             if mismatch is not None:  # earlier than in the first replay: no reproduction to use
-                self._bad(mismatch, mismatch.ranks, how)
+                self._persistent(mismatch, how)
             return None
         suspects = dict(zip(self.came_back.devices, self.came_back.device_ranks, strict=True))
         changed = changed_devices(self.came_back.table, table)
         culprits = sorted({rank for device, rank in suspects.items() if device in changed})
         if culprits:
             how += "; a second replay reproduced every other replica bitwise"
-        else:
-            culprits = list(self.came_back.ranks)
-            how += "; a second replay reproduced each replica as before: no replica to blame"
-        self._bad(self.came_back, culprits, how)
+            self._bad(self.came_back, culprits, how)
+        how += "; a second replay reproduced each replica as before"
+        self._persistent(self.came_back, how)
         return None
+
+    def _persistent(self, mismatch: Mismatch, how: str) -> None:
+        """A mismatch that stays: its ranks are bad where a majority names them; with none, the
+        known-answer check decides, or nobody is blamed (UNDECIDED)."""
+        if mismatch.majority:
+            self._bad(mismatch, mismatch.ranks, how)
+        failed = sorted(set(self.known_answer()))
+        if failed:
+            self._bad(
+                mismatch,
+                failed,
+                f"{how}; the known-answer check failed on rank(s) " + ", ".join(map(str, failed)),
+            )
+        line = (
+            f"{mismatch.describe()}; persistent ({how}); every device passed the known-answer "
+            "check: no replica can be blamed, none is marked bad"
+        )
+        self.log({**mismatch.record(UNDECIDED), "bad_ranks": [], "how": how}, line)
+        raise SilentCorruption(line, ())
 
     def _bad(self, mismatch: Mismatch, ranks: Sequence[int], how: str) -> None:
         named = ", ".join(str(rank) for rank in ranks)
         line = f"{mismatch.describe()}; persistent ({how}): rank {named} marked bad"
-        self.log({**mismatch.record("persistent"), "bad_ranks": list(ranks), "how": how}, line)
+        self.log({**mismatch.record(PERSISTENT), "bad_ranks": list(ranks), "how": how}, line)
         raise SilentCorruption(line, ranks)
 
 
-def recorded_bad_ranks(run_dir: Path) -> tuple[int, ...]:
-    """The ranks the last persistent mismatch in run_dir marked bad (none: no such record)."""
+def recorded_verdict(run_dir: Path) -> dict[str, Any] | None:
+    """The last record in run_dir's replica_mismatches.jsonl that ended the run (a persistent
+    mismatch, an undecided one, a failed known-answer check); None: there is none."""
     path = RunDir(run_dir).replica_mismatches
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return ()
+        return None
     for line in reversed(lines):
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("event") == "persistent":
-            return tuple(int(rank) for rank in record.get("bad_ranks", ()))
-    return ()
+        if isinstance(record, dict) and record.get("event") in FINAL_VERDICTS:
+            return record
+    return None
+
+
+def recorded_bad_ranks(run_dir: Path) -> tuple[int, ...]:
+    """The ranks the last verdict in run_dir marked bad (none: no such record, or undecided)."""
+    verdict = recorded_verdict(run_dir)
+    return tuple(int(rank) for rank in (verdict or {}).get("bad_ranks", ()))
 
 
 class MismatchLog:
@@ -317,12 +377,13 @@ class MismatchLog:
 
     def __call__(self, record: dict[str, Any], line: str) -> None:
         record = {**record, "unix_s": time.time()}
-        if record["event"] != "persistent":  # that one ends the run, and its error says it
+        final = record["event"] in FINAL_VERDICTS
+        if not final:  # a final one ends the run, and its error says it
             self.message(line)
         if self.is_writer:
             with self.path.open("a") as log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 os.fsync(log.fileno())
-        if record["event"] == "persistent":
+        if final:
             self.barrier()  # on disk before any process leaves: the supervisor reads the rank

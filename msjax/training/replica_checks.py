@@ -1,5 +1,6 @@
-"""The loop's side of the corruption guard: which steps are checked, what checkpoints record of
-it, and the in-process replay a mismatch asks for (msjax.resilience.replica_guard compares)."""
+"""The loop's side of the corruption guard: which steps are checked (replica fingerprints and the
+known-answer check of every device), what checkpoints record of it, and the in-process replay a
+mismatch asks for (msjax.resilience.replica_guard compares)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from msjax.parallel.agreement import agree_any, process_vote
+from msjax.resilience.compute_checks import ComputeCheck
 from msjax.resilience.replica_guard import (
+    COMPUTE_CHECK,
     MismatchLog,
     Replay,
     ReplicaFingerprints,
@@ -33,8 +36,9 @@ class Segment:
 
 class ReplicaChecks:
     """Every resilience.replica_check_every steps, before every save, a stop and the last step,
-    and after every step of a replay: the replicas compared (every process gets the same table
-    from one all-gather, so every process takes the same turn)."""
+    and after every step of a replay: the replicas compared; every
+    resilience.compute_check_every steps: every device's known-answer matmul checked (every
+    process gets the same table from one all-gather, so every process takes the same turn)."""
 
     def __init__(self, run: PreparedRun):
         import jax
@@ -50,22 +54,42 @@ class ReplicaChecks:
             )
         self.fingerprints = None
         if self.enabled:
-            self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings.params)
-            self.fingerprints.compile(run.program.abstract_state().params)
+            self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings)
+            self.fingerprints.compile(run.program.abstract_state())
+        self.compute_every = resilience.compute_check_every
+        self.mesh = mesh
+        self._compute: ComputeCheck | None = None
+        if self.compute_every > 0:
+            self._compute = ComputeCheck(mesh)  # compiled before the loop: no step waits
         vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
-        log = MismatchLog(
+        self.log = MismatchLog(
             run.run_dir.path,
             jax.process_index() == 0,
             run.progress.message,
             barrier=lambda: agree_any(vote, False),
         )
-        self.machine = RerunStateMachine(resilience.on_corruption, run.start.step, log)
+        self.machine = RerunStateMachine(
+            resilience.on_corruption, run.start.step, self.log, self.failing_ranks
+        )
         self.devices = mesh.devices
         self.agreed_at: int | None = None  # the step of the last check that agreed
         run.saves.replica_record = self.record  # every checkpoint records its replicas' check
 
+    def failing_ranks(self) -> tuple[int, ...]:
+        """The ranks whose devices get the known answer wrong (also the tie-break of two
+        replicas that each reproduce their own state: replica_guard)."""
+        if self._compute is None:
+            self._compute = ComputeCheck(self.mesh)
+        return self._compute.failing_ranks()
+
+    def compute_due(self, step: int) -> bool:
+        """Whether every device's known-answer matmul is checked after `step` updates."""
+        return self.compute_every > 0 and step % self.compute_every == 0
+
     def due(self, step: int, decision: Decision) -> bool:
-        """Whether the state after `step` updates is checked now."""
+        """Whether the state after `step` updates is checked now (either check)."""
+        if self.compute_due(step):
+            return True
         if not self.enabled:
             return False
         return (
@@ -77,10 +101,13 @@ class ReplicaChecks:
         )
 
     def check(self, step: int, state: Any) -> Replay | None:
-        """Compare the replicas after `step` updates: None to go on, or the replay to start;
+        """The checks due after `step` updates: None to go on, or the replay to start;
         SilentCorruption once a rank is found bad."""
-        assert self.fingerprints is not None
-        table = self.fingerprints.table(state.params)
+        if self.compute_due(step):
+            self.check_compute(step)
+        if self.fingerprints is None:
+            return None
+        table = self.fingerprints.table(state)
         mismatch = compare(
             table,
             step,
@@ -90,6 +117,21 @@ class ReplicaChecks:
         )
         self.agreed_at = step if mismatch is None else None
         return self.machine.observe(step, table, mismatch)
+
+    def check_compute(self, step: int) -> None:
+        """SilentCorruption naming the ranks whose devices got the known answer wrong."""
+        failed = self.failing_ranks()
+        if not failed:
+            return
+        named = ", ".join(map(str, failed))
+        line = (
+            f"the known-answer matmul check after step {step} failed on rank {named}: its "
+            f"device(s) compute wrong numbers; rank {named} marked bad"
+        )
+        window = [step - self.compute_every, step]
+        record = {"event": COMPUTE_CHECK, "step": step, "window": window, "ranks": list(failed)}
+        self.log({**record, "bad_ranks": list(failed)}, line)
+        raise SilentCorruption(line, failed)
 
     def record(self, step: int) -> dict[str, Any]:
         """What a checkpoint of `step` records of its replicas (checked right before it)."""
