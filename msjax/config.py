@@ -270,6 +270,9 @@ class ResilienceConfig:
     # row without progress, up to infrastructure_backoff_max_s: the machine room gets minutes
     infrastructure_backoff_s: float = 5.0
     infrastructure_backoff_max_s: float = 300.0
+    # how often a running launcher appends its record to RUN_DIR/launches.jsonl (also written at
+    # its start and end): a launcher killed outright leaves its time up to the last one counted
+    launch_record_every_s: float = 60.0
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
     # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:
     # on in runs started by msjax.launch, or wherever compile_cache_dir is set

@@ -16,6 +16,9 @@ from msjax.run_dir import RunDir
 from msjax.writable import AppendLog
 
 REQUEUE = "requeue"  # the cause of the incident that opens a launch after an unfinished one
+# the outcome of a launch's record while it runs: written at its start and kept current, it is
+# the last one of a launcher killed outright, whose time up to then still counts
+RUNNING = "running"
 
 
 def scheduler_context(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
@@ -70,13 +73,16 @@ def requeue_incident(
     attempts = previous.get("attempts") or [{}]
     step = max((a.get("max_step") or 0 for a in attempts), default=0)
     by = ""
+    ended_how = f"ended ({previous['outcome']})"
+    if previous["outcome"] == RUNNING:  # killed outright: its last record says when it was alive
+        ended_how = "was killed (its last record, running)"
     if context["slurm_job_id"]:
         by = f" by Slurm (job {context['slurm_job_id']}, restart {context['slurm_restart_count']})"
     return Incident(
         incident=number,
         cause=REQUEUE,
         rank=None,
-        detail=f"launch {previous['launch']} ended ({previous['outcome']}) on "
+        detail=f"launch {previous['launch']} {ended_how} on "
         f"{previous['nodes']}; started again{by} on {context['nodes']} "
         f"{started_unix_s - ended:.1f} s later",
         attempt=None,  # before this session's first attempt
