@@ -45,6 +45,7 @@ from msjax.launch.launches import (
     RUNNING,
     append_launch,
     attempt_record,
+    newest_committed,
     read_launches,
     requeue_incident,
     scheduler_context,
@@ -127,6 +128,7 @@ class Supervisor:
         self.slots = self.membership.slots
         self._standbys_checked = (-1, 0.0)  # the attempt _keep_standbys_ready last looked in, when
         self._recorded_unix_s = 0.0  # when this launch's record was last appended
+        self.committed_at_start = newest_committed(self.run_dir)
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -143,9 +145,21 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            self._say_checkpoints()
             self.membership.close(self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _say_checkpoints(self) -> None:
+        """The newest committed checkpoint now and at this launch's start, as the launch's last
+        line but one: launch/slurm/train.sbatch spends its requeue budget only on a run of the
+        job that committed no newer one."""
+        now = newest_committed(self.run_dir)
+        self.say(
+            f"checkpoints: newest committed step {'none' if now is None else now} (step "
+            f"{'none' if self.committed_at_start is None else self.committed_at_start} at this "
+            "launch's start)"
+        )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_requested = signal.Signals(signum).name
