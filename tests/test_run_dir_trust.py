@@ -26,6 +26,7 @@ from msjax.errors import MsjaxError
 from msjax.launch.__main__ import main as launch_main
 from msjax.launch.workers import WorkerProcess
 from msjax.observe.metrics import MetricsWriter
+from msjax.resilience import exit_codes
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resolve import resolve_run_dir
 from msjax.run_dir import RunDir, plan_run_dir, save_config, write_text_atomically
@@ -397,8 +398,9 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
     small_disk: Path, tmp_path: Path
 ) -> None:
     """A worker killed after the disk filled: the supervisor's incident files and goodput are
-    dropped with one warning each, and the job ends as any spent restart budget does (exit 4),
-    without a traceback; the worker trained on after the disk filled."""
+    dropped with one warning each, and the job ends without a traceback as a full disk does
+    (exit 14, the infrastructure's): the restart after the attempt that made progress is free,
+    the next attempt cannot write its run record; the worker trained on after the disk filled."""
     run_dir = RunDir(small_disk / "run")
     launch = [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--max-restarts", "0"]
     args = [*QUICK_RUN, *ONE_DEVICE, "train.steps=1000000", "train.eval_every=0"]
@@ -425,22 +427,27 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
                 os.killpg(job.pid, signal.SIGKILL)
         out.seek(0)
         output = out.read()
-    assert code == 4, output[-3000:]
+    assert code == exit_codes.INFRASTRUCTURE, output[-3000:]
+    assert "restart 1 (0 of resilience.max_restarts=0 spent)" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert beat["step"] > step_at_fill  # training went on after the disk filled
     warned = warnings_per_file(output)
-    assert max(warned.values()) == 1, warned
+    # one warning per file and process: the supervisor's, and each attempt's worker's
+    per_attempt = [warnings_per_file(part) for part in output.split("msjax.launch: attempt ")]
+    assert max(max(counts.values(), default=1) for counts in per_attempt) == 1, per_attempt
     written_by_the_worker = {run_dir.metrics, run_dir.heartbeat(0)}
     written_by_the_supervisor = {run_dir.incidents_log, run_dir.goodput}
     assert {str(path) for path in written_by_the_worker | written_by_the_supervisor} <= set(warned)
+    assert {warned[str(path)] for path in written_by_the_supervisor} == {1}
     assert run_dir.incident(1).is_dir()  # the incident's folder, its files dropped as they came
 
 
 def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
     small_disk: Path, tmp_path: Path
 ) -> None:
-    """The resolved config on a disk already full: one line naming the file, exit 1 (the
-    supervisor's, or the scheduler's, retry), no traceback, no temporary file left."""
+    """The resolved config on a disk already full: one line naming the file, the infrastructure's
+    exit 14 (the supervisor's, or the scheduler's, retry), no traceback, no temporary file left;
+    a launcher whose own record cannot be written exits 14 alike."""
     run = small_disk / "run"
     run.mkdir()
     fill(small_disk)
@@ -452,12 +459,24 @@ def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
         text=True,
         timeout=600,
     )
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == exit_codes.INFRASTRUCTURE, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1].startswith(
         f"msjax.train: [Errno 28] cannot write {RunDir(run).config_json}: No space left"
     ), done.stderr[-3000:]
     assert not [path for path in run.rglob(".*") if "tmp" in path.name]
+    launched = subprocess.run(
+        [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--", *args],
+        env=worker_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert launched.returncode == exit_codes.INFRASTRUCTURE, launched.stderr[-3000:]
+    assert "Traceback" not in launched.stderr, launched.stderr[-3000:]
+    assert launched.stderr.splitlines()[-1].startswith(
+        f"msjax.launch: [Errno 28] cannot write {RunDir(run).job_config}: No space left"
+    ), launched.stderr[-3000:]
 
 
 def test_only_node_0_writes_job_config_yaml(tmp_path: Path) -> None:
