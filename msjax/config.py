@@ -246,7 +246,7 @@ class ResilienceConfig:
     warm_standby_after_s: float = 30.0
     # restarts that spend the budget before the supervisor gives up (exit 4, or 14 when the
     # last fault was the infrastructure's): those after an attempt that committed no checkpoint
-    # newer than the one it resumed from; a restart after progress is free
+    # newer than the one it resumed from; a restart after progress is free. 0: no restart at all
     max_restarts: int = 10
     # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8
     # (exit 2 if each crashed the same way before its first step: a mistake, not the machine)

@@ -273,5 +273,7 @@ def test_a_full_disk_at_every_start_backs_off_then_ends_retryable_not_as_a_mista
     restarts = [line for line in job.output.splitlines() if "msjax.launch: restart " in line]
     assert [line.split(" in ")[1].split(" s,")[0] for line in restarts] == ["0.2", "0.3"]
     assert "2 of resilience.max_restarts=2 spent" in restarts[-1]
-    assert job.incidents[-1]["stop_reason"].startswith("restart budget spent: 2 restarts after")
+    assert job.incidents[-1]["stop_reason"].startswith(
+        "restart budget spent (resilience.max_restarts=2: restarts after an attempt that"
+    )
     assert exit_codes.INFRASTRUCTURE in exit_codes.RETRYABLE

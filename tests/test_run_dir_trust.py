@@ -398,9 +398,8 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
     small_disk: Path, tmp_path: Path
 ) -> None:
     """A worker killed after the disk filled: the supervisor's incident files and goodput are
-    dropped with one warning each, and the job ends without a traceback as a full disk does
-    (exit 14, the infrastructure's): the restart after the attempt that made progress is free,
-    the next attempt cannot write its run record; the worker trained on after the disk filled."""
+    dropped with one warning each, and the job ends as any spent restart budget does (exit 4),
+    without a traceback; the worker trained on after the disk filled."""
     run_dir = RunDir(small_disk / "run")
     launch = [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--max-restarts", "0"]
     args = [*QUICK_RUN, *ONE_DEVICE, "train.steps=1000000", "train.eval_every=0"]
@@ -427,18 +426,14 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
                 os.killpg(job.pid, signal.SIGKILL)
         out.seek(0)
         output = out.read()
-    assert code == exit_codes.INFRASTRUCTURE, output[-3000:]
-    assert "restart 1 (0 of resilience.max_restarts=0 spent)" in output, output[-3000:]
+    assert code == 4, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert beat["step"] > step_at_fill  # training went on after the disk filled
     warned = warnings_per_file(output)
-    # one warning per file and process: the supervisor's, and each attempt's worker's
-    per_attempt = [warnings_per_file(part) for part in output.split("msjax.launch: attempt ")]
-    assert max(max(counts.values(), default=1) for counts in per_attempt) == 1, per_attempt
+    assert max(warned.values()) == 1, warned
     written_by_the_worker = {run_dir.metrics, run_dir.heartbeat(0)}
     written_by_the_supervisor = {run_dir.incidents_log, run_dir.goodput}
     assert {str(path) for path in written_by_the_worker | written_by_the_supervisor} <= set(warned)
-    assert {warned[str(path)] for path in written_by_the_supervisor} == {1}
     assert run_dir.incident(1).is_dir()  # the incident's folder, its files dropped as they came
 
 

@@ -139,10 +139,11 @@ def _limits(
     if not infrastructure:  # the machine room's faults are neither a mistake nor this machine's
         stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress, excluding)
     spends = restart_spends_budget(history.stalled)
-    if stop is None and spends and history.restarts_spent >= resilience.max_restarts:
+    budget = resilience.max_restarts
+    if stop is None and (budget == 0 or (spends and history.restarts_spent >= budget)):
         stop = _stop(
-            f"restart budget spent: {history.restarts_spent} restarts after an attempt that "
-            f"committed no newer checkpoint (resilience.max_restarts={resilience.max_restarts})",
+            f"restart budget spent (resilience.max_restarts={budget}: restarts after an "
+            "attempt that committed no newer checkpoint; 0: none at all)",
             exit_codes.INFRASTRUCTURE if infrastructure else exit_codes.RESTARTS_EXHAUSTED,
         )
     if stop is not None:
@@ -167,7 +168,8 @@ def restart_spends_budget(stalled: AttemptsWithoutProgress) -> bool:
     """The restart budget's rule: a restart spends resilience.max_restarts only when the attempt
     it follows committed no checkpoint newer than the one it resumed from. A fault after progress
     costs nothing, so that a run of weeks is not ended by its eleventh fault however much it
-    committed in between; faults with nothing committed between them still end it."""
+    committed in between; faults with nothing committed between them still end it.
+    resilience.max_restarts=0 restarts nothing: the job stops at its first fault."""
     return stalled.count > 0
 
 
