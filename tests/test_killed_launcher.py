@@ -94,6 +94,7 @@ def two_launches(tmp_path_factory: pytest.TempPathFactory) -> TwoLaunches:
             return None
 
         seen = wait_until(stepped_past_a_checkpoint, first_log, "launch 1 at step 3", first)
+        assert first.poll() is None, "launch 1 ended before its record showed it running"
         worker = HeartbeatRecord.read(run_dir.heartbeat(0))
         first.send_signal(signal.SIGKILL)
         first.wait()
