@@ -44,6 +44,7 @@ TRAIN_ARGS = [
 class TwoLaunches:
     run_dir: RunDir
     seen_before_kill: dict  # launch 1's record that was read just before its SIGKILL
+    committed_at_kill: int  # the newest checkpoint launch 1 committed
     second_code: int
     second_output: str
 
@@ -102,13 +103,14 @@ def two_launches(tmp_path_factory: pytest.TempPathFactory) -> TwoLaunches:
         wait_until(lambda: gone(worker.pid), first_log, "launch 1's worker gone")
     finally:
         first.kill()
+    committed_at_kill = committed_steps(run_dir.checkpoints)[-1]
     second_log = base / "second.log"
     second = launcher(run_dir.path, second_log)
     try:
         code = second.wait(timeout=TIMEOUT_S)
     finally:
         second.kill()
-    return TwoLaunches(run_dir, seen, code, second_log.read_text())
+    return TwoLaunches(run_dir, seen, committed_at_kill, code, second_log.read_text())
 
 
 @pytest.mark.slow
@@ -122,6 +124,13 @@ def test_the_second_launch_finishes_and_goodput_spans_both_launches(two_launches
     assert goodput["wall_s"] == pytest.approx(
         second["ended_unix_s"] - first["started_unix_s"], abs=1e-3
     )
+    # the line a scheduler's script reads to tell a run that committed a newer checkpoint
+    newest = committed_steps(job.run_dir.checkpoints)[-1]
+    assert newest > job.committed_at_kill
+    assert (
+        f"msjax.launch: checkpoints: newest committed step {newest} (step "
+        f"{job.committed_at_kill} at this launch's start)"
+    ) in job.second_output
 
 
 @pytest.mark.slow

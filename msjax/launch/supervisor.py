@@ -299,6 +299,7 @@ class Supervisor:
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self._stop_requested is None:
+            self._keep_record_current(time.time())  # a back-off may last minutes
             time.sleep(min(self.poll_s, max(deadline - time.monotonic(), 0)))
 
     def _self_check(self, number: int) -> tuple[Attempt | None, DetectedFault | None]:
