@@ -250,7 +250,10 @@ class ResilienceConfig:
     # attempt's rank (msjax.launch.spare), so that a restart does not import again
     warm_standbys: bool = True
     warm_standby_after_s: float = 30.0
-    max_restarts: int = 10  # restarts of the whole job before the supervisor gives up
+    # restarts that spend the budget before the supervisor gives up (exit 4, or 14 when the
+    # last fault was the infrastructure's): those after an attempt that committed no checkpoint
+    # newer than the one it resumed from; a restart after progress is free. 0: no restart at all
+    max_restarts: int = 10
     # attempts in a row that commit no checkpoint newer than the one they resumed from: exit 8
     # (exit 2 if each crashed the same way before its first step: a mistake, not the machine)
     max_attempts_without_progress: int = 3
@@ -268,6 +271,14 @@ class ResilienceConfig:
     # the healthy slots; after readmit_after_s (0: never) the slot rejoins (the full mesh again)
     readmit_after_s: float = 600.0
     restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
+    # after an infrastructure fault (a full disk, storage errors, devices that fail to initialise:
+    # exit 14) the back-off starts at infrastructure_backoff_s and doubles with each attempt in a
+    # row without progress, up to infrastructure_backoff_max_s: the machine room gets minutes
+    infrastructure_backoff_s: float = 5.0
+    infrastructure_backoff_max_s: float = 300.0
+    # how often a running launcher appends its record to RUN_DIR/launches.jsonl (also written at
+    # its start and end): a launcher killed outright leaves its time up to the last one counted
+    launch_record_every_s: float = 60.0
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
     # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:
     # on in runs started by msjax.launch, or wherever compile_cache_dir is set

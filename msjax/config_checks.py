@@ -285,6 +285,17 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
         raise ConfigError(
             f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"
         )
+    if not 0 <= resilience.infrastructure_backoff_s <= resilience.infrastructure_backoff_max_s:
+        raise ConfigError(
+            f"resilience.infrastructure_backoff_s={resilience.infrastructure_backoff_s} and "
+            f"resilience.infrastructure_backoff_max_s={resilience.infrastructure_backoff_max_s}: "
+            "need 0 <= infrastructure_backoff_s <= infrastructure_backoff_max_s (seconds)"
+        )
+    if not resilience.launch_record_every_s > 0:
+        raise ConfigError(
+            f"resilience.launch_record_every_s={resilience.launch_record_every_s} must be > 0 "
+            "(seconds between a running launcher's records in launches.jsonl)"
+        )
     if resilience.replica_check_every < 0:
         raise ConfigError(
             f"resilience.replica_check_every={resilience.replica_check_every} must be >= 0 "

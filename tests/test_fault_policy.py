@@ -5,6 +5,7 @@ around it, from plain inputs (no processes)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,15 @@ def fault(kind: fault_kinds.FaultKind, step: int = 5, nonfinite_step: int | None
     )
 
 
-def history(restarts: int = 0, stalled: int = 0, start_step: int = 0, **more) -> FaultHistory:
+def history(
+    restarts: int = 0, stalled: int = 0, start_step: int = 0, spent: int = 0, **more
+) -> FaultHistory:
     return FaultHistory(
-        restarts, AttemptsWithoutProgress(count=stalled, **more), start_step, start_step
+        restarts,
+        AttemptsWithoutProgress(count=stalled, **more),
+        start_step,
+        start_step,
+        restarts_spent=spent,
     )
 
 
@@ -82,7 +89,17 @@ def test_reserved_exit_codes_are_distinct():
             "the loss of step 7 is not finite",
         ),
         (SavesFailing("x"), exit_codes.SAVES_FAILED, "checkpoint saves kept failing"),
-        (WriteFailed("disk full"), exit_codes.CRASHED, "disk full"),
+        (WriteFailed("disk full"), exit_codes.INFRASTRUCTURE, "disk full"),
+        (
+            OSError(errno.ENOSPC, "No space left on device"),
+            exit_codes.INFRASTRUCTURE,
+            "[Errno 28] No space left on device",
+        ),
+        (
+            RuntimeError("Unable to initialize backend 'cuda': no devices\nmore"),
+            exit_codes.INFRASTRUCTURE,
+            "Unable to initialize backend 'cuda': no devices",
+        ),
         (
             VoteTimeout("stop", 3, [1], 2.0),
             exit_codes.CRASHED,
@@ -140,10 +157,47 @@ def test_a_user_error_stops_with_exit_2_whatever_the_budget():
 
 def test_the_restart_budget_spent_is_exit_4():
     resilience = ResilienceConfig(max_restarts=2)
-    assert decide(fault(fault_kinds.CRASH), history(restarts=1), resilience, ONE_NODE).restart == 2
-    spent = decide(fault(fault_kinds.CRASH), history(restarts=2), resilience, ONE_NODE)
+    first = decide(fault(fault_kinds.CRASH), history(1, stalled=1, spent=1), resilience, ONE_NODE)
+    assert (first.restart, first.spends_budget) == (2, True)
+    spent = decide(fault(fault_kinds.CRASH), history(2, stalled=1, spent=2), resilience, ONE_NODE)
     assert spent.stop_code == exit_codes.RESTARTS_EXHAUSTED
     assert "resilience.max_restarts=2" in spent.reason
+
+
+def test_a_restart_after_progress_spends_no_budget():
+    """The eleventh fault of a long run that committed checkpoints between its faults restarts:
+    only restarts after an attempt that committed nothing new spend resilience.max_restarts."""
+    resilience = ResilienceConfig(max_restarts=10)
+    after_progress = decide(
+        fault(fault_kinds.CRASH), history(10, stalled=0, spent=3), resilience, ONE_NODE
+    )
+    assert (after_progress.stop_code, after_progress.restart) == (None, 11)
+    assert after_progress.spends_budget is False
+    stuck = decide(fault(fault_kinds.CRASH), history(10, stalled=1, spent=10), resilience, ONE_NODE)
+    assert stuck.stop_code == exit_codes.RESTARTS_EXHAUSTED
+    assert stuck.reason.startswith("restart budget spent (resilience.max_restarts=10: restarts ")
+    none = decide(fault(fault_kinds.CRASH), history(), ResilienceConfig(max_restarts=0), ONE_NODE)
+    assert none.stop_code == exit_codes.RESTARTS_EXHAUSTED  # 0: the first fault ends the job
+
+
+def test_infrastructure_faults_back_off_for_minutes_then_end_retryable_never_as_a_mistake():
+    resilience = ResilienceConfig(
+        max_restarts=9,
+        max_attempts_without_progress=3,
+        infrastructure_backoff_s=5.0,
+        infrastructure_backoff_max_s=240.0,
+    )
+    infrastructure = fault(fault_kinds.INFRASTRUCTURE)
+    backoffs = [
+        decide(infrastructure, history(n - 1, stalled=n, spent=n - 1), resilience, ONE_NODE)
+        for n in range(1, 10)
+    ]
+    assert [a.stop_code for a in backoffs] == [None] * 9  # past the limit of stalled attempts
+    assert [a.backoff_s for a in backoffs] == [5, 10, 20, 40, 80, 160, 240, 240, 240]
+    same = history(9, stalled=10, spent=9, start_up_failure="x", same_start_up_failures=10)
+    last = decide(infrastructure, same, resilience, ONE_NODE)
+    assert last.stop_code == exit_codes.INFRASTRUCTURE in exit_codes.RETRYABLE
+    assert "resilience.max_restarts=9" in last.reason
 
 
 def test_attempts_without_progress_are_exit_8_or_2_when_the_same_start_up_crash():

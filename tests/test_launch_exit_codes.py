@@ -80,6 +80,18 @@ def cases(tmp: Path) -> dict[str, Case]:
                 "checkpoint.max_unsaved_minutes=0.02",
             ],
         ),
+        # a full disk before the first step, at every start: restarted after a doubling
+        # back-off of its own, never taken for a mistake (the same failure in a row), and when
+        # the restart budget is spent, the retryable infrastructure code
+        "infrastructure": Case(
+            exit_codes.INFRASTRUCTURE,
+            ["--max-restarts=2", "--fault=disk_full@step=0,rank=0,times=9"],
+            [
+                "resilience.max_attempts_without_progress=2",
+                "resilience.infrastructure_backoff_s=0.2",
+                "resilience.infrastructure_backoff_max_s=0.3",
+            ],
+        ),
         # node 0 of 2 alone: distributed init never completes, a hang of the start-up
         "job_restart_needed": Case(
             exit_codes.JOB_RESTART_NEEDED,
@@ -202,6 +214,7 @@ CODES = {
     "user_error": exit_codes.USER_ERROR,
     "nonfinite_loss": exit_codes.NONFINITE_LOSS,
     "restarts_exhausted": exit_codes.RESTARTS_EXHAUSTED,
+    "infrastructure": exit_codes.INFRASTRUCTURE,
     "job_restart_needed": exit_codes.JOB_RESTART_NEEDED,
     "interrupted": exit_codes.INTERRUPTED,
     "terminated": exit_codes.TERMINATED,
@@ -245,3 +258,22 @@ def test_a_worker_user_error_is_one_line_and_no_restart(finished):
     assert (incident["cause"], incident["action"]) == ("user_error", "stop")
     assert "msjax.train: error: checkpoint.resume_from=" in job.output
     assert "no finished checkpoint in" in job.output
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_every_start_backs_off_then_ends_retryable_not_as_a_mistake(finished):
+    job = finished["infrastructure"]
+    assert [(r["cause"], r["phase"], r["action"]) for r in job.incidents] == [
+        ("infrastructure", "compile", "restart"),
+        ("infrastructure", "compile", "restart"),
+        ("infrastructure", "compile", "stop"),
+    ], job.output[-4000:]
+    assert job.incidents[0]["detail"].startswith("exit code 14 (a full disk"), job.incidents[0]
+    assert "msjax.train: [Errno 28] No space left on device (injected before step 0)" in job.output
+    restarts = [line for line in job.output.splitlines() if "msjax.launch: restart " in line]
+    assert [line.split(" in ")[1].split(" s,")[0] for line in restarts] == ["0.2", "0.3"]
+    assert "2 of resilience.max_restarts=2 spent" in restarts[-1]
+    assert job.incidents[-1]["stop_reason"].startswith(
+        "restart budget spent (resilience.max_restarts=2: restarts after an attempt that"
+    )
+    assert exit_codes.INFRASTRUCTURE in exit_codes.RETRYABLE

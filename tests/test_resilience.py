@@ -374,15 +374,19 @@ def test_fault_storm_past_the_restart_budget_stops_and_keeps_the_last_good_check
     code = job.finish()
     assert code == exit_codes.RESTARTS_EXHAUSTED, job.output[-5000:]
     incidents = read_jsonl(RunDir(run_dir).incidents_log)
+    # the first attempt committed a checkpoint: its restart is free; the next two committed none
     assert [(r["cause"], r["rank"], r["action"]) for r in incidents] == [
+        ("crash", 1, "restart"),
         ("crash", 1, "restart"),
         ("crash", 1, "stop"),
     ]
-    reason = "restart budget spent (resilience.max_restarts=1)"
-    assert incidents[-1]["stop_reason"] == reason
+    reason = incidents[-1]["stop_reason"]
+    assert reason.startswith("restart budget spent (resilience.max_restarts=1: restarts after")
+    assert "restart 1 (0 of resilience.max_restarts=1 spent)" in job.output
+    assert "restart 2 (1 of resilience.max_restarts=1 spent)" in job.output
     # the crash waited for its saves: rank 0, stuck in the step's collective with no save being
     # written, is SIGKILLed at once instead of waiting out its grace after SIGTERM
-    assert [(r["killed_at_once"], r["killed_after_grace"]) for r in incidents] == [([0], [])] * 2
+    assert [(r["killed_at_once"], r["killed_after_grace"]) for r in incidents] == [([0], [])] * 3
     assert all(r["stop_s"] < STOP_GRACE_S for r in incidents), incidents
     assert reason in job.output
     assert committed_steps(run_dir) == [SAVE_EVERY]

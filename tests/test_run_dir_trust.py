@@ -26,6 +26,7 @@ from msjax.errors import MsjaxError
 from msjax.launch.__main__ import main as launch_main
 from msjax.launch.workers import WorkerProcess
 from msjax.observe.metrics import MetricsWriter
+from msjax.resilience import exit_codes
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resolve import resolve_run_dir
 from msjax.run_dir import RunDir, plan_run_dir, save_config, write_text_atomically
@@ -439,8 +440,9 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
 def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
     small_disk: Path, tmp_path: Path
 ) -> None:
-    """The resolved config on a disk already full: one line naming the file, exit 1 (the
-    supervisor's, or the scheduler's, retry), no traceback, no temporary file left."""
+    """The resolved config on a disk already full: one line naming the file, the infrastructure's
+    exit 14 (the supervisor's, or the scheduler's, retry), no traceback, no temporary file left;
+    a launcher whose own record cannot be written exits 14 alike."""
     run = small_disk / "run"
     run.mkdir()
     fill(small_disk)
@@ -452,12 +454,24 @@ def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
         text=True,
         timeout=600,
     )
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == exit_codes.INFRASTRUCTURE, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.splitlines()[-1].startswith(
         f"msjax.train: [Errno 28] cannot write {RunDir(run).config_json}: No space left"
     ), done.stderr[-3000:]
     assert not [path for path in run.rglob(".*") if "tmp" in path.name]
+    launched = subprocess.run(
+        [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--", *args],
+        env=worker_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert launched.returncode == exit_codes.INFRASTRUCTURE, launched.stderr[-3000:]
+    assert "Traceback" not in launched.stderr, launched.stderr[-3000:]
+    assert launched.stderr.splitlines()[-1].startswith(
+        f"msjax.launch: [Errno 28] cannot write {RunDir(run).job_config}: No space left"
+    ), launched.stderr[-3000:]
 
 
 def test_only_node_0_writes_job_config_yaml(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -545,12 +546,19 @@ def test_time_limit_signal_saves_before_the_limit_and_requeues(runs):
 
 
 def sbatch_with_stand_ins(
-    tmp_path: Path, args: list[str], srun_output: str, srun_code: int, failing: str = ""
+    tmp_path: Path,
+    args: list[str],
+    srun_output: str,
+    srun_code: int,
+    failing: str = "",
+    env: dict[str, str] | None = None,
+    submit_dir: Path | None = None,
 ):
     """train.sbatch run by bash with stand-ins for srun (its output and code given) and
     scontrol (KillWait 6 s; its `failing` command, e.g. "update", fails as Slurm's does);
     returns the script's exit code, the srun command line, the script's output and whether it
-    requeued the job."""
+    requeued the job. Each call is a fresh job's first run (its requeue count in a folder of its
+    own) unless the caller keeps the count across calls in submit_dir."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     calls = tmp_path / "calls"
@@ -570,7 +578,14 @@ def sbatch_with_stand_ins(
     )
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        # the job's requeue count: a fresh job's unless the caller keeps one across calls
+        "SLURM_SUBMIT_DIR": str(submit_dir or tempfile.mkdtemp(dir=tmp_path)),
+        **(env or {}),
+    }
     done = subprocess.run(
         ["bash", str(SBATCH_SCRIPT), *args], env=env, capture_output=True, text=True
     )
@@ -658,6 +673,66 @@ def test_sbatch_script_requeues_the_job_without_a_node_whose_launcher_exits_bad_
     calls = (tmp_path / "calls").read_text().splitlines()
     assert (code, requeued) == (143, True)
     assert not [call for call in calls if "ExcNodeList" in call]
+
+
+def preempted_run(newest: str, started: str) -> str:
+    """What srun prints for a run of the job that both launchers end by 143."""
+    line = f"msjax.launch: checkpoints: newest committed step {newest} (step {started} at this "
+    line += "launch's start)\\n"
+    return f"{line}{line}msjax: node 0 (n1): msjax.launch exit code 143\\n"
+
+
+def test_sbatch_script_counts_no_requeue_for_a_run_that_committed_a_newer_checkpoint(tmp_path):
+    """Preempted (or at its time limit) after saving, on its 6th run, past MAX_REQUEUES=3: the
+    job is requeued, and the requeue budget stays whole."""
+    for run, (newest, started) in enumerate([("20", "none"), ("40", "20"), ("60", "40")]):
+        code, _, output, requeued = sbatch_with_stand_ins(
+            tmp_path,
+            ["--config", "c.yaml"],
+            preempted_run(newest, started),
+            143,
+            env={"SLURM_RESTART_COUNT": str(5 + run)},
+            submit_dir=tmp_path,
+        )
+        assert (code, requeued) == (143, True), output
+        assert f"this run committed checkpoint {newest} (it started from {started})" in output
+        assert (tmp_path / "msjax-42.requeues").read_text() == "0\n"
+
+
+def test_sbatch_script_gives_up_after_max_requeues_runs_in_a_row_without_a_newer_checkpoint(
+    tmp_path,
+):
+    outcomes = []
+    for newest, started in [("20", "none"), ("20", "20"), ("20", "20"), ("none", "20")]:
+        code, _, output, requeued = sbatch_with_stand_ins(
+            tmp_path,
+            ["--config", "c.yaml"],
+            preempted_run(newest, started),
+            143,
+            env={"MAX_REQUEUES": "2"},
+            submit_dir=tmp_path,
+        )
+        outcomes.append((code, requeued, (tmp_path / "msjax-42.requeues").read_text()))
+    assert outcomes == [
+        (143, True, "0\n"),  # progress: free
+        (143, True, "1\n"),
+        (143, True, "2\n"),
+        (143, False, "3\n"),  # a launcher that named no checkpoint made none
+    ], output
+    assert "after 2 requeues in a row that committed no newer checkpoint; giving up" in output
+    # a job that finishes leaves no count behind
+    sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], preempted_run("80", "20"), 0, submit_dir=tmp_path
+    )
+    assert not (tmp_path / "msjax-42.requeues").exists()
+
+
+def test_sbatch_script_requeues_an_infrastructure_failure(tmp_path):
+    per_node = "msjax: node 0 (n1): msjax.launch exit code 14\\n"
+    code, _, output, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], per_node, 14
+    )
+    assert (code, requeued) == (14, True), output
 
 
 @pytest.mark.slow

@@ -211,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             node_config.unlink(missing_ok=True)
         if isinstance(error, WriteFailed):  # a full disk, an I/O error: not the user's mistake
             print(f"msjax.launch: {' '.join(str(error).split())}", file=sys.stderr)
-            return exit_codes.CRASHED
+            return exit_codes.INFRASTRUCTURE  # retryable: the scheduler requeues it
         return user_error("msjax.launch", error)
     try:
         return supervisor.run()

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from msjax.checkpoint.commits import committed_steps
 from msjax.launch.attempt import Attempt
 from msjax.launch.incidents import Incident
 from msjax.observe.goodput import read_records
@@ -16,6 +17,9 @@ from msjax.run_dir import RunDir
 from msjax.writable import AppendLog
 
 REQUEUE = "requeue"  # the cause of the incident that opens a launch after an unfinished one
+# the outcome of a launch's record while it runs: written at its start and kept current, it is
+# the last one of a launcher killed outright, whose time up to then still counts
+RUNNING = "running"
 
 
 def scheduler_context(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
@@ -38,6 +42,15 @@ def read_launches(run_dir: RunDir) -> list[dict[str, Any]]:
         if "started_unix_s" in record and isinstance(record.get("launch"), int):
             last[record["launch"]] = record
     return [last[number] for number in sorted(last)]
+
+
+def newest_committed(run_dir: RunDir) -> int | None:
+    """The step of the run's newest committed checkpoint; None when none is (or none readable)."""
+    try:
+        steps = committed_steps(run_dir.checkpoints)
+    except OSError:
+        return None
+    return steps[-1] if steps else None
 
 
 def attempt_record(attempt: Attempt) -> dict[str, Any]:
@@ -70,13 +83,16 @@ def requeue_incident(
     attempts = previous.get("attempts") or [{}]
     step = max((a.get("max_step") or 0 for a in attempts), default=0)
     by = ""
+    ended_how = f"ended ({previous['outcome']})"
+    if previous["outcome"] == RUNNING:  # killed outright: its last record says when it was alive
+        ended_how = "was killed (its last record, running)"
     if context["slurm_job_id"]:
         by = f" by Slurm (job {context['slurm_job_id']}, restart {context['slurm_restart_count']})"
     return Incident(
         incident=number,
         cause=REQUEUE,
         rank=None,
-        detail=f"launch {previous['launch']} ended ({previous['outcome']}) on "
+        detail=f"launch {previous['launch']} {ended_how} on "
         f"{previous['nodes']}; started again{by} on {context['nodes']} "
         f"{started_unix_s - ended:.1f} s later",
         attempt=None,  # before this session's first attempt

@@ -34,6 +34,8 @@ class FaultHistory:
     slot_faults: tuple[SlotFault, ...] = ()  # the run's, this fault's included, oldest first
     # whether the job could go on without the fault's slot (a spare, or a mesh on the rest)
     can_leave_slot_out: bool = True
+    # restarts so far that spent resilience.max_restarts (restart_spends_budget)
+    restarts_spent: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Action:
     backoff_s: float = 0.0
     restart: int = 0
     bad_slot: BadSlot | None = None  # the fault's slot, marked bad now
+    spends_budget: bool = False  # this restart spends resilience.max_restarts
 
     @property
     def name(self) -> str:
@@ -81,7 +84,7 @@ def decide(
         reason = f"{bad.reason}; requeue the job without node {bad.node}"
         return Action(exit_codes.BAD_NODE, reason, skip_step, bad_slot=bad)
     limits = _limits(
-        history, resilience, layout, skip_step, excluding and history.can_leave_slot_out
+        fault.kind, history, resilience, layout, skip_step, excluding and history.can_leave_slot_out
     )
     return dataclasses.replace(limits, bad_slot=bad)
 
@@ -118,6 +121,7 @@ def bad_slot(
 
 
 def _limits(
+    kind: fault_kinds.FaultKind,
     history: FaultHistory,
     resilience: ResilienceConfig,
     layout: JobLayout,
@@ -130,18 +134,43 @@ def _limits(
             exit_codes.JOB_RESTART_NEEDED,
             skip_step,
         )
-    stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress, excluding)
-    if stop is None and history.restarts >= resilience.max_restarts:
+    infrastructure = kind is fault_kinds.INFRASTRUCTURE
+    stop = None
+    if not infrastructure:  # the machine room's faults are neither a mistake nor this machine's
+        stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress, excluding)
+    spends = restart_spends_budget(history.stalled)
+    budget = resilience.max_restarts
+    if stop is None and (budget == 0 or (spends and history.restarts_spent >= budget)):
         stop = _stop(
-            f"restart budget spent (resilience.max_restarts={resilience.max_restarts})",
-            exit_codes.RESTARTS_EXHAUSTED,
+            f"restart budget spent (resilience.max_restarts={budget}: restarts after an "
+            "attempt that committed no newer checkpoint; 0: none at all)",
+            exit_codes.INFRASTRUCTURE if infrastructure else exit_codes.RESTARTS_EXHAUSTED,
         )
     if stop is not None:
         return Action(stop.stop_code, stop.reason, skip_step)
-    backoff_s = min(
-        resilience.restart_backoff_s * 2 ** max(history.stalled.count - 1, 0), MAX_BACKOFF_S
+    doublings = max(history.stalled.count - 1, 0)
+    if infrastructure:
+        backoff_s = min(
+            resilience.infrastructure_backoff_s * 2**doublings,
+            resilience.infrastructure_backoff_max_s,
+        )
+    else:
+        backoff_s = min(resilience.restart_backoff_s * 2**doublings, MAX_BACKOFF_S)
+    return Action(
+        skip_step=skip_step,
+        backoff_s=backoff_s,
+        restart=history.restarts + 1,
+        spends_budget=spends,
     )
-    return Action(skip_step=skip_step, backoff_s=backoff_s, restart=history.restarts + 1)
+
+
+def restart_spends_budget(stalled: AttemptsWithoutProgress) -> bool:
+    """The restart budget's rule: a restart spends resilience.max_restarts only when the attempt
+    it follows committed no checkpoint newer than the one it resumed from. A fault after progress
+    costs nothing, so that a run of weeks is not ended by its eleventh fault however much it
+    committed in between; faults with nothing committed between them still end it.
+    resilience.max_restarts=0 restarts nothing: the job stops at its first fault."""
+    return stalled.count > 0
 
 
 def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:

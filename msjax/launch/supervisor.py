@@ -42,8 +42,10 @@ from msjax.launch.incidents import (
 from msjax.launch.job_membership import JobMembership
 from msjax.launch.launches import (
     REQUEUE,
+    RUNNING,
     append_launch,
     attempt_record,
+    newest_committed,
     read_launches,
     requeue_incident,
     scheduler_context,
@@ -125,6 +127,8 @@ class Supervisor:
         )
         self.slots = self.membership.slots
         self._standbys_checked = (-1, 0.0)  # the attempt _keep_standbys_ready last looked in, when
+        self._recorded_unix_s = 0.0  # when this launch's record was last appended
+        self.committed_at_start = newest_committed(self.run_dir)
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -141,9 +145,21 @@ class Supervisor:
         try:
             return self._run()
         finally:
+            self._say_checkpoints()
             self.membership.close(self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _say_checkpoints(self) -> None:
+        """The newest committed checkpoint now and at this launch's start, as the launch's last
+        line but one: launch/slurm/train.sbatch spends its requeue budget only on a run of the
+        job that committed no newer one."""
+        now = newest_committed(self.run_dir)
+        self.say(
+            f"checkpoints: newest committed step {'none' if now is None else now} (step "
+            f"{'none' if self.committed_at_start is None else self.committed_at_start} at this "
+            "launch's start)"
+        )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_requested = signal.Signals(signum).name
@@ -164,7 +180,8 @@ class Supervisor:
     def _run(self) -> int:
         if self.keeps_record:
             self._open_requeue_incident()
-        restarts = 0
+        self._record_launch(time.time(), RUNNING, goodput=False)  # on record before any worker
+        restarts = restarts_spent = 0
         stalled = AttemptsWithoutProgress()
         while True:
             attempt, fault = self._self_check(len(self.attempts))
@@ -187,15 +204,17 @@ class Supervisor:
                 return exit_codes.OK
             number = self._record_fault(attempt, fault)
             stalled.attempt_ended(self._made_progress(attempt), start_up_failure(fault, attempt))
-            action = self._decide(attempt, fault, number, FaultHistory(restarts, stalled))
+            history = FaultHistory(restarts, stalled, restarts_spent=restarts_spent)
+            action = self._decide(attempt, fault, number, history)
             if self.membership.take_change():  # other slots, another mesh: a fresh count
                 stalled = AttemptsWithoutProgress()
             if action.stop_code is not None:
                 return self._give_up(fault, action)
-            restarts = action.restart
+            restarts, restarts_spent = action.restart, restarts_spent + action.spends_budget
             self.say(
-                f"restart {restarts} of at most {self.resilience.max_restarts} in "
-                f"{action.backoff_s:.1f} s, from the newest valid checkpoint"
+                f"restart {restarts} ({restarts_spent} of resilience.max_restarts="
+                f"{self.resilience.max_restarts} spent) in {action.backoff_s:.1f} s, from the "
+                "newest valid checkpoint"
             )
             self._sleep(action.backoff_s)
             if self._stop_requested is not None:
@@ -280,6 +299,7 @@ class Supervisor:
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self._stop_requested is None:
+            self._keep_record_current(time.time())  # a back-off may last minutes
             time.sleep(min(self.poll_s, max(deadline - time.monotonic(), 0)))
 
     def _self_check(self, number: int) -> tuple[Attempt | None, DetectedFault | None]:
@@ -425,6 +445,7 @@ class Supervisor:
             if self.membership.poll_readmission(attempt, self._worker_base_env()):
                 return None  # _run stops the attempt and grows the mesh back
             self._keep_standbys_ready(attempt, now_unix_s)
+            self._keep_record_current(now_unix_s)
             last_poll_unix_s = now_unix_s
             time.sleep(self.poll_s)
 
@@ -543,11 +564,19 @@ class Supervisor:
         if summary is not None:
             self.say(summary)
 
-    def _record_launch(self, ended: float, outcome: str) -> str | None:
-        """Append this launch (so far) to launches.jsonl and write the run's goodput.json;
-        returns goodput's summary line. Node 0's supervisor alone keeps the run's record."""
+    def _keep_record_current(self, now_unix_s: float) -> None:
+        """Append this launch's record again every resilience.launch_record_every_s while it runs:
+        a launcher killed outright (SIGKILL) leaves its time up to the last one on record."""
+        if now_unix_s - self._recorded_unix_s >= self.resilience.launch_record_every_s:
+            self._record_launch(now_unix_s, RUNNING, goodput=False)
+
+    def _record_launch(self, ended: float, outcome: str, goodput: bool = True) -> str | None:
+        """Append this launch (so far) to launches.jsonl and (goodput) write the run's
+        goodput.json; returns goodput's summary line. Node 0's supervisor alone keeps the run's
+        record."""
         if not self.keeps_record:
             return None
+        self._recorded_unix_s = ended
         faults = [i for i in self.incidents.written if i["cause"] != REQUEUE]
         launch = {
             "launch": len(self.earlier_launches) + 1,
@@ -561,6 +590,8 @@ class Supervisor:
             "incidents": len(self.incidents.written),
             "split_s": session_split(ended, self.attempts, faults),
         }
-        summary = write_goodput(self.run_dir, [*self.earlier_launches, launch], outcome)
+        summary = None
+        if goodput:
+            summary = write_goodput(self.run_dir, [*self.earlier_launches, launch], outcome)
         append_launch(self.run_dir, launch)
         return summary

@@ -14,7 +14,6 @@ from msjax.resilience import exit_codes
 from msjax.resilience.compile_cache import StaleCompileCache
 from msjax.resilience.replica_guard import SilentCorruption
 from msjax.resilience.worker import NonFiniteLoss, SavesFailing
-from msjax.writable import WriteFailed
 
 # What the supervisor does about a fault (msjax.launch.policy.decide applies the limits around it)
 RESTART = "restart"  # from the newest valid checkpoint, within resilience.max_restarts
@@ -50,6 +49,8 @@ class FaultKind:
     # whether the rank it names is its cause, so that its slot's faults in a row are counted
     # (resilience.max_faults_per_slot); not for a mistake, a bad batch, or what every rank sees
     names_slot: bool = True
+    # which errors of its exceptions' classes it is (all when None): a class shared with others
+    matches: Callable[[BaseException], bool] | None = None
 
 
 USER_ERROR = FaultKind(
@@ -80,9 +81,9 @@ SAVES_FAILED = FaultKind(
     reason=lambda error: "checkpoint saves kept failing",
     exit_detail=" (checkpoint saves kept failing)",
 )
-# a crash with one line instead of a traceback: the run record on a full disk, a peer that
-# never voted; any other exception is a crash too, with its traceback in the log
-CRASH = FaultKind("crash", "crash", RESTART, exit_codes.CRASHED, (WriteFailed, VoteTimeout))
+# a crash with one line instead of a traceback: a peer that never voted; any other exception is a
+# crash too, with its traceback in the log
+CRASH = FaultKind("crash", "crash", RESTART, exit_codes.CRASHED, (VoteTimeout,))
 CHECKPOINT_UNREADABLE = FaultKind(
     "checkpoint_unreadable",
     "crash",
@@ -92,6 +93,28 @@ CHECKPOINT_UNREADABLE = FaultKind(
     reason=lambda error: "a checkpoint could not be read",
     exit_detail=" (a checkpoint that looks whole could not be read; it is left in place)",
     names_slot=False,
+)
+
+
+def _infrastructure(error: BaseException) -> bool:
+    """An OS or storage error (a full disk, an unwritable or vanished mount), or devices that
+    failed to initialise (JAX's RuntimeError "Unable to initialize backend ...")."""
+    return isinstance(error, OSError) or str(error).startswith("Unable to initialize backend")
+
+
+# the machine room, not the user nor a slot: restarted after resilience.infrastructure_backoff_s
+# (doubling), never taken for a mistake; a spent restart budget then ends the launch with it
+INFRASTRUCTURE = FaultKind(
+    "infrastructure",
+    "infrastructure",
+    RESTART,
+    exit_codes.INFRASTRUCTURE,
+    (OSError, RuntimeError),  # OSError: msjax.writable.WriteFailed too
+    line=_one_line,
+    reason=_first_line,
+    exit_detail=" (a full disk, a storage error or devices that failed to initialise)",
+    names_slot=False,
+    matches=_infrastructure,
 )
 INTERRUPTED = FaultKind(
     "interrupted",
@@ -153,6 +176,7 @@ KINDS = (
     SAVES_FAILED,
     CRASH,
     CHECKPOINT_UNREADABLE,
+    INFRASTRUCTURE,
     INTERRUPTED,
     STALE_COMPILE_CACHE,
     SELF_CHECK_FAILED,
@@ -167,7 +191,8 @@ def kind_of_error(error: BaseException) -> FaultKind | None:
     """The kind a worker's error is (the first row that lists its class); None: an unexpected
     error, a crash whose traceback goes to the log."""
     for kind in KINDS:
-        if kind.exceptions and isinstance(error, kind.exceptions):
+        matched = kind.exceptions and isinstance(error, kind.exceptions)
+        if matched and (kind.matches is None or kind.matches(error)):
             return kind
     return None
 

@@ -10,6 +10,7 @@
   slow           from step K on, rank R sleeps X percent of its step time after every step
   crash_in_save  the process exits while the checkpoint of step K is being written
   save_error     saves from step K on fail with OSError ENOSPC (a full disk), `times` saves
+  disk_full      rank R's process fails with OSError ENOSPC (a full disk) before step K runs
   bitflip        after step K's update, one bit of rank R's copy of the first parameter flips
                  in device memory (firing n flips element n of its first local block)
   stuck_bit      after step K's update, the same bit of the same element of rank R's first
@@ -50,6 +51,7 @@ KINDS = (
     "slow",
     "crash_in_save",
     "save_error",
+    "disk_full",
     "bad_token",
     "corrupt_compute",
     "bitflip",
@@ -210,7 +212,8 @@ class FaultInjector:
         print(f"msjax.train: injected fault {fault.spec}", file=sys.stderr, flush=True)
 
     def before_step(self, step: int, wait_for_saves: Callable[[], None]) -> None:
-        """Crash, hang or slow down before step `step` runs, as injected."""
+        """Crash, fail as on a full disk, hang or slow down before step `step` runs, as
+        injected."""
         now = time.perf_counter()
         for fault in self._pending:
             if fault.kind == "slow" and step > fault.step and self._last_step_at is not None:
@@ -222,6 +225,8 @@ class FaultInjector:
         if self._take("crash", step):
             wait_for_saves()  # where the restart resumes does not depend on timing
             os._exit(CRASH_EXIT_CODE)
+        if self._take("disk_full", step):
+            raise OSError(errno.ENOSPC, f"No space left on device (injected before step {step})")
         if self._take("hang", step):
             while True:  # alive, answering signals (SIGUSR1 dumps this frame), never progressing
                 time.sleep(1.0)
