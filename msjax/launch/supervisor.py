@@ -22,6 +22,7 @@ from msjax.checkpoint.commits import committed_steps, uncommitted_entries
 from msjax.config import Config
 from msjax.distributed import worker_env
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
+from msjax.launch.devices import slot_devices
 from msjax.launch.fault_detection import (
     DetectedFault,
     Poll,
@@ -361,6 +362,7 @@ class Supervisor:
             job_env = {
                 **worker_env(coordinator, num_processes, rank, number),
                 SLOT_ENV_VAR: str(slot if one_node else rank),  # injected faults follow the slot
+                **slot_devices(slot if one_node else local_rank, layout.devices_per_proc),
             }
             echo = self.out if rank == 0 else None
             log = self.run_dir.log(rank)
