@@ -211,7 +211,9 @@ class Supervisor:
         slot = slot_of(self.layout, fault.rank, self.node)
         if self.layout.nnodes == 1:  # the slot that holds the rank now (spares, a shrunk mesh)
             slot = str(self.slots.slot_of(fault.rank))
-        if fault.kind.names_slot:
+        if slot is None and fault.kind.names_slot:
+            self.say(f"rank {fault.rank} runs on another node: node {self.node} is not blamed")
+        if fault.kind.names_slot and slot is not None:
             group = f"{self.launch_id}/{attempt.number}"
             record_slot_fault(
                 self.run_dir,
