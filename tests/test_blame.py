@@ -130,16 +130,3 @@ def test_train_sbatch_requeues_without_the_node_its_own_launcher_named_alone(two
     )
     decided = bad_nodes_of(srun_output, tmp_path)
     assert (decided.returncode, decided.stdout) == (0, "node-b\n"), decided.stderr
-
-
-def test_train_sbatch_excludes_no_node_whose_launcher_did_not_name_it(tmp_path):
-    srun_output = (
-        "msjax.launch: stopped after incident 1 (silent_corruption of rank 1): node n2 is marked "
-        "bad: silent corruption on rank 1; requeue the job without node n2; exit code 9\n"
-        f"msjax: node 0 (n1): msjax.launch exit code {exit_codes.BAD_NODE}\n"
-        f"msjax: node 1 (n2): msjax.launch exit code {exit_codes.BAD_NODE}\n"
-        f"msjax: node 2 (n3): msjax.launch exit code {exit_codes.JOB_RESTART_NEEDED}\n"
-    )
-    decided = bad_nodes_of(srun_output, tmp_path)
-    assert (decided.returncode, decided.stdout) == (0, "n2\n")
-    assert decided.stderr == "msjax: node n1 exited 9 without naming itself; not excluded\n"
