@@ -29,6 +29,7 @@ PROCESS_ID = "MSJAX_PROCESS_ID"
 DISTRIBUTED = "MSJAX_DISTRIBUTED"
 ATTEMPT = "MSJAX_ATTEMPT"
 LOCAL_DEVICE_IDS = "MSJAX_LOCAL_DEVICE_IDS"
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # the GPUs a process sees (msjax.launch.devices)
 INIT_TIMEOUT_S = 300
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -181,9 +182,9 @@ def describe_devices() -> str:
     to use among them (its jax_cuda_visible_devices, as jax.distributed.initialize set it)."""
     import jax
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "(unset: every GPU)")
+    visible = os.environ.get(VISIBLE_DEVICES, "(unset: every GPU)")
     return (
-        f"msjax: process {jax.process_index()}: devices CUDA_VISIBLE_DEVICES={visible}, "
+        f"msjax: process {jax.process_index()}: devices {VISIBLE_DEVICES}={visible}, "
         f"local devices {jax.config.values.get('jax_cuda_visible_devices', 'all')}"
     )
 

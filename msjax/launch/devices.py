@@ -14,11 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from msjax.distributed import LOCAL_DEVICE_IDS
+from msjax.distributed import LOCAL_DEVICE_IDS, VISIBLE_DEVICES
 from msjax.errors import MsjaxError
 from msjax.parallel.xla_flags import gpu_expected
 
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 NO_GPU_VALUES = ("-1", "NoDevFiles")  # CUDA_VISIBLE_DEVICES values that mean no GPU
 
 
