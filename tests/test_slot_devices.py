@@ -93,3 +93,26 @@ def test_a_worker_under_slurm_hands_jax_its_slots_devices_not_the_gpu_of_its_loc
         "msjax: process 0: devices CUDA_VISIBLE_DEVICES=6,7, local devices 0,1",
         "jax_cuda_visible_devices 0,1",
     ]
+
+
+def test_slots_that_need_more_gpus_than_the_node_was_given_are_refused_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "msjax.launch",
+        "--nprocs=2",
+        "--devices-per-proc=2",
+        "--",
+        "train.steps=1",
+        f"run.dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "0,1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.splitlines() == [
+        "msjax.launch: error: 2 slot(s) x 2 GPU(s) each need 4 GPUs; this node has 2 "
+        "(CUDA_VISIBLE_DEVICES=0,1): lower --nprocs, --spares or --devices-per-proc (or set "
+        "JAX_PLATFORMS=cpu for simulated CPU devices)"
+    ]
+    assert not run_dir.exists()  # refused before anything was written
