@@ -5,6 +5,9 @@ MSJAX_COORDINATOR (host:port), MSJAX_NUM_PROCESSES and MSJAX_PROCESS_ID name the
 MSJAX_DISTRIBUTED=auto lets JAX detect it (Slurm, Open MPI, Kubernetes with the `kubernetes`
 package). MSJAX_ATTEMPT numbers the supervisor's restarts. Without any of them a run is one process.
 MSJAX_JOB_SECRET seals what the job writes to its coordination service (msjax.parallel.agreement).
+MSJAX_LOCAL_DEVICE_IDS ("0,1"): the devices of this worker's slot among those it sees (its
+CUDA_VISIBLE_DEVICES), handed to jax.distributed.initialize; without it JAX's Slurm detection would
+keep GPU SLURM_LOCALID alone (msjax.launch.devices).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ NUM_PROCESSES = "MSJAX_NUM_PROCESSES"
 PROCESS_ID = "MSJAX_PROCESS_ID"
 DISTRIBUTED = "MSJAX_DISTRIBUTED"
 ATTEMPT = "MSJAX_ATTEMPT"
+LOCAL_DEVICE_IDS = "MSJAX_LOCAL_DEVICE_IDS"
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # the GPUs a process sees (msjax.launch.devices)
 INIT_TIMEOUT_S = 300
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -39,6 +44,7 @@ class JobEnv:
     auto: bool
     attempt: int  # restarts before this one
     launched: bool  # started by msjax.launch
+    local_device_ids: tuple[int, ...] | None = None  # its slot's devices; None: JAX decides
 
     @property
     def distributed(self) -> bool:
@@ -66,7 +72,20 @@ class JobEnv:
         coordinator = environ.get(COORDINATOR)
         if coordinator:
             parse_host_port(coordinator, COORDINATOR)
-        return cls(coordinator, num, rank, mode == "auto", attempt, ATTEMPT in environ)
+        local_ids = parse_local_device_ids(environ.get(LOCAL_DEVICE_IDS, ""))
+        return cls(coordinator, num, rank, mode == "auto", attempt, ATTEMPT in environ, local_ids)
+
+
+def parse_local_device_ids(text: str) -> tuple[int, ...] | None:
+    """MSJAX_LOCAL_DEVICE_IDS ("0,1") as device numbers; None when unset or empty."""
+    if not text.strip():
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise MsjaxError(
+            f"{LOCAL_DEVICE_IDS}={text!r} is not a list of device numbers (e.g. 0,1,2,3)"
+        )
+    return tuple(int(part) for part in parts)
 
 
 def parse_port(text: str, what: str) -> int:
@@ -138,17 +157,36 @@ def initialize_distributed(job: JobEnv) -> bool:
     # msjax answers SIGTERM itself (msjax.training.stop_signal) and never asks that service
     with contextlib.suppress(AttributeError):  # a JAX without the option has no such handler
         jax.config.update("jax_enable_preemption_service", False)
+    # the slot's own devices; None lets JAX choose (under Slurm: GPU SLURM_LOCALID alone)
+    local_ids = list(job.local_device_ids) if job.local_device_ids is not None else None
     if job.auto:
-        jax.distributed.initialize(initialization_timeout=INIT_TIMEOUT_S)
+        jax.distributed.initialize(
+            local_device_ids=local_ids, initialization_timeout=INIT_TIMEOUT_S
+        )
     else:
         jax.distributed.initialize(
             coordinator_address=job.coordinator,
             num_processes=job.num_processes,
             process_id=job.process_id,
+            local_device_ids=local_ids,
             initialization_timeout=INIT_TIMEOUT_S,
             coordinator_bind_address=coordinator_bind_address(job.coordinator),
         )
+    if local_ids is not None:
+        print(describe_devices(), flush=True)
     return True
+
+
+def describe_devices() -> str:
+    """One line: the devices this process sees (CUDA_VISIBLE_DEVICES) and those JAX was told
+    to use among them (its jax_cuda_visible_devices, as jax.distributed.initialize set it)."""
+    import jax
+
+    visible = os.environ.get(VISIBLE_DEVICES, "(unset: every GPU)")
+    return (
+        f"msjax: process {jax.process_index()}: devices {VISIBLE_DEVICES}={visible}, "
+        f"local devices {jax.config.values.get('jax_cuda_visible_devices', 'all')}"
+    )
 
 
 def coordinator_bind_address(coordinator: str | None) -> str | None:

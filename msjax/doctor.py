@@ -20,6 +20,7 @@ from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config
 from msjax.distributed import worker_env
 from msjax.errors import MsjaxError
+from msjax.launch.devices import devices_per_slot, node_gpus, slot_devices
 from msjax.launch.workers import WorkerProcess, describe_exit, stop_workers
 from msjax.resilience import exit_codes
 from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
@@ -127,6 +128,8 @@ class SelfCheckRound:
                 env[FAULT_ENV_VAR] = faults
             if slots is not None:
                 env[SLOT_ENV_VAR] = str(slots[index])
+            # the slot's own GPUs (on one node the launcher's slot, else the rank's place here)
+            env.update(slot_devices(slots[index] if slots is not None else index, devices_per_proc))
             log = logs[index] if logs is not None else self.run_dir.log(rank)
             self.workers.append(WorkerProcess(rank, command, env, log, attempt, echo=None))
         self.reports: dict[int, dict[str, Any] | None] = {}
@@ -339,7 +342,10 @@ def parse_args(argv: Sequence[str]) -> tuple[Any, list[str]]:
     )
     parser.add_argument("--nprocs", type=int, default=1, help="processes on this node")
     parser.add_argument(
-        "--devices-per-proc", type=int, help="CPU devices per process (JAX_NUM_CPU_DEVICES)"
+        "--devices-per-proc",
+        type=int,
+        help="devices per process: the GPUs its slot owns on a GPU node (as msjax.launch), "
+        "else CPU devices (JAX_NUM_CPU_DEVICES)",
     )
     parser.add_argument(
         "--fault", help="inject faults (MSJAX_FAULT syntax): corrupt_compute@rank=1"
@@ -365,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices = default_devices_per_proc(config, args.nprocs)
         elif devices < 1:
             raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
+        devices = devices_per_slot(args.nprocs, devices, node_gpus())
         if devices is not None:
             config = check_device_count(config, devices * args.nprocs)
         run_dir = RunDir(Path(config.run.dir))

@@ -18,7 +18,7 @@ from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.incidents import Incident, IncidentLog
 from msjax.launch.layout import JobLayout
 from msjax.launch.policy import FaultHistory, decide, ranks_to_kill_at_once
-from msjax.launch.slots import SlotFault, faults_in_a_row
+from msjax.launch.slots import SlotFault, faults_in_a_row, slot_of
 from msjax.parallel.agreement import VoteTimeout
 from msjax.resilience import exit_codes, fault_kinds
 from msjax.resilience.compile_cache import StaleCompileCache
@@ -395,6 +395,16 @@ def test_a_failed_self_check_or_persistent_corruption_marks_its_slot_at_once():
         action = decide(fault(kind), slot_history("n2", one, "n2"), ResilienceConfig(), TWO_NODES)
         assert action.stop_code == exit_codes.BAD_NODE and action.bad_slot is not None
         assert kind.name.replace("_", " ") + " on rank 1" in action.reason
+
+
+def test_a_ranks_fault_is_blamed_on_the_node_it_runs_on_alone():
+    node_0, node_1 = (dataclasses.replace(TWO_NODES, node_rank=rank) for rank in (0, 1))
+    assert (slot_of(node_0, 1, "n1"), slot_of(node_1, 1, "n2")) == (None, "n2")
+    assert slot_of(ONE_NODE, 1, "host") == "1"
+    for kind in (fault_kinds.SILENT_CORRUPTION, fault_kinds.SELF_CHECK_FAILED):
+        elsewhere = dataclasses.replace(history(), slot=None, node="n1")
+        action = decide(fault(kind), elsewhere, ResilienceConfig(max_faults_per_slot=1), node_0)
+        assert (action.stop_code, action.bad_slot) == (exit_codes.JOB_RESTART_NEEDED, None)
 
 
 def test_under_on_bad_node_restart_the_slot_is_marked_and_the_job_goes_on_as_before():

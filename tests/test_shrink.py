@@ -22,6 +22,7 @@ from msjax.errors import MsjaxError
 from msjax.launch.membership import MeshPlan, Slots, replan_mesh
 from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.run_dir import RunDir
+from tests.slurm_step import SLURM_STEP_ENV
 from tests.small_runs import QUICK_RUN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,6 +137,11 @@ HEALED_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times={FAULTS_PER_SLOT}"  #
 # so the check ends while the job runs however fast the machine steps, as in a long real job
 AFTER_EXCLUSION = FAULTS_PER_SLOT
 SHRUNK_MESH = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"]
+# the spare job runs as a Slurm task on a node given GPUs 20-29: slot s owns 20+2s and 21+2s
+SPARE_NODE_ENV = {
+    **SLURM_STEP_ENV,
+    "CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in range(20, 30)),
+}
 RUN_TIMEOUT_S = 900
 
 
@@ -171,12 +177,13 @@ class Job:
         flags: list[str],
         args: list[str],
         held_until: Callable[[Job], bool] | None = None,
+        node_env: dict[str, str] | None = None,
     ):
         self.run_dir = run_dir
         self.held_until = held_until
         self.held_pid: int | None = None
         self.log_path = run_dir.parent / f"{run_dir.name}-launch.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(node_env or {})}
         command = [
             sys.executable,
             "-m",
@@ -294,6 +301,7 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
                 ["--spares=1", f"--fault={BAD_SLOT_FAULT}"],
                 job_args(folder["spare"], cache, "resilience.readmit_after_s=1"),
                 held_until=readmitted_as_a_waiting_spare,
+                node_env=SPARE_NODE_ENV,
             ),
             "regrow": Job(
                 folder["regrow"],
@@ -376,6 +384,14 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     rank_log = (spare.run_dir / "logs" / "rank3.log").read_text()
     as_rank = rank_log.split(", rank 3, pid ")[-1]  # the attempt the spare took rank 3 in
     assert " waited " in as_rank.splitlines()[0] and "slot 4 takes rank 3" in as_rank
+    # each slot's worker saw its own GPUs alone: slot 3's while it crashed, then the spare's
+    devices = "msjax: process {}: devices CUDA_VISIBLE_DEVICES={}, local devices 0,1"
+    assert devices.format(3, "26,27") in rank_log.split(", rank 3, pid ")[0]
+    assert devices.format(3, "28,29") in as_rank and "26,27" not in as_rank
+    assert devices.format(0, "20,21") in (spare.run_dir / "logs" / "rank0.log").read_text()
+    # slot 3's check for re-admission ran on slot 3's GPUs, alone
+    check_log = (spare.run_dir / "logs" / "check-slot3.log").read_text()
+    assert devices.format(0, "26,27") in check_log
     crashes = [f for f in spare.jsonl("faults.jsonl") if f["kind"] == "crash"]
     assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
     # on the job's own mesh, slot 3 re-admitted after its check passed waits as a spare

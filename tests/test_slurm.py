@@ -629,8 +629,11 @@ def test_sbatch_script_does_not_requeue_a_user_error_of_one_node_behind_srun_s_1
 
 
 def test_sbatch_script_requeues_the_job_without_a_node_whose_launcher_exits_bad_node(tmp_path):
-    """Node 1's launcher exits 9 (its slot is bad); srun stops node 0's (143)."""
+    """Node 1's launcher exits 9 (its slot is bad), its last line naming its node; srun stops
+    node 0's (143)."""
     per_node = (
+        "msjax.launch: stopped after incident 2 (crash of rank 1): node n2 is marked bad: the "
+        "named cause of 2 faults in a row; requeue the job without node n2; exit code 9\\n"
         "msjax: node 0 (n1): msjax.launch exit code 143\\n"
         "msjax: node 1 (n2): msjax.launch exit code 9\\n"
     )
@@ -673,6 +676,15 @@ def test_sbatch_script_requeues_the_job_without_a_node_whose_launcher_exits_bad_
     calls = (tmp_path / "calls").read_text().splitlines()
     assert (code, requeued) == (143, True)
     assert not [call for call in calls if "ExcNodeList" in call]
+    # an exit 9 whose launcher named no node (or another one) excludes nothing
+    unnamed = per_node.split("\\n", 1)[1]
+    code, _, output, requeued = sbatch_with_stand_ins(
+        tmp_path, ["--config", "c.yaml"], unnamed, 143
+    )
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert (code, requeued) == (143, True), output
+    assert not [call for call in calls if "ExcNodeList" in call]
+    assert "msjax: node n2 exited 9 without naming itself; not excluded" in output
 
 
 def preempted_run(newest: str, started: str) -> str:

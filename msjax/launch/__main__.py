@@ -19,6 +19,7 @@ from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.distributed import ensure_job_secret, parse_host_port, parse_port
 from msjax.errors import MsjaxError
+from msjax.launch.devices import devices_per_slot, node_gpus
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import parse_faults
 from msjax.resolve import RUNS_FOLDER, mesh_device_count, resolve_run_dir
@@ -45,8 +46,10 @@ def parse_args(argv: Sequence[str]) -> tuple[object, list[str]]:
     parser.add_argument(
         "--devices-per-proc",
         type=int,
-        help="CPU devices per worker (JAX_NUM_CPU_DEVICES; default: the mesh's devices / "
-        "processes); on GPUs each worker uses the GPUs it sees",
+        help="devices per worker: on a GPU node the GPUs its slot owns (slot i: GPUs "
+        "[i*D, (i+1)*D) of CUDA_VISIBLE_DEVICES, or of the machine), on CPU simulated devices "
+        "(JAX_NUM_CPU_DEVICES); default: the mesh's devices / processes, else on GPUs the "
+        "node's GPUs shared out",
     )
     parser.add_argument("--max-restarts", type=int, help="sets resilience.max_restarts")
     parser.add_argument(
@@ -175,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices = default_devices_per_proc(config, args.nprocs * nnodes)
         elif devices < 1:
             raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
+        devices = devices_per_slot(args.nprocs + args.spares, devices, node_gpus())
         plan = plan_run_dir(config)  # another run's config there: refused before any worker
         check_sources(config.data)
         model_from_init(config)  # a bad Hugging Face directory: refused before any run dir

@@ -19,6 +19,7 @@ from msjax.config import Config
 from msjax.doctor import HealthRound
 from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt
+from msjax.launch.devices import slot_devices
 from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.incidents import Incident, IncidentLog
 from msjax.launch.layout import JobLayout
@@ -146,7 +147,8 @@ class JobMembership:
                 waiting.close()
             spare_module = [sys.executable, "-m", "msjax.launch.spare"]
             command = [*spare_module, str(self.run_dir.path), str(slot)]
-            self.waiting[slot] = WorkerProcess(-1, command, env, log(slot), number, echo=None)
+            slot_env = {**env, **slot_devices(slot, self.layout.devices_per_proc)}
+            self.waiting[slot] = WorkerProcess(-1, command, slot_env, log(slot), number, echo=None)
             started.append(slot)
         return started
 

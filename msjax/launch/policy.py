@@ -29,7 +29,7 @@ class FaultHistory:
     stalled: AttemptsWithoutProgress  # counted with the attempt this fault ended
     start_step: int | None = None  # the step the faulted attempt resumed at
     first_step_run: int | None = None  # the first step it computed (past skipped steps)
-    slot: str = "0"  # the slot of the fault's rank (msjax.launch.slots.slot_of)
+    slot: str | None = "0"  # the fault rank's slot (slots.slot_of); None: on another node
     node: str = ""  # the node this supervisor runs on
     slot_faults: tuple[SlotFault, ...] = ()  # the run's, this fault's included, oldest first
     # whether the job could go on without the fault's slot (a spare, or a mesh on the rest)
@@ -93,8 +93,9 @@ def bad_slot(
     fault: DetectedFault, history: FaultHistory, resilience: ResilienceConfig, layout: JobLayout
 ) -> BadSlot | None:
     """The fault's slot, if this fault marks it bad: a kind that does (a failed self-check,
-    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of."""
-    if not fault.kind.names_slot:
+    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of.
+    None for a rank of another node: that node's launcher marks its own."""
+    if not fault.kind.names_slot or history.slot is None:
         return None
     in_a_row = faults_in_a_row(history.slot_faults, history.slot)
     limit = resilience.max_faults_per_slot

@@ -23,9 +23,13 @@ def node_name(environ: Mapping[str, str] = os.environ) -> str:
     return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def slot_of(layout: JobLayout, rank: int, node: str) -> str:
-    """The slot that runs rank: its node on a multi-node job, else its process place."""
-    return node if layout.nnodes > 1 else str(rank - layout.process_id(0))
+def slot_of(layout: JobLayout, rank: int, node: str) -> str | None:
+    """The slot that runs rank: on a multi-node job this node when rank runs here, None when it
+    runs on another node (whose launcher blames its own); on one node its process place."""
+    local_rank = rank - layout.process_id(0)
+    if layout.nnodes == 1:
+        return str(local_rank)
+    return node if 0 <= local_rank < layout.nprocs else None
 
 
 @dataclass(frozen=True)

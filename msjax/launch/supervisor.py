@@ -22,6 +22,7 @@ from msjax.checkpoint.commits import committed_steps, uncommitted_entries
 from msjax.config import Config
 from msjax.distributed import worker_env
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
+from msjax.launch.devices import slot_devices
 from msjax.launch.fault_detection import (
     DetectedFault,
     Poll,
@@ -229,7 +230,9 @@ class Supervisor:
         slot = slot_of(self.layout, fault.rank, self.node)
         if self.layout.nnodes == 1:  # the slot that holds the rank now (spares, a shrunk mesh)
             slot = str(self.slots.slot_of(fault.rank))
-        if fault.kind.names_slot:
+        if slot is None and fault.kind.names_slot:
+            self.say(f"rank {fault.rank} runs on another node: node {self.node} is not blamed")
+        if fault.kind.names_slot and slot is not None:
             group = f"{self.launch_id}/{attempt.number}"
             record_slot_fault(
                 self.run_dir,
@@ -381,6 +384,7 @@ class Supervisor:
             job_env = {
                 **worker_env(coordinator, num_processes, rank, number),
                 SLOT_ENV_VAR: str(slot if one_node else rank),  # injected faults follow the slot
+                **slot_devices(slot if one_node else local_rank, layout.devices_per_proc),
             }
             echo = self.out if rank == 0 else None
             log = self.run_dir.log(rank)
