@@ -173,6 +173,14 @@ class RunDir:
     def log(self, rank: int) -> Path:
         return self.path / "logs" / f"rank{rank}.log"
 
+    @property
+    def crashes(self) -> Path:
+        """Where a worker that died of an unexpected exception leaves its signature."""
+        return self.path / "crashes"
+
+    def crash_record(self, attempt: int, rank: int) -> Path:
+        return self.crashes / f"attempt{attempt}-rank{rank}.json"
+
     def check_log(self, slot: int) -> Path:
         """The output of a slot's self-check for re-admission (resilience.readmit_after_s)."""
         return self.path / "logs" / f"check-slot{slot}.log"

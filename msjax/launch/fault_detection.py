@@ -45,6 +45,7 @@ class DetectedFault:
 # that fired earlier does not time its SIGKILL from outside)
 DETECTED_AS = {
     "crash": fault_kinds.CRASH,
+    "raise": fault_kinds.CRASH,
     "crash_in_save": fault_kinds.CRASH,
     "hang": fault_kinds.HANG,
     "nan": fault_kinds.NONFINITE_LOSS,

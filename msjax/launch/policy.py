@@ -90,14 +90,17 @@ def bad_slot(
     fault: DetectedFault, history: FaultHistory, resilience: ResilienceConfig, layout: JobLayout
 ) -> BadSlot | None:
     """The fault's slot, if this fault marks it bad: a kind that does (a failed self-check,
-    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of."""
+    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of,
+    unless it is the only slot of a one-process job (faults in a row tell nothing of a slot
+    with no other to compare it with, and the job cannot go on without it)."""
     if not fault.kind.names_slot:
         return None
     in_a_row = faults_in_a_row(history.slot_faults, history.slot)
     limit = resilience.max_faults_per_slot
+    only_slot = layout.num_processes == 1 and not history.can_leave_slot_out
     if fault.kind.action == fault_kinds.MARK_SLOT_BAD:
         why = f"{fault.kind.name.replace('_', ' ')} on rank {fault.rank}"
-    elif len(in_a_row) >= limit:
+    elif len(in_a_row) >= limit and not only_slot:
         incidents = ", ".join(str(f.incident) for f in in_a_row)
         causes = ", ".join(f.cause for f in in_a_row)
         why = (
@@ -151,6 +154,10 @@ def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:
 def _stop_reason(fault: DetectedFault) -> str:
     if fault.kind is fault_kinds.USER_ERROR:
         return "a worker reported a user error"
+    if fault.kind is fault_kinds.SOFTWARE_FAULT:  # its detail names the exception, step and log
+        return (
+            f"the same failure again, the program's or its inputs', not a machine's: {fault.detail}"
+        )
     return f"a worker reported {fault.kind.name.replace('_', ' ')}"
 
 

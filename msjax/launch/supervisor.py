@@ -58,6 +58,7 @@ from msjax.launch.slots import (
     record_slot_fault,
     slot_of,
 )
+from msjax.launch.software_faults import repeated_crash
 from msjax.launch.spare import write_assignment
 from msjax.launch.workers import WorkerProcess, free_port, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
@@ -171,6 +172,8 @@ class Supervisor:
             if attempt is None:
                 attempt = self._spawn(len(self.attempts))
                 fault = self._watch(attempt)
+                if fault is not None:  # the same exception at the same step again: no slot's
+                    fault = repeated_crash(fault, self.attempts, self.run_dir.path) or fault
             # what this attempt timed shortens the next one's deadlines from its first step on
             self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:

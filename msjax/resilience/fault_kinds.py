@@ -118,6 +118,12 @@ SILENT_CORRUPTION = FaultKind(
 # the launcher's own code on a multi-node job; a process that exits with it (a check of the
 # whole node) marks its slot bad too
 BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)
+# a crash that repeats the one before it, the same exception at the same step on any rank or
+# slot (msjax.launch.software_faults): the program's or its inputs' fault; the launcher's own
+# code, and no slot is marked
+SOFTWARE_FAULT = FaultKind(
+    "software_fault", "software_fault", STOP, exit_codes.SOFTWARE_FAULT, names_slot=False
+)
 # seen by the supervisor alone
 HANG = FaultKind("hang", "hang", RESTART)  # no progress past its phase's deadline
 EARLY_EXIT = FaultKind(  # every worker exited 0 too soon
@@ -136,6 +142,7 @@ KINDS = (
     SELF_CHECK_FAILED,
     SILENT_CORRUPTION,
     BAD_NODE,
+    SOFTWARE_FAULT,
     HANG,
     EARLY_EXIT,
 )
