@@ -1,7 +1,8 @@
 """The program's faults told from a machine's: a crash that repeats the one before it, the same
 exception (msjax.resilience.crash_records' signature) at the same step, on any rank or slot, is
 the program's or its inputs' (fault_kinds.SOFTWARE_FAULT): no restart or slot can help.
-A crash before an attempt's first step is left to the start-up rule (msjax.launch.policy)."""
+A crash while starting up (joining the job, reading data, restoring) is left to the start-up rule
+of msjax.launch.policy (the same failure before the first step: a mistake, exit 2)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from msjax.launch.attempt import Attempt
 from msjax.launch.fault_detection import DetectedFault
 from msjax.resilience import fault_kinds
 from msjax.resilience.crash_records import CrashRecord, read_crashes
+from msjax.resilience.heartbeat import STARTUP_PHASES
 from msjax.run_dir import RunDir
 
 
@@ -25,11 +27,9 @@ def repeated_crash(
         return None
     current = attempts[-1]
     earlier = [attempt for attempt in attempts[:-1] if attempt.workers]
-    if not earlier or current.first_step_unix_s is None:
+    if not earlier:
         return None
     previous = earlier[-1]
-    if previous.first_step_unix_s is None:
-        return None
     before = read_crashes(run_dir, previous.number, previous.spawned_unix_s)
     for record in read_crashes(run_dir, current.number, current.spawned_unix_s):
         same = [old for old in before if _same_failure(old, record)]
@@ -39,7 +39,8 @@ def repeated_crash(
 
 
 def _same_failure(old: CrashRecord, new: CrashRecord) -> bool:
-    return old.signature == new.signature and old.step == new.step and new.step is not None
+    started = new.phase is not None and new.phase not in STARTUP_PHASES
+    return started and (old.signature, old.step) == (new.signature, new.step)
 
 
 def _software_fault(
