@@ -190,18 +190,10 @@ class RunDir:
         rank, that rank's log."""
         return self.path / "logs" / f"spare-slot{slot}.log"
 
-    @property
-    def spares(self) -> Path:
-        """Where msjax.launch hands a waiting spare worker its rank: slot<S>.json."""
-        return self.path / "spares"
-
     def standby_log(self, slot: int) -> Path:
         """A warm standby's output while it waits (resilience.warm_standbys); once it takes a
         rank, that rank's log."""
         return self.path / "logs" / f"standby-slot{slot}.log"
-
-    def spare_assignment(self, slot: int) -> Path:
-        return self.spares / f"slot{slot}.json"
 
     @property
     def incidents_log(self) -> Path:

@@ -59,7 +59,6 @@ from msjax.launch.slots import (
     slot_of,
 )
 from msjax.launch.software_faults import repeated_crash
-from msjax.launch.spare import write_assignment
 from msjax.launch.workers import WorkerProcess, free_port, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
 from msjax.parallel.agreement import job_secret
@@ -370,7 +369,7 @@ class Supervisor:
             waiting = self.membership.take_waiting(slot)
             if waiting is not None:  # a spare or a warm standby: its imports are done
                 waiting.assign(rank, log, number, echo)  # before it can print as that rank
-                write_assignment(self.run_dir.path, slot, rank, job_env, args)
+                waiting.hand_over(rank, job_env, args)
                 workers.append(waiting)
                 warm += 1
                 continue
