@@ -154,6 +154,8 @@ def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:
 def _stop_reason(fault: DetectedFault) -> str:
     if fault.kind is fault_kinds.USER_ERROR:
         return "a worker reported a user error"
+    if fault.kind is fault_kinds.INFRASTRUCTURE:
+        return f"the node's or the storage's failure, not a slot's (retry later): {fault.detail}"
     if fault.kind is fault_kinds.SOFTWARE_FAULT:  # its detail names the exception, step and log
         return (
             f"the same failure again, the program's or its inputs', not a machine's: {fault.detail}"

@@ -124,6 +124,11 @@ BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)
 SOFTWARE_FAULT = FaultKind(
     "software_fault", "software_fault", STOP, exit_codes.SOFTWARE_FAULT, names_slot=False
 )
+# a self-check every slot of a round fails alike, twice (msjax.launch.supervisor): the node's or
+# the storage's, not a slot's; the launcher's own code, retryable, and no slot is marked
+INFRASTRUCTURE = FaultKind(
+    "infrastructure", "infrastructure", STOP, exit_codes.INFRASTRUCTURE, names_slot=False
+)
 # seen by the supervisor alone
 HANG = FaultKind("hang", "hang", RESTART)  # no progress past its phase's deadline
 EARLY_EXIT = FaultKind(  # every worker exited 0 too soon
@@ -143,6 +148,7 @@ KINDS = (
     SILENT_CORRUPTION,
     BAD_NODE,
     SOFTWARE_FAULT,
+    INFRASTRUCTURE,
     HANG,
     EARLY_EXIT,
 )
