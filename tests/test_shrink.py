@@ -119,7 +119,12 @@ def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_w
     assert slots.healthy() == [0, 1, 2, 4]
     slots.arrange(4)
     assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 1, 2, 4], [3])
-    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == [3]
+    # slot 3 failed once: its time out doubled (200 s from 350), then doubles again
+    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == []
+    assert slots.readmit_due(now_unix_s=550.0, after_s=100.0) == [3]
+    slots.keep_out(3, now_unix_s=550.0)
+    assert slots.readmit_due(now_unix_s=900.0, after_s=100.0) == []
+    assert slots.readmit_due(now_unix_s=950.0, after_s=100.0) == [3]
 
 
 # --- a job with a crash-looping slot -------------------------------------------------------------
