@@ -190,6 +190,18 @@ class RunDir:
         rank, that rank's log."""
         return self.path / "logs" / f"spare-slot{slot}.log"
 
+    @property
+    def probes(self) -> Path:
+        """The run dirs of excluded slots' training probes for re-admission (msjax.launch.probe)."""
+        return self.path / "probes"
+
+    def probe(self, slot: int, number: int) -> Path:
+        return self.probes / f"slot{slot}-{number}"
+
+    def probe_log(self, slot: int) -> Path:
+        """The output of a slot's training probes for re-admission."""
+        return self.path / "logs" / f"probe-slot{slot}.log"
+
     def standby_log(self, slot: int) -> Path:
         """A warm standby's output while it waits (resilience.warm_standbys); once it takes a
         rank, that rank's log."""

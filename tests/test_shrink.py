@@ -296,7 +296,7 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
             "spare": Job(
                 folder["spare"],
                 4,
-                ["--spares=1", f"--fault={BAD_SLOT_FAULT}"],
+                ["--spares=1", f"--fault={HEALED_SLOT_FAULT}"],
                 job_args(folder["spare"], cache, "resilience.readmit_after_s=1"),
                 held_until=readmitted_as_a_waiting_spare,
             ),
@@ -383,8 +383,12 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     assert " waited " in as_rank.splitlines()[0] and "slot 4 takes rank 3" in as_rank
     crashes = [f for f in spare.jsonl("faults.jsonl") if f["kind"] == "crash"]
     assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
-    # on the job's own mesh, slot 3 re-admitted after its check passed waits as a spare
-    readmitted = "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed"
+    # on the job's own mesh, slot 3 (healed) re-admitted after its check and its training probe
+    # past step CRASH_STEP passed waits as a spare
+    readmitted = (
+        "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed and its "
+        "probe trained (probes/slot3-1)"
+    )
     assert f"{readmitted}: a spare now" in spare.output
     assert (spare.run_dir / "logs" / "check-slot3.log").exists()
     assert "imports done" in (spare.run_dir / "logs" / "spare-slot3.log").read_text()
