@@ -431,3 +431,13 @@ def test_a_one_process_job_never_marks_its_only_slot_bad_for_faults_in_a_row():
     # with a spare to take its rank, the same slot is marked bad and left out
     spare = dataclasses.replace(alone, can_leave_slot_out=True)
     assert decide(fault(fault_kinds.CRASH), spare, resilience, one).bad_slot is not None
+
+
+def test_a_readmitted_slots_first_fault_spends_no_restart():
+    resilience = ResilienceConfig(max_restarts=2)
+    spent = dataclasses.replace(history(restarts=2), readmitted_slot_fault=True)
+    action = decide(fault(fault_kinds.CRASH), spent, resilience, ONE_NODE)
+    assert (action.stop_code, action.restart) == (None, 2)  # the same count: no restart spent
+    # any other fault with the budget spent stops the job
+    again = decide(fault(fault_kinds.CRASH), history(restarts=2), resilience, ONE_NODE)
+    assert again.stop_code == exit_codes.RESTARTS_EXHAUSTED

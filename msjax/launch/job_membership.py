@@ -70,6 +70,7 @@ class JobMembership:
         self.regrow_ready = False  # a checkpoint past the re-admission is committed
         self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
         self._readmitted: dict[str, Any] = {}  # slot: its passed check, until the regrow
+        self._on_trial: set[int] = set()  # re-admitted slots that have not faulted since
         self.readmission = Readmission(config, layout, run_dir, faults)
         # with self-checks on, a spare waits only once it has passed its own (check_spares)
         checking = config.resilience.check_budget_s > 0
@@ -329,6 +330,7 @@ class JobMembership:
         """The slot rejoins: a spare on the job's own mesh, else the job grows back at its next
         checkpoint. verdict: its self-check's; probe: its training probe's run dir, if any."""
         after = f"resilience.readmit_after_s={self.config.resilience.readmit_after_s:g}"
+        self._on_trial.add(slot)
         passed = "its self-check passed" + (f" and its probe trained ({probe})" if probe else "")
         self.slots.readmit(slot)
         if not self.shrunk:
@@ -348,6 +350,14 @@ class JobMembership:
             f"slot {slot} re-admitted after {after}, {passed} ({verdict}): the job returns to "
             "a larger mesh at its next checkpoint"
         )
+
+    def first_fault_since_readmission(self, slot: int) -> bool:
+        """Whether `slot` was re-admitted and this is its first fault since (asked once per
+        fault): such a fault spends no restart (msjax.launch.policy)."""
+        if slot not in self._on_trial:
+            return False
+        self._on_trial.discard(slot)
+        return True
 
     def stop_for_regrow(self, attempt: Attempt) -> None:
         """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over

@@ -34,6 +34,9 @@ class FaultHistory:
     slot_faults: tuple[SlotFault, ...] = ()  # the run's, this fault's included, oldest first
     # whether the job could go on without the fault's slot (a spare, or a mesh on the rest)
     can_leave_slot_out: bool = True
+    # the first fault of a slot re-admitted since (msjax.launch.readmission): the slot's
+    # trial, not the job's failure; it spends no restart of resilience.max_restarts
+    readmitted_slot_fault: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,8 @@ def _limits(
             skip_step,
         )
     stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress, excluding)
-    if stop is None and history.restarts >= resilience.max_restarts:
+    spends = 0 if history.readmitted_slot_fault else 1
+    if stop is None and spends and history.restarts >= resilience.max_restarts:
         stop = _stop(
             f"restart budget spent (resilience.max_restarts={resilience.max_restarts})",
             exit_codes.RESTARTS_EXHAUSTED,
@@ -144,7 +148,7 @@ def _limits(
     backoff_s = min(
         resilience.restart_backoff_s * 2 ** max(history.stalled.count - 1, 0), MAX_BACKOFF_S
     )
-    return Action(skip_step=skip_step, backoff_s=backoff_s, restart=history.restarts + 1)
+    return Action(skip_step=skip_step, backoff_s=backoff_s, restart=history.restarts + spends)
 
 
 def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:

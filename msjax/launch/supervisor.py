@@ -226,6 +226,9 @@ class Supervisor:
             node=self.node,
             slot_faults=tuple(read_slot_faults(self.run_dir)),
             can_leave_slot_out=self.membership.can_leave_out(),
+            readmitted_slot_fault=fault.kind.names_slot
+            and self.layout.nnodes == 1
+            and self.membership.first_fault_since_readmission(int(slot)),
         )
         action = decide(fault, history, self.resilience, self.layout)
         if action.skip_step is not None:

@@ -39,6 +39,7 @@ RETRYABLE = (
     CHECKPOINT_UNREADABLE,
     NO_PROGRESS,
     BAD_NODE,
+    INFRASTRUCTURE,
     TERMINATED,
 )  # worth a fresh job elsewhere
 FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again
