@@ -80,7 +80,7 @@ def start_probe(
     probe_config = dataclasses.replace(
         config,
         train=dataclasses.replace(config.train, steps=steps, eval_every=0),
-        checkpoint=dataclasses.replace(config.checkpoint, enabled=False),
+        checkpoint=dataclasses.replace(config.checkpoint, enabled=False, resume_from=None),
         run=dataclasses.replace(config.run, dir=str(probe_dir)),
     )
     config_path = probe_dir.parent / f"{probe_dir.name}.yaml"
