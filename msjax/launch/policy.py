@@ -71,7 +71,8 @@ def decide(
     restart budget still does."""
     action = fault.kind.action
     if action == fault_kinds.STOP:
-        return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)
+        code = fault.kind.stop_code or fault.kind.exit_code or exit_codes.CRASHED
+        return _stop(_stop_reason(fault), code)
     skip_step = None
     if action == fault_kinds.SKIP_STEP:
         stop = _nonfinite_stop(fault, history, resilience)
@@ -158,7 +159,7 @@ def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:
 def _stop_reason(fault: DetectedFault) -> str:
     if fault.kind is fault_kinds.USER_ERROR:
         return "a worker reported a user error"
-    if fault.kind is fault_kinds.INFRASTRUCTURE:
+    if fault.kind is fault_kinds.SHARED_SELF_CHECK_FAILURE:
         return f"the node's or the storage's failure, not a slot's (retry later): {fault.detail}"
     if fault.kind is fault_kinds.SOFTWARE_FAULT:  # its detail names the exception, step and log
         return (

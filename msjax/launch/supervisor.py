@@ -292,7 +292,8 @@ class Supervisor:
         (None, None) when this node's ranks all pass, else an attempt that never started its
         workers and a fault: SELF_CHECK_FAILED naming the first failing rank's slot, or, when
         every slot of one node failed the same check in two rounds in a row (the first is
-        checked again once), INFRASTRUCTURE: the node's or the storage's, no slot to blame."""
+        checked again once), SHARED_SELF_CHECK_FAILURE: the node's or the storage's, no slot
+        to blame (exit 14)."""
         if self.resilience.check_budget_s <= 0:
             return None, None
         from msjax.doctor import detail, failed_by_every_rank, report_lines
@@ -331,7 +332,7 @@ class Supervisor:
         now = time.time()
         kind, why = fault_kinds.SELF_CHECK_FAILED, detail(health)
         if shared:
-            kind = fault_kinds.INFRASTRUCTURE
+            kind = fault_kinds.SHARED_SELF_CHECK_FAILURE
             why = f"every slot failed {', '.join(shared)} in two rounds in a row: {why}"
         fault = DetectedFault(
             kind,

@@ -49,6 +49,8 @@ class FaultKind:
     # whether the rank it names is its cause, so that its slot's faults in a row are counted
     # (resilience.max_faults_per_slot); not for a mistake, a bad batch, or what every rank sees
     names_slot: bool = True
+    # a kind the supervisor alone sees whose action is STOP: the launcher's exit code
+    stop_code: int | None = None
 
 
 USER_ERROR = FaultKind(
@@ -119,15 +121,22 @@ SILENT_CORRUPTION = FaultKind(
 # whole node) marks its slot bad too
 BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)
 # a crash that repeats the one before it, the same exception at the same step on any rank or
-# slot (msjax.launch.software_faults): the program's or its inputs' fault; the launcher's own
-# code, and no slot is marked
+# slot (msjax.launch.software_faults): the program's or its inputs' fault; no slot is marked
 SOFTWARE_FAULT = FaultKind(
-    "software_fault", "software_fault", STOP, exit_codes.SOFTWARE_FAULT, names_slot=False
+    "software_fault",
+    "software_fault",
+    STOP,
+    names_slot=False,
+    stop_code=exit_codes.SOFTWARE_FAULT,
 )
 # a self-check every slot of a round fails alike, twice (msjax.launch.supervisor): the node's or
-# the storage's, not a slot's; the launcher's own code, retryable, and no slot is marked
-INFRASTRUCTURE = FaultKind(
-    "infrastructure", "infrastructure", STOP, exit_codes.INFRASTRUCTURE, names_slot=False
+# the storage's, not a slot's (cause infrastructure); retryable, and no slot is marked
+SHARED_SELF_CHECK_FAILURE = FaultKind(
+    "shared_self_check_failure",
+    "infrastructure",
+    STOP,
+    names_slot=False,
+    stop_code=exit_codes.INFRASTRUCTURE,
 )
 # seen by the supervisor alone
 HANG = FaultKind("hang", "hang", RESTART)  # no progress past its phase's deadline
@@ -148,7 +157,7 @@ KINDS = (
     SILENT_CORRUPTION,
     BAD_NODE,
     SOFTWARE_FAULT,
-    INFRASTRUCTURE,
+    SHARED_SELF_CHECK_FAILURE,
     HANG,
     EARLY_EXIT,
 )
