@@ -268,7 +268,9 @@ class ResilienceConfig:
     # and a spent restart budget (exit 4).
     max_faults_per_slot: int = 3
     # On one node an excluded slot's rank goes to a spare (--spares), else the mesh shrinks onto
-    # the healthy slots; after readmit_after_s (0: never) the slot rejoins (the full mesh again)
+    # the healthy slots; after readmit_after_s (0: never; doubled after each failed try) the slot
+    # rejoins once its self-check (and, if excluded for a fault in training, a training probe
+    # past the step it failed at) passes (the full mesh again)
     readmit_after_s: float = 600.0
     restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
     # after an infrastructure fault (a full disk, storage errors, devices that fail to initialise:

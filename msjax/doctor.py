@@ -286,6 +286,19 @@ def detail(health: HealthRound) -> str:
     return f"{failures} ({health.path.parent.name}/{health.path.name})"
 
 
+def failed_by_every_rank(health: HealthRound, ranks: Sequence[int]) -> list[str]:
+    """The checks every one of the round's ranks (two or more) failed: the node's or the
+    storage's (a full disk, low host memory), not one slot's, so no slot is to blame."""
+    if len(ranks) < 2:
+        return []
+    checks = sorted({failure.check for failure in health.failures})
+    return [
+        check
+        for check in checks
+        if {f.rank for f in health.failures if f.check == check} >= set(ranks)
+    ]
+
+
 def _record_incident(run_dir: RunDir, health: HealthRound) -> None:
     """A failed round of the doctor's own as an incident in RUN_DIR/incidents.jsonl."""
     from msjax.launch.incidents import Incident, IncidentLog

@@ -173,6 +173,14 @@ class RunDir:
     def log(self, rank: int) -> Path:
         return self.path / "logs" / f"rank{rank}.log"
 
+    @property
+    def crashes(self) -> Path:
+        """Where a worker that died of an unexpected exception leaves its signature."""
+        return self.path / "crashes"
+
+    def crash_record(self, attempt: int, rank: int) -> Path:
+        return self.crashes / f"attempt{attempt}-rank{rank}.json"
+
     def check_log(self, slot: int) -> Path:
         """The output of a slot's self-check for re-admission (resilience.readmit_after_s)."""
         return self.path / "logs" / f"check-slot{slot}.log"
@@ -183,17 +191,21 @@ class RunDir:
         return self.path / "logs" / f"spare-slot{slot}.log"
 
     @property
-    def spares(self) -> Path:
-        """Where msjax.launch hands a waiting spare worker its rank: slot<S>.json."""
-        return self.path / "spares"
+    def probes(self) -> Path:
+        """The run dirs of excluded slots' training probes for re-admission (msjax.launch.probe)."""
+        return self.path / "probes"
+
+    def probe(self, slot: int, number: int) -> Path:
+        return self.probes / f"slot{slot}-{number}"
+
+    def probe_log(self, slot: int) -> Path:
+        """The output of a slot's training probes for re-admission."""
+        return self.path / "logs" / f"probe-slot{slot}.log"
 
     def standby_log(self, slot: int) -> Path:
         """A warm standby's output while it waits (resilience.warm_standbys); once it takes a
         rank, that rank's log."""
         return self.path / "logs" / f"standby-slot{slot}.log"
-
-    def spare_assignment(self, slot: int) -> Path:
-        return self.spares / f"slot{slot}.json"
 
     @property
     def incidents_log(self) -> Path:

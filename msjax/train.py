@@ -21,6 +21,7 @@ from msjax.cli import ArgumentParser
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
 from msjax.resilience import exit_codes
+from msjax.resilience.crash_records import record_crash
 from msjax.resilience.fault_kinds import kind_of_error
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import SavesFailing, dump_stacks_from_start
@@ -65,6 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    config: Config | None = None
     try:
         args = parse_args(argv)
         config = load_config(args.config, args.overrides)
@@ -87,10 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             leave_job_now(kind.exit_code, kind.reason(error))  # peers may still be mid-step
             return kind.exit_code
         if not in_job():
+            _record_crash(config, error)
             raise
         # a peer that left first explains a failed collective here: its exit code is the job's
         code = peer_exit_code(wait_s=2.0)
         if code is None:
+            _record_crash(config, error)
             traceback.print_exc()
             leave_job_now(exit_codes.CRASHED, "crashed (its log has the traceback)")
         print(f"msjax.train: stopping: a peer ended the job with exit code {code}", file=sys.stderr)
@@ -99,6 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         forget_stop_signals_from_start()  # main called by a process that goes on (a test)
     return 0
+
+
+def _record_crash(config: Config | None, error: BaseException) -> None:
+    """This process's own unexpected error, for the supervisor to tell the program's fault from
+    a machine's (msjax.resilience.crash_records); nothing before the run dir is known."""
+    if config is not None and config.run.dir:
+        record_crash(Path(config.run.dir), error)
 
 
 def train(

@@ -453,3 +453,29 @@ def test_a_spare_failing_its_self_check_is_excluded_before_it_ever_waits(tmp_pat
     assert not (run_dir / "logs" / "spare-slot1.log").exists()  # no process ever waited there
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m["step"] for m in metrics if "loss" in m) == 3
+
+
+@pytest.mark.slow
+def test_a_self_check_every_slot_fails_alike_marks_no_slot_and_stops_with_a_retryable_code(
+    tmp_path,
+):
+    run_dir = tmp_path / "shared"
+    # every slot computes wrong: what all of them share is the node's, not a slot's
+    code, output = run_launch(run_dir, "corrupt_compute@rank=0;corrupt_compute@rank=1")
+    assert code == exit_codes.INFRASTRUCTURE, output[-3000:]
+    assert (
+        "self-checks before attempt 0: every slot failed compute: the node's or the storage's, "
+        "not a slot's; checking once more"
+    ) in output
+    # checked twice, both rounds failed alike on every rank; no trainer ever started
+    assert [verdict(run_dir, number)["failed_ranks"] for number in (0, 1)] == [[0, 1], [0, 1]]
+    assert "attempt 0: 2 workers" not in output
+    incidents = [
+        json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()
+    ]
+    assert [(i["cause"], i["action"]) for i in incidents] == [("infrastructure", "stop")]
+    assert "bad_slot" not in incidents[0] and "membership" not in incidents[0]
+    assert "every slot failed compute in two rounds in a row" in incidents[0]["detail"]
+    assert not (run_dir / "health" / "bad_slots.json").exists()
+    assert not (run_dir / "health" / "slot_faults.jsonl").exists()
+    assert f"exit code {exit_codes.INFRASTRUCTURE}" in output

@@ -484,3 +484,38 @@ def test_a_compile_cache_entry_that_failed_restarts_and_marks_no_slot():
     resilience = ResilienceConfig(max_faults_per_slot=1)
     action = decide(fault(kind), slot_history("0", [slot_fault("0", 1, 1.0)]), resilience, ONE_NODE)
     assert (action.stop_code, action.bad_slot) == (None, None)
+
+
+def test_a_repeated_failure_stops_the_job_as_a_software_fault_and_marks_no_slot():
+    resilience = ResilienceConfig(max_faults_per_slot=1)
+    repeated = dataclasses.replace(
+        fault(fault_kinds.SOFTWARE_FAULT), detail="InjectedError: boom at step 3 (rank0.log)"
+    )
+    faults = [slot_fault("1", 1, 1.0), slot_fault("1", 2, 2.0)]
+    action = decide(repeated, slot_history("1", faults), resilience, ONE_NODE)
+    assert (action.stop_code, action.bad_slot) == (exit_codes.SOFTWARE_FAULT, None)
+    assert action.reason.endswith("not a machine's: InjectedError: boom at step 3 (rank0.log)")
+
+
+def test_a_one_process_job_never_marks_its_only_slot_bad_for_faults_in_a_row():
+    resilience = ResilienceConfig(max_faults_per_slot=2)
+    one = JobLayout(nprocs=1, devices_per_proc=1)
+    two = [slot_fault("0", 1, 1.0), slot_fault("0", 2, 2.0)]
+    alone = dataclasses.replace(slot_history("0", two), can_leave_slot_out=False)
+    action = decide(fault(fault_kinds.CRASH), alone, resilience, one)
+    assert (action.bad_slot, action.stop_code, action.restart) == (None, None, 1)
+    # with a spare to take its rank, the same slot is marked bad and left out
+    spare = dataclasses.replace(alone, can_leave_slot_out=True)
+    assert decide(fault(fault_kinds.CRASH), spare, resilience, one).bad_slot is not None
+
+
+def test_a_readmitted_slots_first_fault_spends_no_restart():
+    resilience = ResilienceConfig(max_restarts=2)
+    # two restarts after attempts that committed nothing: the budget is spent
+    spent = dataclasses.replace(history(restarts=2, stalled=1), restarts_spent=2)
+    readmitted = dataclasses.replace(spent, readmitted_slot_fault=True)
+    action = decide(fault(fault_kinds.CRASH), readmitted, resilience, ONE_NODE)
+    assert (action.stop_code, action.spends_budget) == (None, False)
+    # any other fault with the budget spent stops the job
+    again = decide(fault(fault_kinds.CRASH), spent, resilience, ONE_NODE)
+    assert again.stop_code == exit_codes.RESTARTS_EXHAUSTED

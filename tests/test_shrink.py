@@ -120,7 +120,12 @@ def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_w
     assert slots.healthy() == [0, 1, 2, 4]
     slots.arrange(4)
     assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 1, 2, 4], [3])
-    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == [3]
+    # slot 3 failed once: its time out doubled (200 s from 350), then doubles again
+    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == []
+    assert slots.readmit_due(now_unix_s=550.0, after_s=100.0) == [3]
+    slots.keep_out(3, now_unix_s=550.0)
+    assert slots.readmit_due(now_unix_s=900.0, after_s=100.0) == []
+    assert slots.readmit_due(now_unix_s=950.0, after_s=100.0) == [3]
 
 
 # --- a job with a crash-looping slot -------------------------------------------------------------
@@ -298,7 +303,7 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
             "spare": Job(
                 folder["spare"],
                 4,
-                ["--spares=1", f"--fault={BAD_SLOT_FAULT}"],
+                ["--spares=1", f"--fault={HEALED_SLOT_FAULT}"],
                 job_args(folder["spare"], cache, "resilience.readmit_after_s=1"),
                 held_until=readmitted_as_a_waiting_spare,
                 node_env=SPARE_NODE_ENV,
@@ -394,8 +399,12 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     assert devices.format(0, "26,27") in check_log
     crashes = [f for f in spare.jsonl("faults.jsonl") if f["kind"] == "crash"]
     assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
-    # on the job's own mesh, slot 3 re-admitted after its check passed waits as a spare
-    readmitted = "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed"
+    # on the job's own mesh, slot 3 (healed) re-admitted after its check and its training probe
+    # past step CRASH_STEP passed waits as a spare
+    readmitted = (
+        "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed and its "
+        "probe trained (probes/slot3-1)"
+    )
     assert f"{readmitted}: a spare now" in spare.output
     assert (spare.run_dir / "logs" / "check-slot3.log").exists()
     assert "imports done" in (spare.run_dir / "logs" / "spare-slot3.log").read_text()

@@ -49,6 +49,7 @@ CORRUPTION_KEYS = ("event", "step", "window", "ranks", "bad_ranks", "tensor")
 # that fired earlier does not time its SIGKILL from outside)
 DETECTED_AS = {
     "crash": fault_kinds.CRASH,
+    "raise": fault_kinds.CRASH,
     "crash_in_save": fault_kinds.CRASH,
     "hang": fault_kinds.HANG,
     "nan": fault_kinds.NONFINITE_LOSS,

@@ -25,12 +25,17 @@ from msjax.launch.incidents import Incident, IncidentLog
 from msjax.launch.layout import JobLayout
 from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
 from msjax.launch.policy import Action
+from msjax.launch.probe import SlotProbe, probe_failed_incident
 from msjax.launch.readmission import Readmission, SlotCheck, kept_out_incident
 from msjax.launch.slots import read_slot_faults
 from msjax.launch.workers import WorkerProcess, stop_workers
-from msjax.resilience import exit_codes
+from msjax.resilience import exit_codes, fault_kinds
 from msjax.run_dir import RunDir
 
+# a probe trains past the step a slot failed at (the furthest rank's heartbeat, or the checkpoint
+# the attempt resumed from when that is newer): that step and the one after it (the heartbeat may
+# not have told the step in flight yet)
+PROBE_STEPS_PAST = 2
 REGROW = "regrow"  # not a fault: the job stops at a checkpoint to return to a larger mesh
 
 
@@ -66,6 +71,7 @@ class JobMembership:
         self.regrow_ready = False  # a checkpoint past the re-admission is committed
         self._regrow_after_step: int | None = None  # stop at a checkpoint past this step
         self._readmitted: dict[str, Any] = {}  # slot: its passed check, until the regrow
+        self._on_trial: set[int] = set()  # re-admitted slots that have not faulted since
         self.readmission = Readmission(config, layout, run_dir, faults)
         # with self-checks on, a spare waits only once it has passed its own (check_spares)
         checking = config.resilience.check_budget_s > 0
@@ -219,6 +225,10 @@ class JobMembership:
             "first_fault_to_new_mesh_s": None,
         }
         spare = self.slots.exclude(slot, record["excluded_unix_s"])
+        if fault.kind is not fault_kinds.SELF_CHECK_FAILED:  # a self-check cannot tell it healed
+            committed = committed_steps(self.run_dir.checkpoints)  # the attempt resumed there
+            failed_at = max(fault.step, committed[-1] if committed else 0)
+            self.readmission.probe_steps[slot] = failed_at + PROBE_STEPS_PAST
         incident.membership = record
         self.changed = True
         why = f"slot {slot} (rank {fault.rank}) excluded"
@@ -251,6 +261,9 @@ class JobMembership:
         checked = self.readmission.poll(self.slots, attempt.number)
         if checked is not None:
             self._take_readmission_verdict(attempt, *checked, env)
+        probe = self.readmission.poll_probe()
+        if probe is not None:
+            self._take_probe_verdict(attempt, probe, env)
         if self._regrow_after_step is None:
             return False
         committed = committed_steps(self.run_dir.checkpoints)
@@ -262,7 +275,6 @@ class JobMembership:
     ) -> None:
         """Re-admit the checked slot (passed) or keep it out another time out (failed)."""
         slot = check.slot
-        after = f"resilience.readmit_after_s={self.config.resilience.readmit_after_s:g}"
         verdict = str(health.path.relative_to(self.run_dir.path))
         if not health.passed:
             self.slots.keep_out(slot, time.time())
@@ -274,23 +286,80 @@ class JobMembership:
             )
             self.say(
                 f"incident {number}: slot {slot} failed its self-check for re-admission "
-                f"({verdict}); it stays excluded, checked again after {after}"
+                f"({verdict}); it stays excluded, checked again after {self._time_out(slot)}"
             )
             return
+        if slot in self.readmission.probe_steps:  # excluded for a fault in training
+            probe = self.readmission.start_probe(slot, verdict)
+            self.say(
+                f"slot {slot} passed its self-check for re-admission ({verdict}); it trains "
+                f"alone for {probe.steps} steps, past the step it failed at, before it rejoins"
+            )
+            return
+        self._readmit(attempt, slot, verdict, env)
+
+    def _time_out(self, slot: int) -> str:
+        after_s = self.config.resilience.readmit_after_s
+        time_out_s = self.slots.time_out_s(slot, after_s)
+        return f"{time_out_s:g} s (resilience.readmit_after_s={after_s:g}, doubled each time)"
+
+    def _take_probe_verdict(self, attempt: Attempt, probe: SlotProbe, env: dict[str, str]) -> None:
+        """Re-admit the probed slot (it trained past its step) or keep it out (it failed)."""
+        why = probe.failure()
+        if why is None:
+            del self.readmission.probe_steps[probe.slot]
+            probe_dir = str(probe.run_dir.relative_to(self.run_dir.path))
+            self._readmit(attempt, probe.slot, probe.health, env, probe_dir)
+            return
+        self.slots.keep_out(probe.slot, time.time())
+        number = self.incidents.next_number()
+        self.incidents.add(
+            probe_failed_incident(number, probe, why, attempt.number, attempt.max_step, self.slots)
+        )
+        self.say(
+            f"incident {number}: slot {probe.slot} failed its training probe for re-admission: "
+            f"{why}; it stays excluded, checked again after {self._time_out(probe.slot)}"
+        )
+
+    def _readmit(
+        self,
+        attempt: Attempt,
+        slot: int,
+        verdict: str,
+        env: dict[str, str],
+        probe: str | None = None,
+    ) -> None:
+        """The slot rejoins: a spare on the job's own mesh, else the job grows back at its next
+        checkpoint. verdict: its self-check's; probe: its training probe's run dir, if any."""
+        after = f"resilience.readmit_after_s={self.config.resilience.readmit_after_s:g}"
+        self._on_trial.add(slot)
+        passed = "its self-check passed" + (f" and its probe trained ({probe})" if probe else "")
         self.slots.readmit(slot)
         if not self.shrunk:
             self.slots.make_spare(slot)
             self.keep_spares_ready(attempt.number, env)
-            self.say(f"slot {slot} re-admitted after {after}, its self-check passed: a spare now")
+            self.say(f"slot {slot} re-admitted after {after}, {passed}: a spare now")
             return
-        self._readmitted[str(slot)] = {"checked_unix_s": time.time(), "health": verdict}
+        self._readmitted[str(slot)] = {
+            "checked_unix_s": time.time(),
+            "health": verdict,
+            **({"probe": probe} if probe else {}),
+        }
         if self._regrow_after_step is None:
             committed = committed_steps(self.run_dir.checkpoints)
             self._regrow_after_step = committed[-1] if committed else -1
         self.say(
-            f"slot {slot} re-admitted after {after}, its self-check passed ({verdict}): the job "
-            "returns to a larger mesh at its next checkpoint"
+            f"slot {slot} re-admitted after {after}, {passed} ({verdict}): the job returns to "
+            "a larger mesh at its next checkpoint"
         )
+
+    def first_fault_since_readmission(self, slot: int) -> bool:
+        """Whether `slot` was re-admitted and this is its first fault since (asked once per
+        fault): such a fault spends no restart (msjax.launch.policy)."""
+        if slot not in self._on_trial:
+            return False
+        self._on_trial.discard(slot)
+        return True
 
     def stop_for_regrow(self, attempt: Attempt) -> None:
         """Stop the shrunk job (SIGTERM: each worker saves and stops) and lay its ranks over

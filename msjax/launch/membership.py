@@ -129,6 +129,7 @@ def replan_mesh(
 
 
 ACTIVE, SPARE, IDLE, EXCLUDED = "active", "spare", "idle", "excluded"
+READMIT_MAX_DOUBLINGS = 6  # a slot's time out grows to at most 64 x resilience.readmit_after_s
 
 
 class Slots:
@@ -141,6 +142,9 @@ class Slots:
         self.state = {slot: ACTIVE if slot < nprocs else SPARE for slot in range(nprocs + spares)}
         self.rank_slots = list(range(nprocs))  # rank -> slot
         self.excluded_unix_s: dict[int, float] = {}
+        # time outs each slot has begun (exclusions and failed re-admissions): each doubles the
+        # next, so a slot that keeps failing is checked ever more rarely (READMIT_MAX_DOUBLINGS)
+        self.times_out: dict[int, int] = {}
 
     def slot_of(self, rank: int) -> int | None:
         return self.rank_slots[rank] if 0 <= rank < len(self.rank_slots) else None
@@ -157,7 +161,7 @@ class Slots:
         when no spare is left (then `arrange` lays the ranks over a shrunk mesh)."""
         rank = self.rank_slots.index(slot)
         self.state[slot] = EXCLUDED
-        self.excluded_unix_s[slot] = now_unix_s
+        self._time_out(slot, now_unix_s)
         spares = self.spares()
         if not spares:
             del self.rank_slots[rank]
@@ -170,7 +174,17 @@ class Slots:
         """A spare that failed its self-check: excluded (checked again for re-admission)."""
         assert self.state[slot] == SPARE
         self.state[slot] = EXCLUDED
+        self._time_out(slot, now_unix_s)
+
+    def _time_out(self, slot: int, now_unix_s: float) -> None:
         self.excluded_unix_s[slot] = now_unix_s
+        self.times_out[slot] = self.times_out.get(slot, 0) + 1
+
+    def time_out_s(self, slot: int, after_s: float) -> float:
+        """How long `slot` stays out this time: after_s, doubled for each time out it began
+        before (re-admitted ones included), at most READMIT_MAX_DOUBLINGS times."""
+        doublings = min(self.times_out.get(slot, 1) - 1, READMIT_MAX_DOUBLINGS)
+        return after_s * 2**doublings
 
     def arrange(self, processes: int) -> None:
         """Ranks 0..processes-1 on the first healthy slots in slot order; the rest idle."""
@@ -181,11 +195,15 @@ class Slots:
             self.state[slot] = ACTIVE if slot in self.rank_slots else IDLE
 
     def readmit_due(self, now_unix_s: float, after_s: float) -> list[int]:
-        """Excluded slots whose time out is over (after_s=0: never), oldest exclusion first: each
-        is re-admitted (readmit) once its self-check passes, else kept out (keep_out)."""
+        """Excluded slots whose time out (time_out_s) is over (after_s=0: never), oldest exclusion
+        first: each is re-admitted (readmit) once its checks pass, else kept out (keep_out)."""
         if after_s <= 0:
             return []
-        due = [s for s, t in self.excluded_unix_s.items() if now_unix_s - t >= after_s]
+        due = [
+            slot
+            for slot, t in self.excluded_unix_s.items()
+            if now_unix_s - t >= self.time_out_s(slot, after_s)
+        ]
         return sorted(due, key=lambda slot: self.excluded_unix_s[slot])
 
     def readmit(self, slot: int) -> None:
@@ -195,9 +213,10 @@ class Slots:
         del self.excluded_unix_s[slot]
 
     def keep_out(self, slot: int, now_unix_s: float) -> None:
-        """An excluded slot that failed its check for re-admission: its time out starts again."""
+        """An excluded slot that failed its check for re-admission: a time out twice as long
+        starts."""
         assert self.state[slot] == EXCLUDED
-        self.excluded_unix_s[slot] = now_unix_s
+        self._time_out(slot, now_unix_s)
 
     def make_spare(self, slot: int) -> None:
         """A healthy slot outside the mesh becomes a spare (it waits in its own process)."""

@@ -36,6 +36,9 @@ class FaultHistory:
     can_leave_slot_out: bool = True
     # restarts so far that spent resilience.max_restarts (restart_spends_budget)
     restarts_spent: int = 0
+    # the first fault of a slot re-admitted since (msjax.launch.readmission): the slot's
+    # trial, not the job's failure; it spends no restart of resilience.max_restarts
+    readmitted_slot_fault: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ def decide(
     restart budget still does."""
     action = fault.kind.action
     if action == fault_kinds.STOP:
-        return _stop(_stop_reason(fault), fault.kind.exit_code or exit_codes.CRASHED)
+        code = fault.kind.stop_code or fault.kind.exit_code or exit_codes.CRASHED
+        return _stop(_stop_reason(fault), code)
     skip_step = None
     if action == fault_kinds.SKIP_STEP:
         stop = _nonfinite_stop(fault, history, resilience)
@@ -93,15 +97,18 @@ def bad_slot(
     fault: DetectedFault, history: FaultHistory, resilience: ResilienceConfig, layout: JobLayout
 ) -> BadSlot | None:
     """The fault's slot, if this fault marks it bad: a kind that does (a failed self-check,
-    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of.
-    None for a rank of another node: that node's launcher marks its own."""
+    persistent corruption), or max_faults_per_slot faults in a row it was the named cause of,
+    unless it is the only slot of a one-process job (faults in a row tell nothing of a slot
+    with no other to compare it with, and the job cannot go on without it). None for a rank of
+    another node: that node's launcher marks its own."""
     if not fault.kind.names_slot or history.slot is None:
         return None
     in_a_row = faults_in_a_row(history.slot_faults, history.slot)
     limit = resilience.max_faults_per_slot
+    only_slot = layout.num_processes == 1 and not history.can_leave_slot_out
     if fault.kind.action == fault_kinds.MARK_SLOT_BAD:
         why = f"{fault.kind.name.replace('_', ' ')} on rank {fault.rank}"
-    elif len(in_a_row) >= limit:
+    elif len(in_a_row) >= limit and not only_slot:
         incidents = ", ".join(str(f.incident) for f in in_a_row)
         causes = ", ".join(f.cause for f in in_a_row)
         why = (
@@ -139,7 +146,8 @@ def _limits(
     stop = None
     if not infrastructure:  # the machine room's faults are neither a mistake nor this machine's
         stop = _stalled_stop(history.stalled, resilience.max_attempts_without_progress, excluding)
-    spends = restart_spends_budget(history.stalled)
+    # a re-admitted slot's first fault is the slot's trial (msjax.launch.readmission)
+    spends = restart_spends_budget(history.stalled) and not history.readmitted_slot_fault
     budget = resilience.max_restarts
     if stop is None and (budget == 0 or (spends and history.restarts_spent >= budget)):
         stop = _stop(
@@ -181,6 +189,12 @@ def _stop(reason: str, code: int, skip_step: int | None = None) -> Action:
 def _stop_reason(fault: DetectedFault) -> str:
     if fault.kind is fault_kinds.USER_ERROR:
         return "a worker reported a user error"
+    if fault.kind is fault_kinds.SHARED_SELF_CHECK_FAILURE:
+        return f"the node's or the storage's failure, not a slot's (retry later): {fault.detail}"
+    if fault.kind is fault_kinds.SOFTWARE_FAULT:  # its detail names the exception, step and log
+        return (
+            f"the same failure again, the program's or its inputs', not a machine's: {fault.detail}"
+        )
     return f"a worker reported {fault.kind.name.replace('_', ' ')}"
 
 

@@ -1,6 +1,8 @@
 """A slot checked alone: once resilience.readmit_after_s is over, an excluded slot's self-check
 runs while the job goes on; a slot that passes rejoins (the supervisor acts on it), one that fails
-stays excluded for another time out, an incident of its own (action `stay_excluded`). A spare is
+stays excluded for another time out, twice as long, an incident of its own (action
+`stay_excluded`). A slot excluded for a fault in training must also pass a training probe
+(msjax.launch.probe) past the step it failed at. A spare is
 checked the same way before it waits; one that fails is excluded (action `exclude_spare`).
 """
 
@@ -15,7 +17,8 @@ from msjax.errors import MsjaxError
 from msjax.launch.incidents import Incident
 from msjax.launch.layout import JobLayout
 from msjax.launch.membership import Slots, replan_mesh
-from msjax.launch.workers import free_port
+from msjax.launch.probe import SlotProbe, start_probe
+from msjax.launch.workers import free_port, stop_workers
 from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
 from msjax.run_dir import RunDir
 
@@ -42,12 +45,18 @@ class Readmission:
         self.run_dir = run_dir
         self.faults = faults
         self.running: SlotCheck | None = None
+        # slots excluded for a fault in training: the steps their probe runs (msjax.launch.probe)
+        self.probe_steps: dict[int, int] = {}
+        self.probing: SlotProbe | None = None
+        self._probes_started = 0
 
     def poll(self, slots: Slots, attempt: int) -> tuple[SlotCheck, HealthRound] | None:
         """Start the check of the first slot due when none runs; once the running one has
         settled, that check and its verdict (the slot is still excluded: the caller re-admits
         it or keeps it out)."""
         after_s = self.config.resilience.readmit_after_s
+        if self.probing is not None:
+            return None  # one slot at a time: its probe first
         if self.running is None:
             due = slots.readmit_due(time.time(), after_s)
             if due:
@@ -59,10 +68,36 @@ class Readmission:
         return check, check.checks.finish()
 
     def cancel(self) -> None:
-        """The job ends: stop a check under way (no verdict)."""
+        """The job ends: stop a check or a probe under way (no verdict)."""
         if self.running is not None:
             self.running.checks.cancel()
             self.running = None
+        if self.probing is not None:
+            stop_workers([self.probing.worker], grace_s=1.0)
+            self.probing = None
+
+    def start_probe(self, slot: int, health: str) -> SlotProbe:
+        """The training probe of `slot`, which passed its self-check (health), started."""
+        config, _ = self._one_slot_config()
+        self._probes_started += 1
+        self.probing = start_probe(
+            config,
+            slot,
+            self.probe_steps[slot],
+            self.run_dir,
+            self.faults,
+            self.layout.devices_per_proc,
+            self._probes_started,
+            health,
+        )
+        return self.probing
+
+    def poll_probe(self) -> SlotProbe | None:
+        """The probe under way once it has settled (its verdict is the caller's), else None."""
+        if self.probing is None or not self.probing.settled():
+            return None
+        probe, self.probing = self.probing, None
+        return probe
 
     def start(self, slot: int, attempt: int) -> SlotCheck:
         """The self-checks of `slot` alone, started (see _one_slot_config)."""

@@ -61,7 +61,7 @@ from msjax.launch.slots import (
     record_slot_fault,
     slot_of,
 )
-from msjax.launch.spare import write_assignment
+from msjax.launch.software_faults import repeated_crash
 from msjax.launch.workers import WorkerProcess, free_port, stop_workers
 from msjax.observe.goodput import session_split, write_goodput
 from msjax.parallel.agreement import job_secret
@@ -189,6 +189,8 @@ class Supervisor:
             if attempt is None:
                 attempt = self._spawn(len(self.attempts))
                 fault = self._watch(attempt)
+                if fault is not None:  # the same exception at the same step again: no slot's
+                    fault = repeated_crash(fault, self.attempts, self.run_dir.path) or fault
             # what this attempt timed shortens the next one's deadlines from its first step on
             self.timed_before = timings_of(attempt.heartbeats.values(), self.timed_before)
             if self._stop_requested is not None:
@@ -246,6 +248,9 @@ class Supervisor:
             node=self.node,
             slot_faults=tuple(read_slot_faults(self.run_dir)),
             can_leave_slot_out=self.membership.can_leave_out(),
+            readmitted_slot_fault=fault.kind.names_slot
+            and self.layout.nnodes == 1
+            and self.membership.first_fault_since_readmission(int(slot)),
         )
         action = decide(fault, history, self.resilience, self.layout)
         if action.skip_step is not None:
@@ -308,10 +313,13 @@ class Supervisor:
     def _self_check(self, number: int) -> tuple[Attempt | None, DetectedFault | None]:
         """The self-checks before attempt `number` (resilience.check_budget_s > 0; msjax.doctor):
         (None, None) when this node's ranks all pass, else an attempt that never started its
-        workers and a SELF_CHECK_FAILED fault naming the first failing rank's slot."""
+        workers and a fault: SELF_CHECK_FAILED naming the first failing rank's slot, or, when
+        every slot of one node failed the same check in two rounds in a row (the first is
+        checked again once), SHARED_SELF_CHECK_FAILURE: the node's or the storage's, no slot
+        to blame (exit 14)."""
         if self.resilience.check_budget_s <= 0:
             return None, None
-        from msjax.doctor import SelfCheckRound, detail, report_lines
+        from msjax.doctor import detail, failed_by_every_rank, report_lines
 
         layout = self.layout
         slots: list[int] | None = None
@@ -322,32 +330,37 @@ class Supervisor:
             ranks = [layout.process_id(local_rank) for local_rank in range(layout.nprocs)]
             num_processes = layout.num_processes
         # the job's round first: its verdict is RUN_DIR/health/ATTEMPT.json
-        checks = SelfCheckRound(
-            self.membership.planned_config(),
-            ranks,
-            num_processes,
-            layout.devices_per_proc,
-            layout.coordinator or f"127.0.0.1:{free_port()}",
-            number,
-            self.faults,
-            slots=slots,
-        )
+        checks = self._check_round(number, ranks, num_processes, slots)
         spare_checks = self.membership.start_spare_checks(number)
         health = checks.wait()  # bounded by resilience.check_budget_s
         committed = committed_steps(self.run_dir.checkpoints)
         self.membership.finish_spare_checks(spare_checks, number, committed[-1] if committed else 0)
         for line in report_lines(health):
             self.say(f"self-checks before attempt {number}: {line}")
+        shared = failed_by_every_rank(health, ranks) if layout.nnodes == 1 else []
+        if shared:
+            self.say(
+                f"self-checks before attempt {number}: every slot failed {', '.join(shared)}: "
+                "the node's or the storage's, not a slot's; checking once more"
+            )
+            health = self._check_round(number, ranks, num_processes, slots).wait()
+            for line in report_lines(health):
+                self.say(f"self-checks before attempt {number}, again: {line}")
+            shared = failed_by_every_rank(health, ranks)
         if health.passed:
             return None, None
         attempt = Attempt.started(number, [])
         attempt.newest_committed_at_spawn = committed[-1] if committed else None
         self.attempts.append(attempt)
         now = time.time()
+        kind, why = fault_kinds.SELF_CHECK_FAILED, detail(health)
+        if shared:
+            kind = fault_kinds.SHARED_SELF_CHECK_FAILURE
+            why = f"every slot failed {', '.join(shared)} in two rounds in a row: {why}"
         fault = DetectedFault(
-            fault_kinds.SELF_CHECK_FAILED,
+            kind,
             health.failed_ranks[0],
-            detail(health),
+            why,
             detected_unix_s=now,
             fault_unix_s=now - health.wall_s,
             fault_time_from="the self-checks' start",
@@ -355,6 +368,23 @@ class Supervisor:
             phase="self_check",
         )
         return attempt, fault
+
+    def _check_round(
+        self, number: int, ranks: list[int], num_processes: int, slots: list[int] | None
+    ) -> Any:
+        """A round of msjax.doctor's self-checks over ranks (in slots), started."""
+        from msjax.doctor import SelfCheckRound
+
+        return SelfCheckRound(
+            self.membership.planned_config(),
+            ranks,
+            num_processes,
+            self.layout.devices_per_proc,
+            self.layout.coordinator or f"127.0.0.1:{free_port()}",
+            number,
+            self.faults,
+            slots=slots,
+        )
 
     def _worker_base_env(self) -> dict[str, str]:
         """What every worker's environment holds whatever its rank (spares start with it)."""
@@ -391,7 +421,7 @@ class Supervisor:
             waiting = self.membership.take_waiting(slot)
             if waiting is not None:  # a spare or a warm standby: its imports are done
                 waiting.assign(rank, log, number, echo)  # before it can print as that rank
-                write_assignment(self.run_dir.path, slot, rank, job_env, args)
+                waiting.hand_over(rank, job_env, args)
                 workers.append(waiting)
                 warm += 1
                 continue

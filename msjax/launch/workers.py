@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -89,7 +90,8 @@ class WorkerProcess:
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            # a waiting process (rank -1) is handed its rank over this pipe (hand_over)
+            stdin=subprocess.PIPE if rank < 0 else subprocess.DEVNULL,
             start_new_session=True,  # the supervisor alone decides which signals reach workers
             preexec_fn=_die_with_parent,
         )
@@ -136,6 +138,18 @@ class WorkerProcess:
             self._log.close()
             self._log, self.log_path, self._echo = log, log_path, echo
         self.rank, self.spawned_unix_s = rank, time.time()
+
+    def hand_over(self, rank: int, env: dict[str, str], args: list[str]) -> None:
+        """Tell a waiting process (msjax.launch.spare) its rank, worker environment and trainer
+        arguments over its stdin, a pipe only this process holds: nothing of it is on disk,
+        where another user could read the job's secret or write an assignment of their own."""
+        assert self.process.stdin is not None, "only a waiting process is handed a rank"
+        line = json.dumps({"rank": rank, "env": env, "args": args}) + "\n"
+        with contextlib.suppress(BrokenPipeError):  # it ended meanwhile: its exit tells
+            self.process.stdin.write(line.encode())
+            self.process.stdin.flush()
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
 
     def poll(self) -> int | None:
         """The exit code once the process has ended (noting when it was first seen ended)."""
@@ -215,6 +229,9 @@ class WorkerProcess:
             return  # a process that SIGKILL cannot end (stuck in the kernel) still holds the pipe
         if self.process.stdout is not None:
             self.process.stdout.close()
+        if self.process.stdin is not None:  # a waiting process never handed a rank
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
         self._log.close()
 
     def log_tail(self, lines: int = 60) -> str:

@@ -51,6 +51,8 @@ class FaultKind:
     names_slot: bool = True
     # which errors of its exceptions' classes it is (all when None): a class shared with others
     matches: Callable[[BaseException], bool] | None = None
+    # a kind the supervisor alone sees whose action is STOP: the launcher's exit code
+    stop_code: int | None = None
 
 
 USER_ERROR = FaultKind(
@@ -162,6 +164,24 @@ UNATTRIBUTED_CORRUPTION = FaultKind(
 # the launcher's own code on a multi-node job; a process that exits with it (a check of the
 # whole node) marks its slot bad too
 BAD_NODE = FaultKind("bad_node", "bad_node", MARK_SLOT_BAD, exit_codes.BAD_NODE)
+# a crash that repeats the one before it, the same exception at the same step on any rank or
+# slot (msjax.launch.software_faults): the program's or its inputs' fault; no slot is marked
+SOFTWARE_FAULT = FaultKind(
+    "software_fault",
+    "software_fault",
+    STOP,
+    names_slot=False,
+    stop_code=exit_codes.SOFTWARE_FAULT,
+)
+# a self-check every slot of a round fails alike, twice (msjax.launch.supervisor): the node's or
+# the storage's, not a slot's (cause infrastructure); retryable, and no slot is marked
+SHARED_SELF_CHECK_FAILURE = FaultKind(
+    "shared_self_check_failure",
+    "infrastructure",
+    STOP,
+    names_slot=False,
+    stop_code=exit_codes.INFRASTRUCTURE,
+)
 # seen by the supervisor alone
 HANG = FaultKind("hang", "hang", RESTART)  # no progress past its phase's deadline
 EARLY_EXIT = FaultKind(  # every worker exited 0 too soon
@@ -182,6 +202,8 @@ KINDS = (
     SELF_CHECK_FAILED,
     SILENT_CORRUPTION,
     BAD_NODE,
+    SOFTWARE_FAULT,
+    SHARED_SELF_CHECK_FAILURE,
     HANG,
     EARLY_EXIT,
 )

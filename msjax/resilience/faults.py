@@ -3,6 +3,8 @@
 `MSJAX_FAULT="crash@step=7,rank=1;nan@step=9,rank=0"`: faults separated by `;`, each
 `KIND@step=K,rank=R[,times=N][,percent=X]`. Kinds, all at step index K on rank R:
   crash          the process exits abruptly before step K runs
+  raise          an exception (InjectedError) is raised before step K, in every attempt: a bug
+                 the same run hits every time, whatever the slot
   hang           the loop stops making progress before step K (the process stays alive)
   nan            the loss rank R reads back for step K is NaN
   bad_token      rank R's first input token of step K is model.vocab_size, out of the table:
@@ -46,6 +48,7 @@ ENV_VAR = "MSJAX_FAULT"
 SLOT_ENV_VAR = "MSJAX_SLOT"  # the launcher's process slot this worker runs in (default: its rank)
 KINDS = (
     "crash",
+    "raise",
     "hang",
     "nan",
     "slow",
@@ -62,11 +65,16 @@ PERSISTENT_KINDS = (
     "slow",
     "corrupt_compute",
     "stuck_bit",
+    "raise",
 )  # they act in every attempt, not `times` times
 CORRUPTION = 1e-2  # corrupt_compute: a matmul's relative error (msjax.ops.matmul)
 # bitflip: a mantissa bit per parameter width (bytes): the value changes by about 1/8, stays finite
 BITFLIP_BIT = {2: 4, 4: 20, 8: 49}
 CRASH_EXIT_CODE = 1  # what an injected crash exits with, like an uncaught exception
+
+
+class InjectedError(RuntimeError):
+    """The exception of an injected `raise`: to the worker, an unexpected error like any other."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +235,8 @@ class FaultInjector:
             os._exit(CRASH_EXIT_CODE)
         if self._take("disk_full", step):
             raise OSError(errno.ENOSPC, f"No space left on device (injected before step {step})")
+        if self._take("raise", step):
+            raise InjectedError(f"injected error before step {step}")
         if self._take("hang", step):
             while True:  # alive, answering signals (SIGUSR1 dumps this frame), never progressing
                 time.sleep(1.0)

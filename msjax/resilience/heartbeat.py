@@ -56,6 +56,17 @@ class HeartbeatRecord:
             return None
 
 
+_latest: Heartbeat | None = None  # this process's newest Heartbeat (latest_beat)
+
+
+def latest_beat() -> tuple[int, str] | None:
+    """The step and phase this process's heartbeat holds now (also what a throttled write has
+    not put on disk yet); None before its first heartbeat."""
+    if _latest is None or not _latest.phase:
+        return None
+    return _latest.step, _latest.phase
+
+
 class Heartbeat:
     """Writes rank's heartbeat on every phase change and at most every `every_s` within a phase."""
 
@@ -74,6 +85,8 @@ class Heartbeat:
         self._written_at = -float("inf")
         self.timings: dict[str, list[float]] = {}  # TIMED_PHASES: [count, slowest_s]
         self._stacks_file: IO[str] | None = None
+        global _latest
+        _latest = self
 
     def beat(self, phase: Phase, step: int | None = None, progress: int = 0) -> None:
         """Record phase, step and progress within the phase; writes now if the phase changed
