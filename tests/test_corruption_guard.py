@@ -426,6 +426,7 @@ def test_a_stuck_bit_on_one_of_two_replicas_stops_the_job_without_excluding_the_
     assert incident["corruption"]["event"] == "undecided"
     assert "slot 0 is marked bad" not in stuck.logs[0]
     assert "slot 1 is marked bad" not in stuck.logs[0]
+    assert "(silent_corruption, no rank named)" in stuck.logs[0]
 
 
 @pytest.mark.slow

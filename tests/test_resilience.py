@@ -426,6 +426,8 @@ def run_sbatch_script(tmp_path: Path, srun_exit_code: int) -> tuple[int, str, st
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_NODELIST": "n[7-8]",
+        # each exit code is a job of its own: none spends another's requeue budget
+        "REQUEUE_STATE": str(tmp_path / f"requeues{srun_exit_code}"),
     }
     script = REPO / "launch" / "slurm" / "train.sbatch"
     done = subprocess.run(

@@ -42,6 +42,14 @@ class DetectedFault:
     def cause(self) -> str:
         return self.kind.cause
 
+    @property
+    def label(self) -> str:
+        """The cause and the rank it names, for the launcher's lines (a corruption that no replay
+        could pin on one replica names none)."""
+        if self.kind is fault_kinds.UNATTRIBUTED_CORRUPTION:
+            return f"{self.cause}, no rank named"
+        return f"{self.cause} of rank {self.rank}"
+
 
 # what a corruption incident keeps of the guard's verdict (RUN_DIR/replica_mismatches.jsonl)
 CORRUPTION_KEYS = ("event", "step", "window", "ranks", "bad_ranks", "tensor")

@@ -513,7 +513,7 @@ class Supervisor:
         self.incidents.close(attempt)
         number = self.incidents.next_number()
         self.say(
-            f"incident {number}: {fault.cause} of rank {fault.rank} ({fault.detail}) "
+            f"incident {number}: {fault.label} ({fault.detail}) "
             f"at step {fault.step}, phase {fault.phase}"
         )
         incident = IncidentDir(self.run_dir.incident(number))
@@ -557,7 +557,7 @@ class Supervisor:
         self.incidents.write()
         self._finish(f"stopped: {reason}")
         self.say(
-            f"stopped after incident {self.incidents.count} ({fault.cause} of rank {fault.rank}): "
+            f"stopped after incident {self.incidents.count} ({fault.label}): "
             f"{reason}; exit code {code}; checkpoints in {self.run_dir.checkpoints} are kept"
         )
         return code

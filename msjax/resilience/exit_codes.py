@@ -42,4 +42,5 @@ RETRYABLE = (
     INFRASTRUCTURE,
     TERMINATED,
 )  # worth a fresh job elsewhere
-FATAL = (USER_ERROR, NONFINITE_LOSS)  # the same job would fail the same way again
+# the same job would fail the same way again
+FATAL = (USER_ERROR, NONFINITE_LOSS, SOFTWARE_FAULT)
