@@ -24,11 +24,11 @@ from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec
 
 from msjax import ops
-from msjax.config import MeshConfig, config_from_dict
+from msjax.config import MeshConfig, ModelConfig, config_from_dict
 from msjax.errors import ConfigError
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import activation_placement
-from msjax.resolve import resolve_impl
+from msjax.resolve import resolve_impl, resolve_model
 from pallas_kernels import cross_entropy as ce
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import rms_norm as rn
@@ -205,6 +205,31 @@ def test_auto_picks_the_xla_reference_off_gpu_and_cudnn_there_is_a_one_line_erro
     with pytest.raises(ConfigError, match=r"model.attention_impl=cudnn needs a GPU") as error:
         resolve_impl("cudnn", "attention_impl", backend)
     assert "\n" not in str(error.value)
+
+
+def test_auto_on_gpu_is_cudnn_attention_with_xla_norm_and_loss_and_pallas_stays_selectable():
+    bf16 = ModelConfig(compute_dtype="bfloat16", embed_dim=2048, num_heads=32)  # head_dim 64
+    chosen = resolve_model(bf16, "gpu")
+    assert (chosen.attention_impl, chosen.norm_impl, chosen.loss_impl) == ("cudnn", "xla", "xla")
+    pallas = dataclasses.replace(
+        bf16, attention_impl="pallas", norm_impl="pallas", loss_impl="pallas"
+    )
+    chosen = resolve_model(pallas, "gpu")
+    assert (chosen.attention_impl, chosen.norm_impl, chosen.loss_impl) == ("pallas",) * 3
+    assert resolve_model(bf16, "cpu").attention_impl == "xla"
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        ModelConfig(compute_dtype="float32", embed_dim=2048, num_heads=32),  # 16-bit only
+        ModelConfig(compute_dtype="bfloat16", embed_dim=2048, num_heads=32, head_dim=60),
+        ModelConfig(compute_dtype="bfloat16", embed_dim=4096, num_heads=8, head_dim=512),
+    ],
+    ids=["float32", "head-dim-not-multiple-of-8", "head-dim-over-256"],
+)
+def test_auto_attention_on_gpu_is_xla_where_cudnn_does_not_take_the_model(model):
+    assert resolve_model(model, "gpu").attention_impl == "xla"
 
 
 @pytest.mark.parametrize("impl", ["auto", "flash"])
