@@ -44,7 +44,7 @@ CUDNN_MAX_HEAD_DIM = 256
 
 def cudnn_attention_fits(model: ModelConfig) -> bool:
     """Whether cuDNN fused attention takes this model: 16-bit compute, head_dim % 8 == 0, <= 256."""
-    head_dim = model.resolved_head_dim()
+    head_dim = model.resolved_head_dim
     return (
         model.compute_dtype in CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
     )
