@@ -123,12 +123,12 @@ def print_save_restore_only(config_path: Path, overrides: list[str]) -> None:
             {
                 "config": str(config_path),
                 "device": jax.devices()[0].device_kind,
-                "state_gb": round(gb, 3),
+                "state_gb": gb,
                 "bytes_on_disk": timed["bytes_on_disk"],
                 "first_save_gb_per_s": gb / timed["first_save_s"],
                 "second_save_gb_per_s": gb / timed["second_save_s"],
                 "restore_gb_per_s_page_cache_warm": gb / timed["restore_s"],
-                **{k: round(v, 3) for k, v in timed.items() if k.endswith("_s")},
+                **{k: v for k, v in timed.items() if k.endswith("_s")},
             }
         ),
         flush=True,
