@@ -273,6 +273,46 @@ def gpu_tests(smoke: bool, out_dir: Path) -> None:
     emit(kind="pytest", exit_code=result.returncode, tail=result.stdout[-3000:])
 
 
+ASYNC_CHECK = """
+import json, re, jax
+from msjax.config import load_config
+from msjax.planner.aot import compile_step
+from msjax.planner.candidates import MeshShape
+n = jax.device_count()
+KINDS = "all-gather|all-reduce|reduce-scatter|collective-permute"
+config = load_config(None, ["model.compute_dtype=bfloat16", "train.global_batch=%d" % (4 * n)])
+text = compile_step(config, MeshShape(1, n, 1)).compiled.as_text()
+pairs, overlapped = 0, 0
+for body in re.split(r"\\n\\n", text):
+    lines = body.splitlines()
+    for i, line in enumerate(lines):
+        start = re.search(r"%([\\w.\\-]+) = .* (" + KINDS + r")-start\\(", line)
+        if not start:
+            continue
+        pairs += 1
+        marker = "-done(%" + start[1] + ")"
+        done = next((j for j in range(i + 1, len(lines)) if marker in lines[j]), None)
+        between = lines[i + 1 : done] if done else []
+        if any(" fusion(" in l or "custom-call(" in l or " dot(" in l for l in between):
+            overlapped += 1
+print(json.dumps({"devices": n, "async_pairs": pairs, "with_compute_between": overlapped}))
+"""
+
+
+def async_collectives(smoke: bool, out_dir: Path) -> None:
+    """With more than one GPU: whether the compiled step's collectives are async (start/done
+    pairs with compute between them)."""
+    result = subprocess.run(
+        [sys.executable, "-c", ASYNC_CHECK], cwd=REPO, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        emit(
+            kind="async_collectives", exit_code=result.returncode, stderr_tail=result.stderr[-3000:]
+        )
+        raise SystemExit(1)
+    emit(kind="async_collectives", **json.loads(result.stdout.strip().splitlines()[-1]))
+
+
 PARTS: dict[str, Callable[[bool, Path], None]] = {
     "versions": versions,
     "ceilings": ceilings,
@@ -282,6 +322,7 @@ PARTS: dict[str, Callable[[bool, Path], None]] = {
     "checkpoint": checkpoint,
     "llama_cudnn": llama_run("cudnn"),
     "gpu_tests": gpu_tests,
+    "async_collectives": async_collectives,
 }
 
 

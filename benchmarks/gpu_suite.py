@@ -8,7 +8,8 @@ attention at llama_1b's shape and at 16k against cuDNN and XLA, forward and back
 configs/llama_1b.yaml with every kernel on XLA, then on Pallas (same seed and data: the per-step
 loss difference is the end-to-end kernel check), MFU against the datasheet peak and the measured
 ceiling; llama_1b's 14.8 GB state saved and restored in GB/s; then, while time is left, cuDNN
-attention with XLA norm and loss, and the `gpu` tests of the compiled kernels.
+attention with XLA norm and loss, the `gpu` tests of the compiled kernels and, with more than
+one GPU, whether the step's collectives are async (start/done pairs with compute between).
 
 After each part one JSON line is appended to OUTDIR/gpu.jsonl and flushed: a part's rows, its
 status (ok, failed, timeout, skipped), seconds and budget. A part killed at its budget keeps the
@@ -49,9 +50,10 @@ BUDGETS_S = {
     "checkpoint": 80,
     "llama_cudnn": 110,  # only while time is left
     "gpu_tests": 90,  # only while time is left
+    "async_collectives": 50,  # only while time is left, with more than one GPU
 }
-WHILE_TIME_IS_LEFT = {"llama_cudnn", "gpu_tests"}
-GPU_ONLY = {"llama_cudnn", "gpu_tests"}
+WHILE_TIME_IS_LEFT = {"llama_cudnn", "gpu_tests", "async_collectives"}
+GPU_ONLY = {"llama_cudnn", "gpu_tests", "async_collectives"}
 SMOKE_BUDGET_S = 900  # a part's limit on a shared CPU: its own records end it, not the clock
 TOTAL_S = 530  # within one 9-minute call, after start-up
 
@@ -82,6 +84,18 @@ def child_environment(smoke: bool, scratch: Path | None) -> dict[str, str]:
     return env
 
 
+def parse_rows(lines: list[str]) -> list[dict[str, Any]]:
+    """The part's rows; a last line cut short by the kill is left out."""
+    rows = []
+    for line in lines:
+        if line.startswith(ROW_PREFIX):
+            try:
+                rows.append(json.loads(line[len(ROW_PREFIX) :]))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
 def run_part(name: str, budget_s: float, args: argparse.Namespace, env: dict) -> dict[str, Any]:
     """One part in its own process group, killed at its budget; its rows either way."""
     log = args.out / f"{name}.out"
@@ -101,8 +115,7 @@ def run_part(name: str, budget_s: float, args: argparse.Namespace, env: dict) ->
             process.wait()
             status = "timeout"
     lines = log.read_text(errors="replace").splitlines()
-    rows = [json.loads(line[len(ROW_PREFIX) :]) for line in lines if line.startswith(ROW_PREFIX)]
-    result = {"part": name, "status": status, "rows": rows}
+    result = {"part": name, "status": status, "rows": parse_rows(lines)}
     if status != "ok":
         result["output_tail"] = "\n".join(line for line in lines[-30:] if line.strip())
     seconds = round(time.perf_counter() - started, 1)
@@ -129,10 +142,12 @@ def count_gpus() -> int:
         return 0
 
 
-def skip_reason(name: str, smoke: bool, left_s: float, budget_s: float) -> str | None:
-    """Why a part does not run: it needs a GPU (smoke), or the call's time is spent."""
+def skip_reason(name: str, smoke: bool, gpus: int, left_s: float, budget_s: float) -> str | None:
+    """Why a part does not run: it needs a GPU (smoke) or two, or the call's time is spent."""
     if smoke:
         return "needs a GPU" if name in GPU_ONLY else None
+    if name == "async_collectives" and gpus < 2:
+        return "needs more than one GPU"
     if left_s < 10 or (name in WHILE_TIME_IS_LEFT and left_s < budget_s):
         return f"{left_s:.0f} s of the call left"
     return None
@@ -169,7 +184,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args.out.mkdir(parents=True, exist_ok=True)
     journal = args.out / "gpu.jsonl"
     started = time.perf_counter()
-    args.smoke = args.smoke or count_gpus() == 0
+    gpus = 0 if args.smoke else count_gpus()
+    args.smoke = args.smoke or gpus == 0
     scratch = None
     if not args.smoke:
         scratch = Path(tempfile.mkdtemp(prefix="msjax-gpu-wheels-"))
@@ -181,7 +197,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for name in args.parts:
         left_s = args.total_seconds - (time.perf_counter() - started)
         budget_s = args.budgets.get(name, SMOKE_BUDGET_S if args.smoke else BUDGETS_S[name])
-        reason = skip_reason(name, args.smoke, left_s, budget_s)
+        reason = skip_reason(name, args.smoke, gpus, left_s, budget_s)
         if reason:
             record = {"part": name, "status": "skipped", "reason": reason, "rows": []}
         else:
