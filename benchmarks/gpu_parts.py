@@ -208,22 +208,30 @@ def llama_run(name: str) -> Callable[[bool, Path], None]:
 
 def llama_summary(records: list[dict[str, Any]], smoke: bool, out_dir: Path) -> dict[str, Any]:
     """Median tokens/s (p10, p90) and MFU past the warm-up; MFU against the measured ceiling."""
+    from msjax.observe.flops import peak_tflops_for_device_kind
+
     steps = [r for r in records if "tokens_per_s" in r]
     kept = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else steps[-1:]
     rates = sorted(r["tokens_per_s"] for r in kept)
     mfu = statistics.median(r["mfu"] for r in kept) if kept[0].get("mfu") is not None else None
     summary: dict[str, Any] = {
         "steps_measured": len(kept),
+        "first_step_s": steps[0]["step_time_s"],  # mostly compilation
         "tokens_per_s": statistics.median(rates),
         "tokens_per_s_p10": rates[len(rates) // 10],
         "tokens_per_s_p90": rates[(9 * len(rates)) // 10],
         "mfu_of_datasheet_peak": mfu,
         "losses": {r["step"]: r["loss"] for r in steps},
     }
-    peak = None if smoke else 989.0  # msjax.observe.flops' H200 dense bf16 datasheet peak
+    device = next((r for r in read_rows(out_dir, "versions") if r["kind"] == "versions"), None)
+    peak = None if smoke or device is None else peak_tflops_for_device_kind(device["device_kind"])
     matmul = next((r for r in read_rows(out_dir, "ceilings") if r["kind"] == "matmul_bf16"), None)
-    if mfu is not None and peak and matmul:
-        summary["mfu_of_measured_matmul_ceiling"] = mfu * peak / matmul["tflops"]
+    if mfu is not None and peak:
+        summary["datasheet_peak_tflops"] = peak
+        summary["model_tflops_per_s"] = mfu * peak
+        if matmul:
+            summary["measured_matmul_tflops"] = matmul["tflops"]
+            summary["mfu_of_measured_matmul_ceiling"] = mfu * peak / matmul["tflops"]
     return summary
 
 

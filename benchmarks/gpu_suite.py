@@ -38,8 +38,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.gpu_parts import ROW_PREFIX  # noqa: E402  (its top imports no jax)
+
 WHEELS = REPO / ".whl"
-ROW_PREFIX = "ROW "  # gpu_parts.ROW_PREFIX (that module imports jax's stack; this one does not)
 # seconds per part on the GPU, in order; 475 s for the parts every call runs
 BUDGETS_S = {
     "versions": 20,
