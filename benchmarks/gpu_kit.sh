@@ -7,8 +7,8 @@
 #                                    # with only jax's own dependencies imports grain and
 #                                    # runs a dataset from the installed wheels
 #
-# gpu_suite.py installs every wheel in .whl/ with `pip install --no-index --no-deps --target`
-# into a scratch folder and puts that folder on PYTHONPATH before its first part. The image runs
+# gpu_suite.py installs each wheel in .whl/ whose package the image lacks with `pip install
+# --no-index --no-deps --target` into a scratch folder, on PYTHONPATH before its first part. The image runs
 # Python 3.12 on x86_64 (jax 0.11.2 with CUDA 13, triton 3.6): jax-triton 0.4 needs triton 3.7,
 # so 0.3.1 is the newest that fits.
 set -euo pipefail
@@ -25,6 +25,7 @@ PACKAGES=(
   "portpicker"
   "psutil"
   "jax-triton==0.3.1"
+  "pytest" "pluggy" "iniconfig"  # for the suite's `pytest -m gpu`, should the image lack them
 )
 
 mkdir -p "$WHEELS"

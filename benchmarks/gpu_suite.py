@@ -27,6 +27,7 @@ config; its numbers mean nothing, the parts that need a GPU are skipped.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import signal
@@ -63,20 +64,33 @@ TOTAL_S = 530  # within one 9-minute call, after start-up
 
 
 def install_wheels(wheels: Path, scratch: Path) -> dict[str, Any]:
-    """pip install --no-index --no-deps --target scratch every wheel in `wheels`."""
-    found = sorted(str(path) for path in wheels.glob("*.whl"))
+    """pip install --no-index --no-deps --target scratch each wheel in `wheels` whose package
+    this Python lacks (one the image has is left as it is, not shadowed)."""
+    found = sorted(wheels.glob("*.whl"))
     if not found:
         return {"status": "skipped", "reason": f"no wheels in {wheels}"}
+    missing = [path for path in found if not installed(path.name.split("-")[0])]
+    if not missing:
+        return {"status": "skipped", "reason": "every wheel's package is installed already"}
     command = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet"]
-    result = subprocess.run(
-        [*command, "--target", str(scratch), *found], capture_output=True, text=True, check=False
-    )
+    command += ["--target", str(scratch), *map(str, missing)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     return {
         "status": "ok" if result.returncode == 0 else "failed",
-        "wheels": [Path(path).name for path in found],
+        "installed": [path.name for path in missing],
+        "already_there": [path.name for path in found if path not in missing],
         "target": str(scratch),
         "stderr_tail": result.stderr[-2000:],
     }
+
+
+def installed(project: str) -> bool:
+    """Whether this Python has the distribution a wheel's file name starts with."""
+    try:
+        importlib.metadata.distribution(project.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def child_environment(smoke: bool, scratch: Path | None) -> dict[str, str]:
@@ -195,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         scratch = Path(tempfile.mkdtemp(prefix="msjax-gpu-wheels-"))
         setup = install_wheels(args.wheels, scratch)
         append_line(journal, {"part": "setup", **setup})
-        scratch = scratch if setup["status"] == "ok" else None
+        scratch = scratch if setup.get("installed") else None
     env = child_environment(args.smoke, scratch)
     records = []
     for name in args.parts:
