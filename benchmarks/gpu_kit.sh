@@ -25,7 +25,7 @@ PACKAGES=(
   "portpicker"
   "psutil"
   "jax-triton==0.3.1"
-  "pytest" "pluggy" "iniconfig"  # for the suite's `pytest -m gpu`, should the image lack them
+  "pytest" "pluggy" "iniconfig" "packaging" "pygments"  # the suite's `pytest -m gpu`
 )
 
 mkdir -p "$WHEELS"

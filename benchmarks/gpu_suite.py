@@ -16,9 +16,9 @@ status (ok, failed, timeout, skipped), seconds and budget. A part killed at its 
 rows it had printed; a run killed from outside keeps every finished part. Each llama run's
 metrics.jsonl is copied to OUTDIR.
 
-Wheels in .whl/ (benchmarks/gpu_kit.sh fetches them: grain and its needs, jax-triton) are
-installed first with `pip install --no-index --no-deps --target` into a scratch folder, which
-goes on PYTHONPATH: the GPU image has neither grain nor a network.
+Wheels in .whl/ (benchmarks/gpu_kit.sh fetches them: grain and its needs, jax-triton) whose
+package this Python lacks are installed first with `pip install --no-index --no-deps --target`
+into a scratch folder, which goes on PYTHONPATH: the GPU image has neither grain nor a network.
 
 `--smoke` (forced without a GPU) is the CPU form: tiny shapes, the Pallas interpreter, the tiny
 config; its numbers mean nothing, the parts that need a GPU are skipped.
