@@ -47,12 +47,12 @@ if [[ "${1:-}" == "--check" ]]; then
     --target "$scratch/site" "$WHEELS"/*.whl
   # jax_triton is left out here: it imports jax and triton, which the image has
   if ! PYTHONPATH="$scratch/site" "$scratch/venv/bin/python" -W ignore -c '
-import array_record, grain, grain.python as gp, portpicker
+import array_record, grain, grain.python as gp, portpicker, pytest
 rows = [list(batch) for batch in gp.MapDataset.range(6).map(lambda x: x * 2).batch(3)]
 assert rows == [[0, 2, 4], [6, 8, 10]], rows
 '; then
     echo "incomplete: grain does not import from the wheels in $WHEELS"
     exit 1
   fi
-  echo "complete: a clean Python 3.12 venv imports grain and runs a dataset from these wheels"
+  echo "complete: a clean Python 3.12 venv imports grain (and runs a dataset) and pytest from these wheels"
 fi

@@ -181,6 +181,7 @@ def llama_run(name: str) -> Callable[[bool, Path], None]:
     def run(smoke: bool, out_dir: Path) -> None:
         with tempfile.TemporaryDirectory(prefix="msjax-gpu-suite-") as root:
             run_dir = Path(root) / "run"
+            emit(kind="run_dir", path=str(run_dir))  # read by the suite if this part times out
             command = [
                 sys.executable,
                 "-m",

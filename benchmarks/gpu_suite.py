@@ -114,6 +114,17 @@ def parse_rows(lines: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def keep_partial_metrics(name: str, rows: list[dict[str, Any]], out: Path) -> str | None:
+    """A training run cut off by its part's budget: its metrics.jsonl so far, copied to OUTDIR."""
+    for row in rows:
+        metrics = Path(row["path"]) / "metrics.jsonl" if row.get("kind") == "run_dir" else None
+        if metrics and metrics.exists():
+            copy = out / f"{name}.partial.metrics.jsonl"
+            copy.write_bytes(metrics.read_bytes())
+            return copy.name
+    return None
+
+
 def run_part(name: str, budget_s: float, args: argparse.Namespace, env: dict) -> dict[str, Any]:
     """One part in its own process group, killed at its budget; its rows either way."""
     log = args.out / f"{name}.out"
@@ -134,6 +145,8 @@ def run_part(name: str, budget_s: float, args: argparse.Namespace, env: dict) ->
             status = "timeout"
     lines = log.read_text(errors="replace").splitlines()
     result = {"part": name, "status": status, "rows": parse_rows(lines)}
+    if status == "timeout":
+        result["partial_metrics"] = keep_partial_metrics(name, result["rows"], args.out)
     if status != "ok":
         result["output_tail"] = "\n".join(line for line in lines[-30:] if line.strip())
     seconds = round(time.perf_counter() - started, 1)
