@@ -29,11 +29,16 @@ ROW_PREFIX = "ROW "
 WARMUP_STEPS = 5  # left out of a llama run's tokens/s and MFU: compile and first allocations
 LLAMA_STEPS = 20
 # llama_1b's attention: batch, seq, heads, kv heads, head_dim; then the same heads at 16k tokens
+# and llama_1b's shape again with 3 packed documents a row (segment ids), in this order
 ATTENTION_CASES = {
-    "llama_1b": (8, 2048, 32, 8, 64),
-    "seq16k": (1, 16384, 32, 8, 64),
+    "llama_1b": ((8, 2048, 32, 8, 64), 1),
+    "seq16k": ((1, 16384, 32, 8, 64), 1),
+    "llama_1b_packed": ((8, 2048, 32, 8, 64), 3),
 }
-SMOKE_ATTENTION_CASES = {"llama_1b": (1, 64, 4, 2, 16)}
+SMOKE_ATTENTION_CASES = {
+    "llama_1b": ((1, 64, 4, 2, 16), 1),
+    "llama_1b_packed": ((1, 64, 4, 2, 16), 3),
+}
 XLA_ATTENTION_MAX_SEQ = 8192  # XLA's reference holds f32 [seq, seq] scores: 34 GB a row at 16k
 LLAMA_IMPLS = {  # model.{attention,norm,loss}_impl of each llama_1b run
     "xla": ("xla", "xla", "xla"),
@@ -136,11 +141,12 @@ def attention(smoke: bool, out_dir: Path) -> None:
 
     on_gpu = jax.default_backend() == "gpu"
     cases = SMOKE_ATTENTION_CASES if smoke else ATTENTION_CASES
-    for case, shape in cases.items():
+    timing = SMOKE_TIMING if smoke else Timing()
+    for case, (shape, documents) in cases.items():
         impls = ["pallas", "cudnn"] if on_gpu else ["pallas"]
-        if shape[1] < XLA_ATTENTION_MAX_SEQ:
+        if shape[1] < XLA_ATTENTION_MAX_SEQ and documents == 1:
             impls.append("xla")
-        for row in attention_rows(shape, impls, SMOKE_TIMING if smoke else Timing(), on_gpu):
+        for row in attention_rows(shape, impls, timing, on_gpu, documents):
             emit(kind="attention", case=case, **row)
 
 

@@ -68,8 +68,24 @@ def test_a_part_killed_at_its_budget_keeps_the_rows_it_printed(smoke_run):
 def test_ceilings_and_attention_rows_carry_rates_and_both_backward_conventions(smoke_run):
     (matmul,) = rows(smoke_run["parts"]["ceilings"], "matmul_bf16")
     assert matmul["tflops"] == pytest.approx(2 * matmul["n"] ** 3 / matmul["ms"] / 1e9)
-    attention = {row["impl"]: row for row in rows(smoke_run["parts"]["attention"], "attention")}
-    assert set(attention) == {"pallas", "xla"}  # no cuDNN on CPU
+    attention = {
+        (row["case"], row["impl"]): row
+        for row in rows(smoke_run["parts"]["attention"], "attention")
+    }
+    # no cuDNN on CPU; XLA's reference only for the unpacked case
+    assert set(attention) == {
+        ("llama_1b", "pallas"),
+        ("llama_1b", "xla"),
+        ("llama_1b_packed", "pallas"),
+    }
+
+    def forward_flops(row: dict) -> float:
+        return row["forward_tflops"] * row["forward_ms"] * 1e9
+
+    # [1, 64, 4 heads, 2 kv heads, 16]: 2080 causal pairs; 3 packed documents (22, 21, 21): 715
+    causal, packed = attention[("llama_1b", "pallas")], attention[("llama_1b_packed", "pallas")]
+    assert forward_flops(causal) == pytest.approx(4 * 4 * 16 * 2080)
+    assert forward_flops(packed) == pytest.approx(4 * 4 * 16 * 715)
     for row in attention.values():
         assert row["max_error"] < 3e-2, row
         assert row["forward_backward_ms"] == pytest.approx(row["forward_ms"] + row["backward_ms"])
