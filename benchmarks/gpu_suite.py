@@ -4,7 +4,8 @@
 
 Each part runs in its own process (benchmarks/gpu_parts.py) under its own time budget, in this
 order: versions and device; measured ceilings (bf16 matmul TFLOP/s, device copy GB/s); flash
-attention at llama_1b's shape and at 16k against cuDNN and XLA, forward and backward;
+attention at llama_1b's shape, at 16k and with packed documents against cuDNN and XLA, forward
+and backward;
 configs/llama_1b.yaml with every kernel on XLA, then on Pallas (same seed and data: the per-step
 loss difference is the end-to-end kernel check), MFU against the datasheet peak and the measured
 ceiling; llama_1b's 14.8 GB state saved and restored in GB/s; then, while time is left, cuDNN
