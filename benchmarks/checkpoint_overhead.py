@@ -14,7 +14,7 @@ the step runs on the device and the write on otherwise idle host cores.
     python benchmarks/checkpoint_overhead.py [--steps 16] [--global-batch 1] [--seq-len 256]
     python benchmarks/checkpoint_overhead.py --smoke   # a tiny model for 7 steps, in seconds
     python benchmarks/checkpoint_overhead.py --save-restore-only configs/llama_1b.yaml [k=v ...]
-        # only init_state -> save -> wait -> restore -> block_until_ready, in GB/s
+        # only init_state -> save -> wait -> restore -> block_until_ready (-> save), in GB/s
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "1"
 REPO = Path(__file__).resolve().parents[1]
@@ -75,64 +77,62 @@ def cpu_seconds() -> float:
 
 def save_restore_mb_per_s(overrides: list[str]) -> tuple[float, float, float, float]:
     """(state MB, save MB/s until finalized, restore MB/s, CPU s of the save) for one save."""
-    timed = save_and_restore(REPO / "configs" / "small.yaml", overrides)
-    state_mb = timed["state_bytes"] / 1e6
+    phases = {
+        timed["phase"]: timed
+        for timed in save_and_restore(REPO / "configs" / "small.yaml", overrides)
+    }
+    state_mb = phases["state"]["bytes"] / 1e6
     return (
         state_mb,
-        state_mb / timed["first_save_s"],
-        state_mb / timed["restore_s"],
-        timed["first_save_cpu_s"],
+        state_mb / phases["first_save"]["seconds"],
+        state_mb / phases["restore"]["seconds"],
+        phases["first_save"]["cpu_seconds"],
     )
 
 
-def save_and_restore(config_path: Path, overrides: list[str]) -> dict[str, float]:
-    """A state of this config made by init_state, saved twice and restored, each timed.
+def save_and_restore(config_path: Path, overrides: list[str]) -> Iterator[dict[str, Any]]:
+    """A state of this config made by init_state, then saved, restored and saved again: one
+    record per phase as it ends.
 
     The first save also compiles the fingerprint program; the second is the steady cost. The
-    restore follows the saves, so its files are in the page cache (warm).
+    restore follows the first save, so its files are in the page cache (warm).
     """
     config = load_config(config_path, overrides)
     config = resolve(config, jax.device_count(), jax.default_backend())
     program = build_program(config, build_mesh(config.mesh))
     state = jax.block_until_ready(program.init_state())
-    timed: dict[str, float] = {"state_bytes": sum(x.nbytes for x in jax.tree.leaves(state))}
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    yield {"phase": "state", "bytes": state_bytes}
     with tempfile.TemporaryDirectory() as root:
         checkpointer = Checkpointer(Path(root), config.checkpoint)
-        for step, name in ((1, "first_save"), (2, "second_save")):
+        for step, phase in ((1, "first_save"), (None, "restore"), (2, "second_save")):
             started, cpu_started = time.perf_counter(), cpu_seconds()
-            checkpointer.save(step, state, {"config": config.to_dict()})
-            checkpointer.wait()
-            timed[f"{name}_s"] = time.perf_counter() - started
-            timed[f"{name}_cpu_s"] = cpu_seconds() - cpu_started
-        timed["bytes_on_disk"] = sum(f.stat().st_size for f in Path(root).rglob("*") if f.is_file())
-        del state
-        started = time.perf_counter()
-        restored = checkpointer.restore(2, program.abstract_state())
-        jax.block_until_ready(restored.state)
-        timed["restore_s"] = time.perf_counter() - started
+            if step is None:
+                restored = checkpointer.restore(1, program.abstract_state())
+                jax.block_until_ready(restored.state)
+                del restored
+            else:
+                checkpointer.save(step, state, {"config": config.to_dict()})
+                checkpointer.wait()
+            seconds = time.perf_counter() - started
+            yield {
+                "phase": phase,
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds() - cpu_started,
+                "gb_per_s": state_bytes / 1e9 / seconds,
+                "bytes_on_disk": sum(
+                    f.stat().st_size for f in Path(root).rglob("*") if f.is_file()
+                ),
+            }
         checkpointer.close()
-    return timed
 
 
 def print_save_restore_only(config_path: Path, overrides: list[str]) -> None:
-    """--save-restore-only: init_state -> save -> wait -> restore, in GB/s, as one JSON line."""
-    timed = save_and_restore(config_path, overrides)
-    gb = timed["state_bytes"] / 1e9
-    print(
-        json.dumps(
-            {
-                "config": str(config_path),
-                "device": jax.devices()[0].device_kind,
-                "state_gb": gb,
-                "bytes_on_disk": timed["bytes_on_disk"],
-                "first_save_gb_per_s": gb / timed["first_save_s"],
-                "second_save_gb_per_s": gb / timed["second_save_s"],
-                "restore_gb_per_s_page_cache_warm": gb / timed["restore_s"],
-                **{k: v for k, v in timed.items() if k.endswith("_s")},
-            }
-        ),
-        flush=True,
-    )
+    """--save-restore-only: init_state -> save -> wait -> restore -> save again, in GB/s; one
+    JSON line per phase, flushed as it ends (a run cut short keeps the phases it finished)."""
+    device = jax.devices()[0].device_kind
+    for timed in save_and_restore(config_path, overrides):
+        print(json.dumps({"config": str(config_path), "device": device, **timed}), flush=True)
 
 
 def main() -> None:
@@ -145,7 +145,7 @@ def main() -> None:
         "--save-restore-only",
         type=Path,
         metavar="CONFIG",
-        help="only time init_state -> save -> restore of CONFIG's state (GB/s, one JSON line)",
+        help="only time init_state -> save -> restore of CONFIG's state (GB/s, JSON lines)",
     )
     parser.add_argument("overrides", nargs="*", help="key=value for --save-restore-only")
     args = parser.parse_args()
