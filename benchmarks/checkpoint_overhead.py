@@ -13,17 +13,22 @@ the step runs on the device and the write on otherwise idle host cores.
 
     python benchmarks/checkpoint_overhead.py [--steps 16] [--global-batch 1] [--seq-len 256]
     python benchmarks/checkpoint_overhead.py --smoke   # a tiny model for 7 steps, in seconds
+    python benchmarks/checkpoint_overhead.py --save-restore-only configs/llama_1b.yaml [k=v ...]
+        # only init_state -> save -> wait -> restore -> block_until_ready (-> save), in GB/s
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "1"
 REPO = Path(__file__).resolve().parents[1]
@@ -72,24 +77,62 @@ def cpu_seconds() -> float:
 
 def save_restore_mb_per_s(overrides: list[str]) -> tuple[float, float, float, float]:
     """(state MB, save MB/s until finalized, restore MB/s, CPU s of the save) for one save."""
-    config = load_config(REPO / "configs" / "small.yaml", overrides)
+    phases = {
+        timed["phase"]: timed
+        for timed in save_and_restore(REPO / "configs" / "small.yaml", overrides)
+    }
+    state_mb = phases["state"]["bytes"] / 1e6
+    return (
+        state_mb,
+        state_mb / phases["first_save"]["seconds"],
+        state_mb / phases["restore"]["seconds"],
+        phases["first_save"]["cpu_seconds"],
+    )
+
+
+def save_and_restore(config_path: Path, overrides: list[str]) -> Iterator[dict[str, Any]]:
+    """A state of this config made by init_state, then saved, restored and saved again: one
+    record per phase as it ends.
+
+    The first save also compiles the fingerprint program; the second is the steady cost. The
+    restore follows the first save, so its files are in the page cache (warm).
+    """
+    config = load_config(config_path, overrides)
     config = resolve(config, jax.device_count(), jax.default_backend())
     program = build_program(config, build_mesh(config.mesh))
-    state = program.init_state()
-    state_mb = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) / 1e6
+    state = jax.block_until_ready(program.init_state())
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    yield {"phase": "state", "bytes": state_bytes}
     with tempfile.TemporaryDirectory() as root:
         checkpointer = Checkpointer(Path(root), config.checkpoint)
-        started, cpu_started = time.perf_counter(), cpu_seconds()
-        checkpointer.save(1, state, {"config": config.to_dict()})
-        checkpointer.wait()
-        save_s = time.perf_counter() - started
-        save_cpu_s = cpu_seconds() - cpu_started
-        started = time.perf_counter()
-        restored = checkpointer.restore(1, program.abstract_state())
-        jax.block_until_ready(restored.state)
-        restore_s = time.perf_counter() - started
+        for step, phase in ((1, "first_save"), (None, "restore"), (2, "second_save")):
+            started, cpu_started = time.perf_counter(), cpu_seconds()
+            if step is None:
+                restored = checkpointer.restore(1, program.abstract_state())
+                jax.block_until_ready(restored.state)
+                del restored
+            else:
+                checkpointer.save(step, state, {"config": config.to_dict()})
+                checkpointer.wait()
+            seconds = time.perf_counter() - started
+            yield {
+                "phase": phase,
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds() - cpu_started,
+                "gb_per_s": state_bytes / 1e9 / seconds,
+                "bytes_on_disk": sum(
+                    f.stat().st_size for f in Path(root).rglob("*") if f.is_file()
+                ),
+            }
         checkpointer.close()
-    return state_mb, state_mb / save_s, state_mb / restore_s, save_cpu_s
+
+
+def print_save_restore_only(config_path: Path, overrides: list[str]) -> None:
+    """--save-restore-only: init_state -> save -> wait -> restore -> save again, in GB/s; one
+    JSON line per phase, flushed as it ends (a run cut short keeps the phases it finished)."""
+    device = jax.devices()[0].device_kind
+    for timed in save_and_restore(config_path, overrides):
+        print(json.dumps({"config": str(config_path), "device": device, **timed}), flush=True)
 
 
 def main() -> None:
@@ -98,7 +141,17 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--smoke", action="store_true", help="a tiny model for 7 steps")
+    parser.add_argument(
+        "--save-restore-only",
+        type=Path,
+        metavar="CONFIG",
+        help="only time init_state -> save -> restore of CONFIG's state (GB/s, JSON lines)",
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value for --save-restore-only")
     args = parser.parse_args()
+    if args.save_restore_only:
+        print_save_restore_only(args.save_restore_only, args.overrides)
+        return
     if args.smoke:
         args.steps, args.seq_len = 7, TINY_SEQ_LEN  # one save (step 5) inside the measured steps
     base = [

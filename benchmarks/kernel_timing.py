@@ -1,10 +1,12 @@
-"""Measuring and tabulating kernels for benchmarks/kernels_gpu.py: median wall time, relative
-error, a jitted forward + backward, and the rows and tables of results."""
+"""Measuring and tabulating kernels for benchmarks/kernels_gpu.py and gpu_suite.py: amortised
+median wall time, relative error, a jitted forward + backward, and the rows and tables of
+results."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +15,29 @@ import numpy as np
 Row = dict[str, object]
 
 
-def time_ms(fn: Callable, *args, repeats: int) -> float:
-    """Median wall time of one call, after a compile-and-warm-up call."""
+@dataclass(frozen=True)
+class Timing:
+    """How to time a call: `calls` dispatched back to back and blocked on once make a batch, so
+    Python dispatch and launch overlap the device's work; the median over `batches` batches."""
+
+    calls: int = 20
+    batches: int = 7
+
+
+SMOKE_TIMING = Timing(calls=2, batches=1)  # the interpreter on CPU: the times mean nothing
+
+
+def time_ms(fn: Callable, *args, timing: Timing = Timing()) -> float:
+    """Median wall time of one call in ms, after a compile-and-warm-up call."""
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
+    per_call = []
+    for _ in range(timing.batches):
         started = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - started)
-    return 1e3 * float(np.median(times))
+        for _ in range(timing.calls):
+            out = fn(*args)  # a device runs its queue in order: the last done means all are
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - started) / timing.calls)
+    return 1e3 * float(np.median(per_call))
 
 
 def relative_error(actual, expected) -> float:

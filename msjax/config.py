@@ -43,7 +43,8 @@ class ModelConfig:
     attention_window: int | None = None  # sliding-window attention; None: full causal
     remat: Literal["none", "full", "dots"] = "none"
     compute_dtype: DType = "float32"  # parameters stay float32 (master copy)
-    # msjax.resolve makes `auto` the Pallas kernel on GPU, the XLA reference elsewhere; pallas
+    # msjax.resolve makes `auto` cuDNN attention with the XLA norm and loss on GPU (XLA attention
+    # where cuDNN does not take the model), the XLA reference elsewhere; pallas
     # off GPU runs the kernels in the Pallas interpreter (slow; for tests); cudnn and triton (a
     # jax-triton kernel) need a GPU. loss_impl=pallas is the fused unembedding + cross-entropy
     # that never holds [tokens, vocab] logits.

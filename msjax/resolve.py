@@ -34,10 +34,26 @@ def impl_choices(key: str) -> tuple[str, ...]:
 
 
 IMPL_KEYS = ("attention_impl", "norm_impl", "loss_impl")
+# What `auto` runs on a GPU. cuDNN's fused attention and XLA's norm and loss: the Pallas kernels
+# sit on the deprecated Pallas Triton backend and have no device figures yet showing them at
+# least as fast (benchmarks/gpu_suite.py measures that); `pallas` stays selectable.
+GPU_AUTO_IMPLS = {"attention_impl": "cudnn", "norm_impl": "xla", "loss_impl": "xla"}
+CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN flash attention takes 16-bit inputs only
+CUDNN_MAX_HEAD_DIM = 256
 
 
-def resolve_impl(impl: str, key: str, backend: str) -> str:
-    """`auto` -> `pallas` on GPU and `xla` elsewhere; a GPU-only kernel off GPU is a ConfigError.
+def cudnn_attention_fits(model: ModelConfig) -> bool:
+    """Whether cuDNN fused attention takes this model: 16-bit compute, head_dim % 8 == 0, <= 256."""
+    head_dim = model.resolved_head_dim
+    return (
+        model.compute_dtype in CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
+    )
+
+
+def resolve_impl(impl: str, key: str, backend: str, cudnn_fits: bool = True) -> str:
+    """`auto` -> GPU_AUTO_IMPLS on GPU and `xla` elsewhere; a GPU-only kernel off GPU is a
+    ConfigError. On GPU, `auto` attention is `xla` where cuDNN does not take the model
+    (cudnn_fits, from cudnn_attention_fits).
 
     key is the config knob's name in its section (`attention_impl`), so the message names the fix.
     """
@@ -47,7 +63,9 @@ def resolve_impl(impl: str, key: str, backend: str) -> str:
             f"model.{key}={impl!r} is not accepted; choose one of auto, {', '.join(choices)}"
         )
     if impl == "auto":
-        return "pallas" if backend == "gpu" else "xla"
+        if backend != "gpu" or (GPU_AUTO_IMPLS[key] == "cudnn" and not cudnn_fits):
+            return "xla"
+        return GPU_AUTO_IMPLS[key]
     if impl in GPU_ONLY_IMPLS and backend != "gpu":
         runnable = [choice for choice in ("auto", *choices) if choice not in GPU_ONLY_IMPLS]
         raise ConfigError(
@@ -59,8 +77,10 @@ def resolve_impl(impl: str, key: str, backend: str) -> str:
 
 def resolve_model(model: ModelConfig, backend: str) -> ModelConfig:
     """The model section with each `*_impl` resolved to the implementation that will run."""
+    fits = cudnn_attention_fits(model)
     return dataclasses.replace(
-        model, **{key: resolve_impl(getattr(model, key), key, backend) for key in IMPL_KEYS}
+        model,
+        **{key: resolve_impl(getattr(model, key), key, backend, fits) for key in IMPL_KEYS},
     )
 
 

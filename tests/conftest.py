@@ -4,7 +4,8 @@
 - A fresh token cache directory, so tests never write into ~/.cache/msjax.
 - XLA's CPU backend at optimisation level 0: tests run few steps, and this cuts compile time
   about threefold without changing what is computed beyond float rounding (each test compares
-  programs compiled the same way).
+  programs compiled the same way). Only where the tests run on CPU: `JAX_PLATFORMS` names cpu
+  alone, or no CUDA plugin is installed (read from package metadata, so no backend starts here).
 - One JAX persistent compilation cache for every process the tests start, in that token cache
   directory (where msjax.launch's workers keep theirs): the same small program compiled by
   dozens of `python -m msjax.train` runs is compiled once. A cached program is the one XLA
@@ -13,13 +14,31 @@
   such a child, or one that must compile, without these variables, as test_benchmarks.py does.
 """
 
+import importlib.metadata
 import os
 import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("MSJAX_CACHE_DIR", tempfile.mkdtemp(prefix="msjax-test-cache-"))
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+
+
+def runs_on_cpu() -> bool:
+    """Whether jax will pick the CPU backend, decided without importing jax."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    for plugin in CUDA_PLUGINS:
+        try:
+            importlib.metadata.distribution(plugin)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return False
+    return True
+
+
+if runs_on_cpu() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()

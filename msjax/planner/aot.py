@@ -11,6 +11,7 @@ FLOPs are read from the optimised program.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import tempfile
@@ -168,6 +169,11 @@ def lower_on_abstract_mesh(
     trace or its shardings do not fit the mesh.
     """
     config = config_for_mesh(config, mesh, backend)
+    if config.model.attention_impl == "cudnn" and jax.default_backend() != "gpu":
+        # JAX's cuDNN attention looks for the library while tracing, which a host without a GPU
+        # lacks; the state and its shardings, what this lowering checks, do not depend on it
+        model = dataclasses.replace(config.model, attention_impl="xla")
+        config = dataclasses.replace(config, model=model)
     platform = LOWERING_PLATFORMS[backend]
     sizes = tuple(mesh.sizes()[axis] for axis in MESH_AXES)
     abstract = AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(sizes))

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "--platform",
         choices=("gpu", "cpu", "tpu"),
         help="the target's platform, which decides what model.attention_impl=auto runs (a "
-        "flash-attention kernel on gpu); default gpu, or cpu with --xla",
+        "fused attention on gpu for 16-bit models); default gpu, or cpu with --xla",
     )
     parser.add_argument(
         "--xla",
