@@ -102,3 +102,17 @@ def test_other_glibc_tunables_are_kept_and_a_chosen_hugetlb_value_wins():
     chosen = allocator_env({TUNABLES_VAR: "glibc.malloc.hugetlb=0"})
     assert chosen[TUNABLES_VAR] == "glibc.malloc.hugetlb=0"
     assert TUNABLES_VAR not in allocator_env({OPT_OUT_VAR: "0"})
+
+
+def test_msjax_launch_starts_its_workers_with_huge_pages(tmp_path):
+    from msjax.launch.workers import WorkerProcess
+
+    show = "import os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))"
+    env = {"PATH": os.environ.get("PATH", ""), TUNABLES_VAR: "glibc.malloc.arena_max=2"}
+    worker = WorkerProcess(0, [sys.executable, "-c", show], env, tmp_path / "0.log", 1, None)
+    assert worker.wait(timeout_s=60) and worker.exit_code == 0
+    worker.close()
+    assert (
+        "tunables: glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+        in (tmp_path / "0.log").read_text()
+    )
