@@ -42,6 +42,7 @@ SMOKES = [
     Smoke("agreement_overhead.py"),
     Smoke("checkpoint_overhead.py"),
     Smoke("corruption_guard.py"),
+    Smoke("cpu_levers.py", slow=True),
     Smoke("data_throughput.py", slow=True),
     Smoke("fault_drill.py", slow=True),
     Smoke("generate.py"),
@@ -245,10 +246,18 @@ def check_step_overhead(out: str, _: Path) -> None:
     assert "(smoke: tiny model)" in out
 
 
+def check_cpu_levers(out: str, _: Path) -> None:
+    on = number(r"all on\s+{N}", out)
+    off = number(r"all off \(before\)\s+{N}", out)
+    assert_ratio(number(r"all off \(before\)\s+[\d,.]+\s+{N}", out), on, off, 3, 1)
+    assert "(smoke: tiny model)" in out
+
+
 CHECKS = {
     "agreement_overhead.py": check_agreement_overhead,
     "checkpoint_overhead.py": check_checkpoint_overhead,
     "corruption_guard.py": check_corruption_guard,
+    "cpu_levers.py": check_cpu_levers,
     "data_throughput.py": check_data_throughput,
     "fault_drill.py": check_fault_drill,
     "generate.py": check_generate,
