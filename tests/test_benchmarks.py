@@ -41,6 +41,7 @@ class Smoke:
 SMOKES = [
     Smoke("agreement_overhead.py"),
     Smoke("checkpoint_overhead.py"),
+    Smoke("compute_check.py"),
     Smoke("corruption_guard.py"),
     Smoke("cpu_levers.py", slow=True),
     Smoke("data_throughput.py", slow=True),
@@ -246,6 +247,16 @@ def check_step_overhead(out: str, _: Path) -> None:
     assert "(smoke: tiny model)" in out
 
 
+def check_compute_check(out: str, _: Path) -> None:
+    bare = number(r"step time, no check\s+{N} ms", out)
+    checked = number(r"step time, a check every 4 steps\s+{N} ms", out)
+    assert_ratio(number(r"ratio \(check / no check\)\s+{N}", out), checked, bare, 3, 2)
+    one = number(r"one check on its own\s+{N} ms", out)
+    amortized = number(r"amortized: {N} x the step time", out)
+    assert positive(one) and abs(amortized - (1 + one / (4 * bare))) <= 2e-4 + 1e-3 * one / bare
+    assert "(smoke: tiny model)" in out
+
+
 def check_cpu_levers(out: str, _: Path) -> None:
     on = number(r"all on\s+{N}", out)
     off = number(r"all off \(before\)\s+{N}", out)
@@ -256,6 +267,7 @@ def check_cpu_levers(out: str, _: Path) -> None:
 CHECKS = {
     "agreement_overhead.py": check_agreement_overhead,
     "checkpoint_overhead.py": check_checkpoint_overhead,
+    "compute_check.py": check_compute_check,
     "corruption_guard.py": check_corruption_guard,
     "cpu_levers.py": check_cpu_levers,
     "data_throughput.py": check_data_throughput,
