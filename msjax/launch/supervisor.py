@@ -130,6 +130,7 @@ class Supervisor:
         self._standbys_checked = (-1, 0.0)  # the attempt _keep_standbys_ready last looked in, when
         self._recorded_unix_s = 0.0  # when this launch's record was last appended
         self.committed_at_start = newest_committed(self.run_dir)
+        self._checkpoints_said = False  # the launch's checkpoints line (train.sbatch reads it)
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -146,7 +147,8 @@ class Supervisor:
         try:
             return self._run()
         finally:
-            self._say_checkpoints()
+            if not self._checkpoints_said:  # a stop's own last line says it first
+                self._say_checkpoints()
             self.membership.close(self.resilience.stop_grace_s)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -156,6 +158,7 @@ class Supervisor:
         line but one: launch/slurm/train.sbatch spends its requeue budget only on a run of the
         job that committed no newer one."""
         now = newest_committed(self.run_dir)
+        self._checkpoints_said = True
         self.say(
             f"checkpoints: newest committed step {'none' if now is None else now} (step "
             f"{'none' if self.committed_at_start is None else self.committed_at_start} at this "
@@ -556,6 +559,7 @@ class Supervisor:
         assert code is not None
         self.incidents.write()
         self._finish(f"stopped: {reason}")
+        self._say_checkpoints()  # before the last line, which names what stopped the job
         self.say(
             f"stopped after incident {self.incidents.count} ({fault.label}): "
             f"{reason}; exit code {code}; checkpoints in {self.run_dir.checkpoints} are kept"
