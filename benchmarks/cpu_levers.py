@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
-from msjax.allocator import OPT_IN_VAR, REEXEC_MARKER_VAR, TUNABLES_VAR, allocator_env  # noqa: E402
+from msjax.allocator import OPT_OUT_VAR, REEXEC_MARKER_VAR, TUNABLES_VAR, allocator_env  # noqa: E402
 
 SIDE_BY_SIDE = [
     "model.num_layers=8",
@@ -132,9 +132,10 @@ def run_variant(levers: dict, overrides: list[str], steps: int) -> dict:
 def variant_env(allocator: bool) -> dict[str, str]:
     """One device; glibc's huge pages on or off, whatever this process was started with."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "PYTHONPATH": str(REPO)}
-    for name in (TUNABLES_VAR, OPT_IN_VAR, REEXEC_MARKER_VAR):
+    for name in (TUNABLES_VAR, OPT_OUT_VAR, REEXEC_MARKER_VAR):
         env.pop(name, None)
-    env[OPT_IN_VAR] = "1" if allocator else "0"
+    if not allocator:
+        env[OPT_OUT_VAR] = "0"
     return allocator_env(env)
 
 

@@ -3,10 +3,7 @@
 XLA:CPU mallocs its temp buffer on every execution and glibc mmaps and unmaps it, so without
 this every step takes one minor page fault per 4 KiB of temp (about 0.5 s per GiB per step).
 glibc reads GLIBC_TUNABLES once, at process start: `msjax.launch` sets it in its workers'
-environment, and `python -m msjax.train` re-executes itself once with it. Opt-in
-(MSJAX_MALLOC_HUGETLB=1): with it, a run on 8 simulated CPU devices was seen to stall past XLA's
-40 s collective rendezvous on a loaded 2-core machine, so it is not the default until that is
-understood.
+environment, and `python -m msjax.train` re-executes itself once with it.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from typing import Any
 TUNABLES_VAR = "GLIBC_TUNABLES"
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
 HUGETLB_SETTING = f"{HUGETLB_TUNABLE}=1"  # madvise(MADV_HUGEPAGE) on glibc's mmapped blocks
-OPT_IN_VAR = "MSJAX_MALLOC_HUGETLB"  # "1": huge pages for glibc's large blocks (default: off)
+OPT_OUT_VAR = "MSJAX_MALLOC_HUGETLB"  # "0": leave glibc's allocator as the environment has it
 REEXEC_MARKER_VAR = "MSJAX_ALLOCATOR_REEXEC"  # set in a re-executed process: never twice
 
 
@@ -29,9 +26,9 @@ def on_glibc() -> bool:
     return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
 
-def opted_in(env: Mapping[str, str]) -> bool:
-    """Whether the environment asks msjax for huge pages (MSJAX_MALLOC_HUGETLB=1)."""
-    return env.get(OPT_IN_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+def opted_out(env: Mapping[str, str]) -> bool:
+    """Whether the environment asks msjax to leave the allocator alone."""
+    return env.get(OPT_OUT_VAR, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _tunables_with_hugetlb(tunables: str) -> str:
@@ -45,7 +42,7 @@ def _tunables_with_hugetlb(tunables: str) -> str:
 def allocator_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` with huge pages for glibc's large blocks, keeping any other GLIBC_TUNABLES entries."""
     env = dict(env)
-    if on_glibc() and opted_in(env):
+    if on_glibc() and not opted_out(env):
         env[TUNABLES_VAR] = _tunables_with_hugetlb(env.get(TUNABLES_VAR, ""))
     return env
 
@@ -74,5 +71,5 @@ def allocator_record(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     return {
         TUNABLES_VAR: tunables,
         "malloc_hugetlb": on_glibc() and HUGETLB_SETTING in tunables.split(":"),
-        "opted_in": opted_in(environ),
+        "opted_out": opted_out(environ),
     }

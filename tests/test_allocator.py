@@ -1,5 +1,4 @@
-"""A step does not re-fault XLA's temp buffer page by page where msjax runs glibc with huge pages
-(MSJAX_MALLOC_HUGETLB=1)."""
+"""A step does not re-fault XLA's temp buffer page by page: msjax runs glibc with huge pages."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from msjax.allocator import OPT_IN_VAR, REEXEC_MARKER_VAR, TUNABLES_VAR, allocator_env, on_glibc
+from msjax.allocator import OPT_OUT_VAR, REEXEC_MARKER_VAR, TUNABLES_VAR, allocator_env, on_glibc
 from msjax.config import load_config
 from msjax.observe.metrics import read_metrics
 from msjax.planner.aot import compile_step
@@ -39,13 +38,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run_train(run_dir: Path, huge_pages: bool) -> list[dict]:
+def run_train(run_dir: Path, opt_out: bool) -> list[dict]:
     """`python -m msjax.train` on one CPU device, as a user starts it; its step records."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"}
-    for name in (TUNABLES_VAR, OPT_IN_VAR, REEXEC_MARKER_VAR):
+    for name in (TUNABLES_VAR, OPT_OUT_VAR, REEXEC_MARKER_VAR):
         env.pop(name, None)
-    if huge_pages:
-        env[OPT_IN_VAR] = "1"
+    if opt_out:
+        env[OPT_OUT_VAR] = "0"
     completed = subprocess.run(
         [sys.executable, "-m", "msjax.train", *RUN, f"run.dir={run_dir}"],
         capture_output=True,
@@ -65,8 +64,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     temp_bytes = compile_step(config, MeshShape(1, 1, 1)).memory.temp_bytes
     return {
         "temp_pages": temp_bytes / PAGE_BYTES,
-        "huge": (root / "huge", run_train(root / "huge", huge_pages=True)),
-        "plain": (root / "plain", run_train(root / "plain", huge_pages=False)),
+        "huge": (root / "huge", run_train(root / "huge", opt_out=False)),
+        "plain": (root / "plain", run_train(root / "plain", opt_out=True)),
     }
 
 
@@ -92,29 +91,24 @@ def test_the_run_dir_records_the_allocator_setting(runs):
     assert huge == {
         TUNABLES_VAR: "glibc.malloc.hugetlb=1",
         "malloc_hugetlb": True,
-        "opted_in": True,
+        "opted_out": False,
     }
-    assert plain["malloc_hugetlb"] is False and plain["opted_in"] is False
+    assert plain["malloc_hugetlb"] is False and plain["opted_out"] is True
 
 
 def test_other_glibc_tunables_are_kept_and_a_chosen_hugetlb_value_wins():
-    kept = allocator_env({TUNABLES_VAR: "glibc.malloc.arena_max=2", OPT_IN_VAR: "1"})
+    kept = allocator_env({TUNABLES_VAR: "glibc.malloc.arena_max=2"})
     assert kept[TUNABLES_VAR] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    chosen = allocator_env({TUNABLES_VAR: "glibc.malloc.hugetlb=0", OPT_IN_VAR: "1"})
+    chosen = allocator_env({TUNABLES_VAR: "glibc.malloc.hugetlb=0"})
     assert chosen[TUNABLES_VAR] == "glibc.malloc.hugetlb=0"
-    assert TUNABLES_VAR not in allocator_env({})  # off unless asked for
-    assert TUNABLES_VAR not in allocator_env({OPT_IN_VAR: "0"})
+    assert TUNABLES_VAR not in allocator_env({OPT_OUT_VAR: "0"})
 
 
 def test_msjax_launch_starts_its_workers_with_huge_pages(tmp_path):
     from msjax.launch.workers import WorkerProcess
 
     show = "import os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))"
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        TUNABLES_VAR: "glibc.malloc.arena_max=2",
-        OPT_IN_VAR: "1",
-    }
+    env = {"PATH": os.environ.get("PATH", ""), TUNABLES_VAR: "glibc.malloc.arena_max=2"}
     worker = WorkerProcess(0, [sys.executable, "-c", show], env, tmp_path / "0.log", 1, None)
     assert worker.wait(timeout_s=60) and worker.exit_code == 0
     worker.close()
