@@ -41,9 +41,7 @@ class ModelConfig:
     tied_embeddings: bool = False
     parallel_block: bool = False  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
     attention_window: int | None = None  # sliding-window attention; None: full causal
-    # full: keep each layer's input; dots: also the projection and MLP matmuls' outputs;
-    # attention: dots and attention's output (only the scores and softmax are recomputed)
-    remat: Literal["none", "full", "dots", "attention"] = "none"
+    remat: Literal["none", "full", "dots"] = "none"
     compute_dtype: DType = "float32"  # parameters stay float32 (master copy)
     # msjax.resolve makes `auto` cuDNN attention with the XLA norm and loss on GPU (XLA attention
     # where cuDNN does not take the model), the XLA reference elsewhere; pallas

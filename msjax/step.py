@@ -72,12 +72,11 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def update_is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
-    """bool scalar: the loss and every gradient (through their norm) are finite. A norm also
-    turns inf when the squares overflow (gradients beyond ~1e19); finite gradients make a finite
-    AdamW or LAMB update. Known before the update, so the select that keeps the old state fuses
-    into the update itself: no pass over the new parameters to check them."""
-    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+def update_is_finite(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
+    """bool scalar: the loss, every gradient (through their norm) and every new parameter are
+    finite. A norm also turns inf when the squares overflow (gradients beyond ~1e19)."""
+    params_finite = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.stack(params_finite).all()
 
 
 def skipped_step(state: TrainState) -> TrainState:
@@ -507,10 +506,10 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
         # every microbatch's loss is divided by the whole batch's real tokens, so the sum over
         # microbatches is the whole batch's mean, however the padding falls among them
         loss, grads = loss_and_grads(state.params, batch, real_token_count(batch))
-        grad_norm = optax.tree.norm(grads)
-        update_finite = update_is_finite(loss, grad_norm)  # one scalar, read inside the update
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        update_finite = update_is_finite(loss, grad_norm, params)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,

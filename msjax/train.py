@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from msjax.allocator import reexec_with_allocator
 from msjax.cli import ArgumentParser
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
@@ -263,5 +262,4 @@ def end_run(
 
 
 if __name__ == "__main__":
-    reexec_with_allocator()  # glibc reads its tunables at start (msjax.allocator)
     raise SystemExit(main())

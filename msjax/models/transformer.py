@@ -132,7 +132,6 @@ class Attention(nnx.Module):
             impl=self.config.attention_impl,
         )  # [batch, seq, heads, head_dim]
         attended = constrain(attended, ("batch", "seq", "heads", "head_dim"))
-        attended = checkpoint_name(attended, ATTENDED)  # what remat "attention" keeps
         return jnp.einsum(
             "bshd,hde->bse",
             attended,
@@ -202,18 +201,11 @@ class Block(nnx.Module):
         return constrain(x, RESIDUAL)
 
 
-LAYER_INPUT = "layer_input"  # each layer's input, named: all that remat full keeps of a layer
-ATTENDED = "attended"  # attention's output, before the output projection
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # the projections and MLP matmuls (no batch dims) and attention's output: the backward
-    # recomputes only the attention scores and their softmax
-    "attention": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(ATTENDED),
-    ),
 }
+LAYER_INPUT = "layer_input"  # each layer's input, named: all that remat full keeps of a layer
 # Ops that only move, select or relabel what they read: recomputing them costs no FLOPs
 _RELAYOUT_PRIMITIVES = frozenset(
     {

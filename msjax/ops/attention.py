@@ -1,4 +1,4 @@
-"""Causal grouped-query attention: plain XLA in query blocks, the Pallas flash kernel, or cuDNN.
+"""Causal grouped-query attention: the XLA reference, the Pallas flash kernel, or cuDNN.
 
 The kernels run per shard: batch over the data axes, heads over `tensor`, whole sequences.
 """
@@ -12,7 +12,7 @@ from jax import lax
 from msjax.ops.dispatch import resolved_impl
 from msjax.ops.sharding import per_shard
 from msjax.parallel.context import interpret_kernels, kernel_mesh
-from pallas_kernels.blocked_attention import blocked_attention
+from pallas_kernels.attention_reference import dot_product_attention
 from pallas_kernels.flash_attention import flash_attention
 
 QUERY = ("batch", None, "heads", None)  # seq and head_dim stay whole inside a kernel
@@ -34,8 +34,8 @@ def attention(
     query: [batch, seq, heads, head_dim]; key, value: [batch, seq, kv_heads, head_dim].
     """
     impl = resolved_impl(impl, "attention_impl")
-    if impl == "xla":  # the reference's values, the causal share of its work
-        return blocked_attention(query, key, value, window=window, segment_ids=segment_ids)
+    if impl == "xla":
+        return dot_product_attention(query, key, value, window=window, segment_ids=segment_ids)
     num_heads, num_kv_heads = query.shape[2], key.shape[2]
 
     def local(query, key, value, *segments):

@@ -18,7 +18,6 @@ from msjax.observe.flops import count_params, flops_per_step, mean_causal_contex
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
 from msjax.planner.planning import attention_is_fused
-from pallas_kernels.blocked_attention import query_blocks
 
 
 @dataclass(frozen=True)
@@ -49,11 +48,8 @@ def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
         model.num_layers
     )
     seq = config.data.seq_len
-    # kernels skip masked blocks; the xla path's query blocks see every key up to their end
-    if attention_is_fused(model):
-        context = mean_causal_context(seq, model.attention_window)
-    else:
-        context = blocked_context(seq, model.attention_window)
+    # the XLA reference computes every [seq, seq] score and masks; kernels skip masked blocks
+    context = mean_causal_context(seq, model.attention_window) if attention_is_fused(model) else seq
     attention = 4.0 * model.num_heads * model.resolved_head_dim * context  # scores and values
     last = 2.0 * model.mlp_dim * model.embed_dim  # the MLP's down projection
     if model.parallel_block:  # and the attention's output projection, added beside it
@@ -61,23 +57,13 @@ def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
     return 2.0 * layer_params + attention, attention, last
 
 
-def blocked_context(seq_len: int, window: int | None) -> float:
-    """Keys each query's dots run over on average in the xla path's causal query blocks
-    (pallas_kernels.blocked_attention): every key up to the end of the query's block."""
-    blocks = query_blocks(seq_len, window)
-    return sum((end - start) * (end - key_start) for start, end, key_start in blocks) / seq_len
-
-
 def _layer_step_flops(config: Config, mesh: MeshShape) -> float:
     """Per token and layer run: forward, backward (twice the forward) and recomputation."""
     forward, attention, last = _layer_forward_flops(config)
     remat = config.model.remat
-    vmapped = mesh.pipe > 1 and not PipelineLayout.of(config).table.branches_per_stage
-    if vmapped and remat in ("dots", "attention"):
+    if mesh.pipe > 1 and remat == "dots" and not PipelineLayout.of(config).table.branches_per_stage:
         remat = "full"  # the pipeline's vmap over stages gives every matmul a batch dimension
-    # "attention" keeps attention's output: only the scores' matmul runs again
-    recompute = {"none": 0.0, "full": forward - last, "dots": attention, "attention": attention / 2}
-    recompute = recompute[remat]
+    recompute = {"none": 0.0, "full": forward - last, "dots": attention}[remat]
     # 1F1B stashes each stage run's vjp residuals: one forward, one backward, and what remat
     # recomputes inside the backward, as without a pipeline
     return 3.0 * forward + recompute

@@ -12,7 +12,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.allocator import allocator_record
 from msjax.checkpoint.manager import (
     Checkpointer,
     committed_steps,
@@ -190,7 +189,7 @@ def _prepare(
         check_tensorboard_installed()
     if is_writer:
         write_run_record(plan, config, data, progress.message, lock if not job.launched else None)
-        write_json(run_dir.xla_flags, {**xla_flags.record(), "allocator": allocator_record()})
+        write_json(run_dir.xla_flags, xla_flags.record())
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     progress.message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
