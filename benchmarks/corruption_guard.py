@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -32,14 +31,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
+from benchmarks.train_timing import mean_step_s as train_mean_step_s  # noqa: E402
 from msjax.config import load_config  # noqa: E402
 from msjax.observe.collectives import collective_ops, count_collectives  # noqa: E402
-from msjax.observe.metrics import read_metrics  # noqa: E402
 from msjax.parallel.mesh import build_mesh  # noqa: E402
 from msjax.resilience.replica_guard import ReplicaFingerprints  # noqa: E402
 from msjax.resolve import resolve  # noqa: E402
 from msjax.step import build_program  # noqa: E402
-from msjax.train import train  # noqa: E402
 
 WARMUP_STEPS = 2  # steps left out of both measurements (first dispatches, caches)
 CHECK_TIMINGS = 5  # one check timed this often on its own; the median counts
@@ -47,21 +45,11 @@ CHECK_TIMINGS = 5  # one check timed this often on its own; the median counts
 
 def mean_step_s(overrides: list[str], every: int) -> float:
     """msjax.train's mean step time, from its own metrics.jsonl, with checks every `every`."""
-    with tempfile.TemporaryDirectory() as run_root:
-        run_dir = Path(run_root) / "run"
-        config = load_config(
-            REPO / "configs" / "small.yaml",
-            [
-                *overrides,
-                f"resilience.replica_check_every={every}",
-                "resilience.compute_check_every=0",  # the known-answer check: compute_check.py
-                f"run.dir={run_dir}",
-            ],
-        )
-        with open(os.devnull, "w") as quiet:
-            train(config, progress_stream=quiet)
-        records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-    return statistics.mean(record["step_time_s"] for record in records[WARMUP_STEPS:])
+    checks = [
+        f"resilience.replica_check_every={every}",
+        "resilience.compute_check_every=0",  # the known-answer check: compute_check.py
+    ]
+    return train_mean_step_s(REPO / "configs" / "small.yaml", [*overrides, *checks], WARMUP_STEPS)
 
 
 def one_check(overrides: list[str]) -> tuple[float, int, int, int]:

@@ -26,6 +26,7 @@ HELPER_MODULES = {
     "kernel_timing.py",
     "smoke.py",
     "supervised_job.py",
+    "train_timing.py",
 }
 NUMBER = r"([-\d,.]+|nan|inf)"
 JAX_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_")  # conftest.py sets these
