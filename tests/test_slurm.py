@@ -258,12 +258,12 @@ def drive_time_limit(job: Job, timeline: Timeline) -> Callable[[], None]:
         if "cancelled" in timeline.events:
             return
         launches = job.launches()
-        if not launches or launches[0]["outcome"] == "stopping on SIGTERM":
-            return  # the first run is still saving
+        if len(launches) < 2:
+            return  # the first run still trains or saves (its record is kept current)
         record = job.heartbeat(0)
         if record is None or record.phase != "step":
             return
-        if record.unix_s < launches[0]["ended_unix_s"]:
+        if record.unix_s < launches[1]["started_unix_s"]:
             return  # still the first run's
         timeline.facts["resumed_from_step"] = record.start_step
         timeline.events["cancelled"] = time.time()
