@@ -29,33 +29,37 @@ class ModelConfig:
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
 
     vocab_size: int = 264  # 256 bytes + end-of-document, padded to a multiple of 8
-    num_layers: int = 4
-    embed_dim: int = 128
-    num_heads: int = 8
-    num_kv_heads: int = 4
+    num_layers: int = 4  # transformer blocks, stacked and scanned
+    embed_dim: int = 128  # the residual stream's width
+    num_heads: int = 8  # query heads; divisible by mesh.tensor
+    num_kv_heads: int = 4  # key/value heads (grouped-query attention); divides num_heads
     head_dim: int | None = None  # None: embed_dim // num_heads
-    mlp_dim: int = 384
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    tied_embeddings: bool = False
+    mlp_dim: int = 384  # the SwiGLU hidden width
+    rope_theta: float = 10000.0  # the base of RoPE's frequencies; > 1
+    norm_eps: float = 1e-5  # RMSNorm's epsilon; in (0, 1)
+    init_std: float = 0.02  # standard deviation of the initial weights; in (0, 1]
+    tied_embeddings: bool = False  # the unembedding reuses the embedding table
     parallel_block: bool = False  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
     attention_window: int | None = None  # sliding-window attention; None: full causal
+    # what the backward pass recomputes instead of keeping: none; full (each layer's forward
+    # again); dots (keeps matmul outputs)
     remat: Literal["none", "full", "dots"] = "none"
-    compute_dtype: DType = "float32"  # parameters stay float32 (master copy)
+    # parameters stay float32 (master copy); fsdp gathers each layer's weights in this dtype,
+    # cast on the shard, inside the layer loop
+    compute_dtype: DType = "float32"
     # msjax.resolve makes `auto` cuDNN attention with the XLA norm and loss on GPU (XLA attention
     # where cuDNN does not take the model), the XLA reference elsewhere; pallas
     # off GPU runs the kernels in the Pallas interpreter (slow; for tests); cudnn and triton (a
     # jax-triton kernel) need a GPU. loss_impl=pallas is the fused unembedding + cross-entropy
     # that never holds [tokens, vocab] logits.
     attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
-    norm_impl: Literal["auto", "xla", "pallas", "triton"] = "auto"
-    loss_impl: Literal["auto", "xla", "pallas"] = "auto"
+    norm_impl: Literal["auto", "xla", "pallas", "triton"] = "auto"  # as attention_impl; triton: GPU
+    loss_impl: Literal["auto", "xla", "pallas"] = "auto"  # as attention_impl; pallas: fused loss
     # hf:PATH, a local Hugging Face Llama directory: a new run starts from its weights (a run
     # with checkpoints resumes from them instead); the keys above must match its config.json,
     # or are filled from it with from_hf=true
     init_from: str | None = None
-    from_hf: bool = False
+    from_hf: bool = False  # fill the model section from init_from's config.json
 
     @property
     def resolved_head_dim(self) -> int:
@@ -66,10 +70,10 @@ class ModelConfig:
 class MeshConfig:
     """Device mesh sizes, outermost first; -1 on one axis means "the rest of the devices"."""
 
-    data: int = 2
-    fsdp: int = 2
+    data: int = 2  # data-parallel replicas: the batch is split over data and fsdp together
+    fsdp: int = 2  # ZeRO-3: parameters and optimizer state split along embed
     pipe: int = 1  # pipeline stages (msjax.parallel.pipeline); spans nodes, tensor stays inside
-    tensor: int = 2
+    tensor: int = 2  # Megatron tensor parallelism: heads, MLP units and the vocabulary split
     sequence_parallel: bool = False  # shard activations between blocks along seq over `tensor`
 
     def axis_sizes(self) -> dict[str, int]:
@@ -89,8 +93,9 @@ class PipelineConfig:
     repeats: int = 1  # virtual stages per device (circular only)
     # with fsdp beside pipe: per_iteration gathers each layer's weights (and reduce-scatters
     # their gradient) where the stage's layer scan runs it, every pipeline iteration, one layer
-    # whole at a time; once gathers the stage's weights before the loop and reduce-scatters
-    # their gradient after it, holding the stage's float32 weights and gradient whole
+    # whole at a time; once gathers the stage's weights (float32) before the loop and
+    # reduce-scatters their gradient (in optim.grad_reduce_dtype) after it, once per step,
+    # holding the stage's float32 weights and gradient whole through the loop
     fsdp_gather: Literal["per_iteration", "once"] = "per_iteration"
 
 
@@ -115,12 +120,12 @@ class DataConfig:
     sources: tuple[SourceConfig, ...] = (SourceConfig(),)
     tokenizer: str = "byte"  # byte, or a SentencePiece .model or Hugging Face tokenizer.json file
     cache_dir: str | None = None  # tokenized corpora; None: $MSJAX_CACHE_DIR or ~/.cache/msjax
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per sequence; documents are packed and cut to this length
     cross_document_attention: bool = False  # false: tokens attend within their own document only
     eval_fraction: float = 0.01  # share of documents held out for validation
     max_corpus_mib: int = 24  # stdlib source: read at most this much text (keeps start-up fast)
     num_workers: int = 0  # Grain worker processes preparing batches; 0: a thread in the trainer
-    prefetch_batches: int = 2
+    prefetch_batches: int = 2  # batches placed on the devices ahead of the step
     # resume even when the corpus differs from the one the checkpoint was trained on (recorded)
     allow_changed: bool = False
 
@@ -129,16 +134,17 @@ class DataConfig:
 class OptimConfig:
     """The optimizer, its learning-rate schedule and gradient clipping."""
 
+    # lamb: one trust ratio per layer, also within stacked layers
     name: Literal["adamw", "lamb"] = "adamw"
-    learning_rate: float = 3e-3
-    warmup_steps: int = 30
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    learning_rate: float = 3e-3  # the peak, reached at the end of the warmup
+    warmup_steps: int = 30  # linear warmup from 0; >= 0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # the decay after the warmup
     final_lr_fraction: float = 0.1  # the decay ends at learning_rate * final_lr_fraction
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # never applied to norms and biases
-    grad_clip_norm: float | None = 1.0
+    b1: float = 0.9  # the first moment's decay; in [0, 1)
+    b2: float = 0.95  # the second moment's decay; in [0, 1)
+    eps: float = 1e-8  # added to the second moment's root; > 0
+    weight_decay: float = 0.1  # never applied to norms and biases; >= 0
+    grad_clip_norm: float | None = 1.0  # clip the global gradient norm to this; > 0, null: none
     # the dtype fsdp reduce-scatters gradients in when weights are gathered in a narrower
     # model.compute_dtype; float32 keeps the sum exact to float32 rounding
     grad_reduce_dtype: DType = "float32"
@@ -148,17 +154,25 @@ class OptimConfig:
 class TrainConfig:
     """How long to train, on how much data per step, and how often to evaluate."""
 
-    steps: int = 300
-    global_batch: int = 16
+    steps: int = 300  # optimizer steps of the whole run
+    global_batch: int = 16  # sequences per step, over all devices; divisible by data x fsdp
     # gradient accumulation: each step runs its global batch as this many microbatches, one after
-    # another inside the compiled step (activations of one microbatch alive at a time); the same
-    # loss, gradients and update as one pass over the whole batch
+    # another inside the compiled step (activations of one microbatch alive at a time, beside a
+    # float32 sum of the gradients); the same loss, gradients and update as one pass over the
+    # whole batch (each microbatch's loss divided by the whole batch's real tokens). It divides
+    # each replica's batch, global_batch / (data x fsdp); on a pipe mesh pipeline.microbatches
+    # splits what is left. Each microbatch gathers the fsdp weights and reduces its gradients
+    # again: K times one pass's traffic over fsdp and data, which the planner counts
     grad_accum_steps: int = 1
     eval_every: int = 100  # 0: never
-    eval_batches: int = 4
-    peak_tflops: float | None = None  # per device; None: known GPU table, or measured on CPU
-    # overlap: XLA flags that hide GPU collectives behind compute (msjax.parallel.xla_flags);
-    # a no-op on CPU; flags already in the XLA_FLAGS environment variable win
+    eval_batches: int = 4  # held-out batches per evaluation
+    # per device, for MFU; None: the A100/H100/H200 table, or a matmul measured on CPU
+    peak_tflops: float | None = None
+    # overlap: on a GPU, XLA flags for the latency-hiding scheduler, pipelined all-gather /
+    # reduce-scatter / all-reduce / point-to-point, while-loop double buffering and collective
+    # matmul, spelled as the installed jaxlib knows them (unknown ones are never passed;
+    # msjax.parallel.xla_flags); flags already in the XLA_FLAGS environment variable win; a
+    # no-op on CPU. none: no flags
     xla_profile: Literal["none", "overlap"] = "overlap"
 
 
@@ -166,12 +180,14 @@ class TrainConfig:
 class CheckpointConfig:
     """Asynchronous Orbax checkpoints in RUN_DIR/checkpoints, and where to resume from."""
 
-    enabled: bool = True
+    enabled: bool = True  # false: no checkpoints saved or restored
     every_steps: int = 100  # 0: no periodic saves by step count
     every_minutes: float | None = None  # also save when this much time passed since the last
-    max_to_keep: int = 3
+    max_to_keep: int = 3  # committed checkpoints kept; older ones go once a newer one is good
     keep_every_steps: int | None = None  # checkpoints at multiples of this are never deleted
     resume_from: str | None = None  # a checkpoints dir or run dir, optionally /STEP
+    # a failed save: continue (retried with a growing pause while training goes on) or stop
+    # (exit code 6 at the first failure)
     on_save_error: Literal["continue", "stop"] = "continue"
     # while saves keep failing (retried with a growing pause), training goes on for at most this
     # long after the last good checkpoint; then the attempt ends with exit code 6 (retried)
@@ -185,9 +201,9 @@ class CheckpointConfig:
 class RunConfig:
     """Identity of a run: its name, its directory and its seed."""
 
-    name: str = "tiny"
-    dir: str | None = None  # None: runs/<name>-<UTC timestamp>
-    seed: int = 0
+    name: str = "tiny"  # a plain name (the folder under runs/), never a path
+    dir: str | None = None  # None: runs/<name>-<UTC timestamp>; an existing run resumes
+    seed: int = 0  # initial weights and the data order; in [0, 2^32 - 1]
     overwrite: bool = False  # start afresh in a run dir of another config (its files kept aside)
 
 
@@ -201,7 +217,7 @@ class ObserveConfig:
     # A rank is a straggler when its own work exceeds the ranks' median by this share of the
     # step time, and by this many robust deviations (MAD) of the ranks around that median.
     straggler_min_excess: float = 0.1
-    straggler_min_score: float = 4.0
+    straggler_min_score: float = 4.0  # the deviations (MAD) above, see straggler_min_excess
     flight_recorder_events: int = 256  # each rank's ring buffer of its last events; 0: off
     tensorboard: bool = False  # also write the scalars as TensorBoard events, RUN_DIR/tensorboard
     # [first, last]: a JAX profiler trace of those steps (metrics.jsonl's step numbers) on every
@@ -221,17 +237,17 @@ class ResilienceConfig:
     # or tokenizing the corpus (data: its progress counts, so only a stalled tokenizer is a
     # hang, however large the corpus), restoring a checkpoint (restore)
     init_deadline_s: float = 600.0
-    data_deadline_s: float = 600.0
-    restore_deadline_s: float = 900.0
+    data_deadline_s: float = 600.0  # reading or tokenizing the corpus (progress counts)
+    restore_deadline_s: float = 900.0  # restoring a checkpoint
     checkpoint_deadline_s: float = 600.0  # a save, and waiting for saves in flight
     # Measured deadlines: once every rank has timed measured_deadline_after_steps steps (or
     # measured_deadline_after_saves saves) over the job's attempts, that phase's deadline becomes
     # max(floor_s, factor x the slowest one + heartbeat_every_s), never more than the configured
     # deadline above. measured_deadline_factor=0: the configured deadlines only.
     measured_deadline_factor: float = 5.0
-    measured_deadline_floor_s: float = 10.0
-    measured_deadline_after_steps: int = 20
-    measured_deadline_after_saves: int = 3
+    measured_deadline_floor_s: float = 10.0  # the least a measured deadline can be
+    measured_deadline_after_steps: int = 20  # steps every rank times before the step deadline
+    measured_deadline_after_saves: int = 3  # saves every rank times before the save deadline
     on_nonfinite_loss: Literal["stop", "rollback"] = "rollback"  # rollback: skip that batch
     # Corruption guard (msjax.resilience.replica_guard): every N steps, and before every save,
     # the data-parallel replicas' state (parameters, optimizer state) is fingerprinted on
@@ -250,7 +266,7 @@ class ResilienceConfig:
     # process with its imports done (JAX, msjax's trainer) waits in each slot for the next
     # attempt's rank (msjax.launch.spare), so that a restart does not import again
     warm_standbys: bool = True
-    warm_standby_after_s: float = 30.0
+    warm_standby_after_s: float = 30.0  # how long an attempt steps before standbys start
     # restarts that spend the budget before the supervisor gives up (exit 4, or 14 when the
     # last fault was the infrastructure's): those after an attempt that committed no checkpoint
     # newer than the one it resumed from; a restart after progress is free. 0: no restart at all
@@ -278,20 +294,23 @@ class ResilienceConfig:
     # exit 14) the back-off starts at infrastructure_backoff_s and doubles with each attempt in a
     # row without progress, up to infrastructure_backoff_max_s: the machine room gets minutes
     infrastructure_backoff_s: float = 5.0
-    infrastructure_backoff_max_s: float = 300.0
+    infrastructure_backoff_max_s: float = 300.0  # the longest back-off after such faults
     # how often a running launcher appends its record to RUN_DIR/launches.jsonl (also written at
     # its start and end): a launcher killed outright leaves its time up to the last one counted
     launch_record_every_s: float = 60.0
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL when stopping workers after a fault
-    # JAX's persistent compilation cache, so a restart loads its programs instead of compiling:
-    # on in runs started by msjax.launch, or wherever compile_cache_dir is set
+    # compilation caches, so a restart loads its train step instead of compiling: msjax's signed
+    # executables (on in runs started by msjax.launch, or wherever compile_cache_dir is set) and
+    # JAX's persistent cache; false turns both off
     compile_cache: bool = True
-    compile_cache_dir: str | None = None  # None: RUN_DIR/compile_cache
+    # both caches here; None: the signed executables in RUN_DIR/compile_cache and JAX's cache in
+    # jax_compile_cache/ of this user's msjax cache folder (never in a run dir)
+    compile_cache_dir: str | None = None
     # Self-checks (python -m msjax.doctor) before every start and restart under msjax.launch:
     # each must end within check_budget_s (0: no self-checks); a device whose known-answer
     # program takes more than slow_device_factor x the devices' median is flagged slow
     check_budget_s: float = 0.0
-    slow_device_factor: float = 2.0
+    slow_device_factor: float = 2.0  # also bounds an all-reduce group against its axis's median
 
 
 @dataclass(frozen=True)
