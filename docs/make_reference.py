@@ -1,4 +1,5 @@
-"""Make the reference pages in docs/reference/ from the code: config keys, exit codes, CLI usage.
+"""Make the reference pages in docs/reference/ from the code: config keys, exit codes, commands,
+pipeline schedules.
 
 Run `python docs/make_reference.py` after changing a config field, an exit code, a fault kind or
 a command's arguments; `python docs/make_reference.py --check` says which pages are stale.
@@ -323,12 +324,75 @@ def _anchor(heading: str) -> str:
     return kept.replace(" ", "-")
 
 
+# ---- pipeline schedules ------------------------------------------------------------------
+
+# (schedule, stages P, repeats R, microbatches M) drawn on the page
+SCHEDULE_EXAMPLES = (
+    ("gpipe", 2, 1, 4),
+    ("circular", 2, 2, 4),
+    ("1f1b", 2, 1, 4),
+    ("1f1b", 4, 1, 4),
+)
+
+
+def _action_text(kind: int, microbatch: int, repeat: int, repeats: int) -> str:
+    from msjax.parallel import schedules
+
+    if kind == schedules.IDLE:
+        return "."
+    letter = "F" if kind == schedules.FORWARD else "B"
+    return f"{letter}{microbatch}" + (f" r{repeat}" if repeats > 1 else "")
+
+
+def schedules_reference() -> str:
+    """docs/reference/schedules.md: a few schedules' tables from msjax.parallel.schedules."""
+    from msjax.parallel import schedules
+
+    lines = [
+        "# Pipeline schedule tables",
+        "",
+        GENERATED_NOTE,
+        "",
+        "Every pipeline schedule is a table (`msjax/parallel/schedules.py`): per iteration and",
+        "stage, which microbatch (and repeat) runs forward (`F`) or backward (`B`), or nothing",
+        "(`.`). The traced loops execute these tables, and the step and the planner read their",
+        "facts. Under gpipe and circular the backward is autodiff through the forward loop, so",
+        "their tables hold forwards only. How to choose one: [parallelism](../parallelism.md).",
+        "",
+    ]
+    for name, stages, repeats, microbatches in SCHEDULE_EXAMPLES:
+        table = schedules.schedule_table(name, stages, repeats, microbatches)
+        title = f"`{name}`, P={stages}, M={microbatches}" + (
+            f", R={repeats}" if repeats > 1 else ""
+        )
+        lines += [
+            f"## {title}",
+            "",
+            f"{table.iterations} iterations, bubble {table.bubble_fraction:.1%}, "
+            f"{table.stash_slots} microbatches stashed a stage at most, "
+            f"{table.sends_per_iteration:g} stage activations (or gradients) a device sends over "
+            "`pipe` per iteration on average (forward and backward).",
+            "",
+            "| iteration | " + " | ".join(f"stage {stage}" for stage in range(stages)) + " |",
+            "| --- |" + " --- |" * stages,
+        ]
+        for iteration in range(table.iterations):
+            cells = []
+            for stage in range(stages):
+                kind, microbatch, repeat, _ = table.at(iteration, stage)
+                cells.append(_action_text(kind, microbatch, repeat, table.repeats))
+            lines.append(f"| {iteration} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 # ---- the pages ---------------------------------------------------------------------------
 
 PAGES: dict[str, Callable[[], str]] = {
     "docs/reference/config.md": config_reference,
     "docs/reference/exit-codes.md": exit_codes_reference,
     "docs/reference/cli.md": cli_reference,
+    "docs/reference/schedules.md": schedules_reference,
 }
 
 
