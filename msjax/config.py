@@ -42,7 +42,7 @@ class ModelConfig:
     parallel_block: bool = False  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
     attention_window: int | None = None  # sliding-window attention; None: full causal
     # what the backward pass recomputes instead of keeping: none; full (each layer's forward
-    # again); dots (keeps matmul outputs)
+    # again); dots (keeps the outputs of matmuls without batch dimensions)
     remat: Literal["none", "full", "dots"] = "none"
     # parameters stay float32 (master copy); fsdp gathers each layer's weights in this dtype,
     # cast on the shard, inside the layer loop
@@ -231,7 +231,7 @@ class ResilienceConfig:
 
     heartbeat_every_s: float = 1.0  # each rank rewrites RUN_DIR/heartbeats/rank<r>.json this often
     # Hang: a rank's heartbeat shows no progress for longer than its phase's deadline.
-    step_deadline_s: float = 120.0  # the step phase
+    step_deadline_s: float = 120.0  # the step phase's deadline
     compile_deadline_s: float = 900.0  # compiling, the first step, evaluation
     # Start-up phases, each with its own deadline: joining the job and building (init), reading
     # or tokenizing the corpus (data: its progress counts, so only a stalled tokenizer is a
