@@ -294,7 +294,7 @@ def checkpoint(smoke: bool, out_dir: Path) -> None:
 def gpu_tests(smoke: bool, out_dir: Path) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
     result = subprocess.run(
-        [*command, "tests/test_gpu_kernels.py"],
+        [*command, "tests/unit/test_gpu_kernels.py"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -33,7 +33,7 @@ GENERATED_NOTE = f"<!-- Made from the code by `{REGENERATE}`; edit the code, not
 
 # Every command msjax has, as (the command people type, the module holding its main(), the
 # arguments before --help: a subcommand). Each module with an ArgumentParser is here
-# (tests/test_docs.py checks it).
+# (tests/unit/test_docs.py checks it).
 COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("python -m msjax.train", "msjax.train", ()),
     ("python -m msjax.launch", "msjax.launch.__main__", ()),
@@ -172,7 +172,7 @@ def config_reference() -> str:
 
 
 def config_keys_without_meaning() -> list[str]:
-    """Keys whose field in msjax/config.py carries no comment (tests/test_docs.py: none)."""
+    """Keys whose field in msjax/config.py carries no comment (tests/unit/test_docs.py: none)."""
     from msjax import config
 
     source = Path(config.__file__).read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""One process's use of msjax's compile cache, for tests/test_compile_cache.py: a program of many
+"""One process's use of msjax's compile cache, for tests/jobs/test_compile_cache.py: a program of
 fusions (enough for XLA:CPU to split its code), compiled with JAX's persistent cache and msjax's
 signed executables in one folder, then run once.
 

@@ -1,6 +1,6 @@
 """One process of a real `jax.distributed` job that restores an msjax checkpoint onto other meshes.
 
-Run by tests/test_checkpoint_sigterm.py, once per process; it writes what it saw (fingerprints,
+Run by tests/jobs/test_checkpoint_sigterm.py, once per process; it writes what it saw (fingerprints,
 gathered parameters, which shards it holds) under --out for the test to check, and asserts nothing.
 """
 

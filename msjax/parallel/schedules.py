@@ -86,13 +86,13 @@ class Schedule:
     # float32 copies of a device's stacked layer weights that the loop keeps when a stage runs
     # a layer scan: its own copy and a stage run's gradient of all of them (one repeat's chunk
     # under circular, which costs less than a copy: one copy in all fits XLA's totals). Read off
-    # XLA's buffer assignment, tiny and small configs, pipe 2 and 4 (tests/test_plan.py).
+    # XLA's buffer assignment, tiny and small configs, pipe 2 and 4 (tests/unit/test_plan.py).
     loop_weight_copies: int
     # pipeline.fsdp_gather=once: float32 copies of the device's stacked layer weights, whole
     # over fsdp, alive through the loop in place of loop_weight_copies: the gathered weights and
     # their gradient's accumulator; under 1F1B also a backward's gradient of them and their sum
     # over the replicas, both whole inside the loop's shard_map. Counted from the programs, and
-    # held against XLA's totals on tiny, pipe 2 x fsdp 2 x tensor 2 (tests/test_plan.py).
+    # held against XLA's totals on tiny, pipe 2 x fsdp 2 x tensor 2 (tests/unit/test_plan.py).
     gathered_weight_copies: int
 
 

@@ -5,7 +5,7 @@ What the compiled step runs beyond the model FLOPs: the XLA attention's full [se
 (the model counts the causal half), what `model.remat` recomputes, a pipeline's bubble iterations
 (stages compute on zeros; 1F1B's branch, so its idle stages do not), and the loss head: GPipe
 and circular split its tokens over pipe (the ceil(M / P) microbatches a stage holds), 1F1B runs
-it on the last stage alone. `tests/test_compiled_flops.py` holds it to the compiled program's
+it on the last stage alone. `tests/unit/test_compiled_flops.py` holds it to the compiled program's
 dots within 5%.
 """
 

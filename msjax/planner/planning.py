@@ -3,7 +3,7 @@
 State (parameters, optimizer moments) is exact: every array's shard shape from the logical-axis
 rules. Activations and temporaries are closed-form counts of what the model keeps for the backward
 pass under each `model.remat` policy, and on a pipe mesh of what the pipeline's loop keeps,
-calibrated against XLA's buffer assignment (the coefficients below; `tests/test_plan.py` holds
+calibrated against XLA's buffer assignment (the coefficients below; `tests/unit/test_plan.py` holds
 them to 10% of XLA's memory analysis, on pipe meshes too). Communication is the bytes one device
 sends per step with ring collectives.
 """
@@ -164,7 +164,7 @@ SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residua
 # Buffers alive while the last layer runs backward, besides what is saved: multiples of one
 # float32 score tensor, one [batch, seq, mlp] and one [batch, seq, embed] tensor. Fitted to XLA's
 # temporaries for the tiny and small configs on five to ten meshes per remat policy (float32,
-# vocab 264 and the small config's: tests/test_plan.py's TINY_MESHES, SMALL_MESHES, PIPE_CASES).
+# vocab 264 and the small config's: tests/unit/test_plan.py's TINY_MESHES, SMALL_MESHES, PIPE_CASES).
 WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
 FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
@@ -374,7 +374,7 @@ def _one_f_one_b_buffers(
     the slot its iteration's branch reads and writes twice more. Outside the layers: the
     embedding output, its microbatched copy and stage 0's gradients of it. The loop accumulates
     the head's parameter gradients and runs the head (and its loss buffers) on one microbatch at
-    a time. Checked against XLA's buffer assignment on tiny, pipe 2 and 4 (tests/test_plan.py).
+    a time. Checked against XLA's buffer assignment on tiny, pipe 2 and 4 (tests/unit/test_plan.py).
     """
     layout = PipelineLayout.of(config)
     microbatch_stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / dims.residual_split

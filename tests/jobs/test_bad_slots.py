@@ -1,0 +1,146 @@
+"""A slot that is the named cause of resilience.max_faults_per_slot faults in a row is marked bad,
+in the incident log and RUN_DIR/health, by a real supervised job on one node (which excludes it:
+tests/jobs/test_shrink.py follows the job on without it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from small_runs import QUICK_RUN
+
+from msjax.run_dir import RunDir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "msjax.launch",
+        "--nprocs=2",
+        "--devices-per-proc=1",
+        "--fault=crash@step=2,rank=1,times=2",
+        "--",
+        *QUICK_RUN,
+        "train.eval_every=0",
+        "train.steps=6",
+        "checkpoint.every_steps=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "resilience.heartbeat_every_s=0.05",
+        "resilience.stop_grace_s=2",
+        "resilience.restart_backoff_s=0.1",
+        "resilience.max_faults_per_slot=2",
+        f"run.dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reason = (
+        "slot 1 is marked bad: the named cause of 2 faults in a row (incidents 1, 2: crash, "
+        "crash; resilience.max_faults_per_slot=2)"
+    )
+    assert f"{reason}; excluding it (resilience.on_bad_node=exclude)" in done.stdout
+    run = RunDir(run_dir)
+    incidents = [json.loads(line) for line in run.incidents_log.read_text().splitlines()]
+    assert [(i["cause"], i["rank"], i["action"]) for i in incidents] == [
+        ("crash", 1, "restart"),
+        ("crash", 1, "restart"),
+    ]
+    assert "bad_slot" not in incidents[0]
+    marked = incidents[1]["bad_slot"]
+    assert (marked["slot"], marked["rank"], marked["incidents"], marked["reason"]) == (
+        "1",
+        1,
+        [1, 2],
+        reason,
+    )
+    slots = json.loads(run.bad_slots.read_text())["slots"]
+    assert [(slot["slot"], slot["on_bad_node"], slot["incidents"]) for slot in slots] == [
+        ("1", "exclude", [1, 2])
+    ]
+    faults = [json.loads(line) for line in run.slot_faults.read_text().splitlines()]
+    assert [(fault["slot"], fault["incident"]) for fault in faults] == [("1", 1), ("1", 2)]
+
+
+@pytest.mark.slow
+def test_a_crash_looping_slot_passes_its_self_check_but_not_its_training_probe_and_stays_out(
+    tmp_path,
+):
+    """Slot 1 crashes before step 2 in every attempt; excluded, a spare takes its rank. Its
+    self-check for re-admission passes (a crash does not show in it), but its training probe
+    crashes at the same step: it stays out, its time out doubled, and is never re-admitted."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "msjax.launch",
+        "--nprocs=2",
+        "--devices-per-proc=1",
+        "--spares=1",
+        "--fault=crash@step=2,rank=1,times=99",
+        "--",
+        *QUICK_RUN,
+        "train.eval_every=0",
+        "train.steps=100000",  # trains on until the probe's verdict, then SIGTERM
+        "checkpoint.every_steps=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "resilience.heartbeat_every_s=0.05",
+        "resilience.stop_grace_s=2",
+        "resilience.restart_backoff_s=0.1",
+        "resilience.max_faults_per_slot=2",
+        "resilience.readmit_after_s=1",
+        f"run.dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "launch.log"
+    verdicts = ("failed its training probe for re-admission", "re-admitted")
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(v in log_path.read_text() for v in verdicts) and process.poll() is None:
+            assert time.monotonic() < deadline, "no re-admission verdict in 600 s"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = log_path.read_text()
+    assert code == 143, output[-3000:]
+    assert "spare slot 2 takes rank 1, the mesh is unchanged" in output
+    assert "re-admitted" not in output, output[-3000:]
+    assert "slot 1 passed its self-check for re-admission" in output
+    assert (
+        "slot 1 failed its training probe for re-admission: its probe of 4 steps ended with exit "
+        "code 1 (logs/probe-slot1.log); it stays excluded, checked again after 2 s "
+        "(resilience.readmit_after_s=1, doubled each time)"
+    ) in output
+    run = RunDir(run_dir)
+    incidents = [json.loads(line) for line in run.incidents_log.read_text().splitlines()]
+    kept_out = incidents[-1]
+    assert (kept_out["cause"], kept_out["rank"], kept_out["action"]) == (
+        "crash",
+        None,
+        "stay_excluded",
+    )
+    assert kept_out["membership"]["slots"]["excluded"] == [1]
+    # the probe crashed where the slot did; the job's own record counts the job's crashes only
+    probe_firings = [json.loads(line) for line in (run.probe(1, 1) / "faults.jsonl").open()]
+    assert [(f["kind"], f["slot"], f["attempt"]) for f in probe_firings][-1] == ("crash", 1, 0)
+    job_firings = [json.loads(line) for line in run.faults.read_text().splitlines()]
+    assert [f["slot"] for f in job_firings] == [1, 1]

@@ -1,0 +1,27 @@
+"""FLOP counts and MFU: MegaScale's Table 2 from configs/megascale_175b.yaml, and the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from test_flops import REPO
+
+
+def test_cli_never_loads_jax():
+    script = (
+        "import sys; from msjax.flops import main; "
+        "assert main(['--step-time', '1', '--devices', '8', '--peak-tflops', '100']) == 0; "
+        "assert 'jax' not in sys.modules"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

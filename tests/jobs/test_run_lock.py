@@ -1,0 +1,145 @@
+"""One job per run directory: a second job is refused, writing nothing; a killed job frees it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from msjax.errors import MsjaxError
+from msjax.run_dir import RunDir
+from msjax.run_lock import RunDirLock
+
+REPO = Path(__file__).resolve().parents[2]
+ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "train.global_batch=2"]
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(path.relative_to(root)): (path.lstat().st_size, path.lstat().st_mtime_ns)
+        for path in sorted(root.rglob("*"))
+    }
+
+
+def environment(tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MSJAX_CACHE_DIR": str(tmp_path / "cache"),
+        "JAX_PLATFORMS": "cpu",
+        "JAX_NUM_CPU_DEVICES": "1",
+    }
+
+
+def wait_for_holder(run_dir: RunDir, pid: int, timeout_s: float = 120.0) -> None:
+    """Until the lock file names pid as its holder."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(run_dir.lock.read_text())["pid"] == pid:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"pid {pid} never took {run_dir.lock}")
+
+
+def test_lock_is_exclusive_and_released_by_its_holder(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path)
+    first = RunDirLock(run_dir)
+    first.acquire()
+    with pytest.raises(MsjaxError, match=f"pid {os.getpid()} on .*choose another run.dir"):
+        RunDirLock(run_dir).acquire()
+    first.release()
+    with RunDirLock(run_dir) as again:
+        assert again.held
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from msjax.run_dir import RunDir
+from msjax.run_lock import RunDirLock
+RunDirLock(RunDir(Path(sys.argv[1]))).acquire()
+time.sleep(600)
+"""
+
+
+def refused(command: list[str], train_args: list[str], env: dict[str, str]) -> str:
+    """Run a second job; assert exit 2 and one stderr line; return that line."""
+    second = subprocess.run(
+        [sys.executable, "-m", *command, *train_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert second.returncode == 2, second.stderr
+    lines = second.stderr.splitlines()
+    assert len(lines) == 1, second.stderr
+    return lines[0]
+
+
+def wait_until_free(run_dir: RunDir, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with RunDirLock(run_dir) as lock:
+                assert lock.held
+            return
+        except MsjaxError:
+            assert time.monotonic() < deadline, "the killed job's lock was never released"
+            time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_second_job_is_refused_writing_nothing_and_a_killed_holder_frees_the_dir(
+    tmp_path: Path,
+) -> None:
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.path.mkdir()
+    env = environment(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir.path)], env=env)
+    try:
+        wait_for_holder(run_dir, holder.pid)
+        before = tree(tmp_path)
+        train_args = [f"run.dir={run_dir.path}", *ONE_DEVICE]
+        for command in (["msjax.launch", "--"], ["msjax.train"]):
+            line = refused(command, train_args, env)
+            assert f"is in use by another job (pid {holder.pid} on" in line
+            assert tree(tmp_path) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    wait_until_free(run_dir)
+
+
+@pytest.mark.slow
+def test_the_supervisor_holds_the_lock_for_its_job_until_it_is_killed(tmp_path: Path) -> None:
+    """A real supervised job: its launcher (not a worker) holds the lock, a second launch is
+    refused, and SIGKILL of the whole job leaves nothing that blocks a rerun."""
+    run_dir = RunDir(tmp_path / "run")
+    env = environment(tmp_path)
+    train_args = [f"run.dir={run_dir.path}", "train.steps=100000", *ONE_DEVICE]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--", *train_args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_holder(run_dir, first.pid)
+        line = refused(["msjax.launch", "--"], train_args, env)
+        assert f"is in use by another job (pid {first.pid} on" in line
+        assert first.poll() is None, "the first job must still be running"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    wait_until_free(run_dir)

@@ -1,0 +1,511 @@
+"""Going on without a broken slot: the mesh re-planned for fewer processes keeps the global
+batch, and a job excluding a crash-looping slot finishes on the shrunk mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from msjax.config import load_config
+from msjax.errors import MsjaxError
+from msjax.launch.membership import MeshPlan, Slots, replan_mesh
+from msjax.resilience.heartbeat import HeartbeatRecord
+from msjax.run_dir import RunDir
+from tests.slurm_step import SLURM_STEP_ENV
+from tests.small_runs import QUICK_RUN
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job(*overrides: str):
+    return load_config(None, [*QUICK_RUN, *overrides])
+
+
+# --- re-planning the mesh ------------------------------------------------------------------------
+
+
+def test_replan_keeps_tensor_shrinks_data_and_fsdp_and_accumulates_to_keep_the_batch():
+    config = job("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.global_batch=8")
+    plan = replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=3)
+    # 3 processes hold 6 devices, tensor 2 leaves 3 replicas, which do not divide 8: 2 do, and
+    # fsdp stays the larger (memory per device); 4 rows per replica in 2 passes of 2, as before
+    assert plan == MeshPlan(data=1, fsdp=2, pipe=1, tensor=2, grad_accum_steps=2, processes=2)
+    assert plan.overrides() == [
+        "mesh.data=1",
+        "mesh.fsdp=2",
+        "mesh.pipe=1",
+        "mesh.tensor=2",
+        "train.grad_accum_steps=2",
+    ]
+
+
+def test_replan_uses_every_healthy_process_when_the_batch_allows():
+    config = job("mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "train.global_batch=12")
+    plan = replan_mesh(config, devices_per_proc=1, job_processes=4, healthy_processes=3)
+    # 3 rows per replica and pass before; 4 rows per replica now, in 2 passes of at most 3
+    assert (plan.data, plan.fsdp, plan.processes, plan.grad_accum_steps) == (3, 1, 3, 2)
+    # 12 rows over 4 replicas in 3 passes: 1 row per pass; on 3 replicas 4 passes keep that
+    config = job(
+        "mesh.data=4",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "train.global_batch=12",
+        "train.grad_accum_steps=3",
+    )
+    plan = replan_mesh(config, devices_per_proc=1, job_processes=4, healthy_processes=3)
+    assert (plan.data, plan.grad_accum_steps) == (3, 4)
+
+
+def test_replan_with_every_process_healthy_is_the_jobs_own_mesh_with_its_minus_one_filled():
+    config = job("mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=1", "train.grad_accum_steps=2")
+    plan = replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=4)
+    assert plan == MeshPlan(data=4, fsdp=2, pipe=1, tensor=1, grad_accum_steps=2, processes=4)
+
+
+def test_replan_keeps_the_pipeline_and_its_microbatches_dividing_each_pass():
+    config = job(
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.pipe=2",
+        "mesh.tensor=1",
+        "pipeline.microbatches=2",
+        "train.global_batch=8",
+    )
+    plan = replan_mesh(config, devices_per_proc=2, job_processes=2, healthy_processes=1)
+    # one replica of 2 stages on the healthy process: 8 rows in 2 passes of 4 (as before, 4
+    # rows per replica per pass), each pass split into the pipeline's 2 microbatches
+    assert (plan.data, plan.fsdp, plan.pipe, plan.grad_accum_steps, plan.processes) == (
+        1,
+        1,
+        2,
+        2,
+        1,
+    )
+
+
+def test_replan_refuses_in_one_line_where_no_mesh_fits_the_healthy_processes():
+    config = job("mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4")
+    with pytest.raises(MsjaxError) as refused:
+        replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=1)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "1 healthy processes x 2 devices" in message and "pipe x tensor = 4" in message
+
+
+def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_when_checked():
+    slots = Slots(nprocs=4, spares=1)
+    assert slots.exclude(3, now_unix_s=100.0) == 4  # the spare takes rank 3
+    assert (slots.rank_slots, slots.slot_of(3)) == ([0, 1, 2, 4], 4)
+    assert slots.exclude(1, now_unix_s=200.0) is None  # no spare left
+    slots.arrange(2)  # a mesh on 2 of the 3 healthy slots
+    assert slots.describe() == {"active": [0, 2], "spare": [], "idle": [4], "excluded": [1, 3]}
+    assert slots.readmit_due(now_unix_s=350.0, after_s=0) == []  # 0: never
+    assert slots.readmit_due(now_unix_s=250.0, after_s=100.0) == [3]  # slot 1: not yet
+    assert slots.readmit_due(now_unix_s=350.0, after_s=100.0) == [3, 1]  # longest out first
+    # due is not re-admitted: slot 3 failed its check and waits another time out, 1 passed
+    slots.keep_out(3, now_unix_s=350.0)
+    slots.readmit(1)
+    assert slots.readmit_due(now_unix_s=400.0, after_s=100.0) == []
+    assert slots.healthy() == [0, 1, 2, 4]
+    slots.arrange(4)
+    assert (slots.rank_slots, slots.describe()["excluded"]) == ([0, 1, 2, 4], [3])
+    # slot 3 failed once: its time out doubled (200 s from 350), then doubles again
+    assert slots.readmit_due(now_unix_s=450.0, after_s=100.0) == []
+    assert slots.readmit_due(now_unix_s=550.0, after_s=100.0) == [3]
+    slots.keep_out(3, now_unix_s=550.0)
+    assert slots.readmit_due(now_unix_s=900.0, after_s=100.0) == []
+    assert slots.readmit_due(now_unix_s=950.0, after_s=100.0) == [3]
+
+
+# --- a job with a crash-looping slot -------------------------------------------------------------
+# 4 processes x 2 devices (data 2 x fsdp 2 x tensor 2); the slot holding rank 3 at the start
+# crashes before step CRASH_STEP at every start. After FAULTS_PER_SLOT crashes in a row it is
+# excluded: a spare takes its rank (mesh unchanged), or with none the job shrinks to
+# data 1 x fsdp 2 x tensor 2 on 2 processes with 2 accumulation passes (8 rows, as before).
+
+STEPS, SAVE_EVERY, CRASH_STEP, FAULTS_PER_SLOT = 12, 4, 6, 2
+BAD_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times=99"
+HEALED_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times={FAULTS_PER_SLOT}"  # then it works
+# the attempt after slot 3's exclusion (attempt FAULTS_PER_SLOT); its rank 0 is held in its
+# compile until slot 3's self-check for re-admission (seconds of imports and compiling) is over,
+# so the check ends while the job runs however fast the machine steps, as in a long real job
+AFTER_EXCLUSION = FAULTS_PER_SLOT
+SHRUNK_MESH = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"]
+# the spare job runs as a Slurm task on a node given GPUs 20-29: slot s owns 20+2s and 21+2s
+SPARE_NODE_ENV = {
+    **SLURM_STEP_ENV,
+    "CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in range(20, 30)),
+}
+RUN_TIMEOUT_S = 900
+
+
+def job_args(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
+    return [
+        *QUICK_RUN,
+        f"train.steps={STEPS}",
+        "train.eval_every=0",
+        f"checkpoint.every_steps={SAVE_EVERY}",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "resilience.heartbeat_every_s=0.05",
+        "resilience.stop_grace_s=2",
+        "resilience.restart_backoff_s=0.1",
+        f"resilience.max_faults_per_slot={FAULTS_PER_SLOT}",
+        "resilience.readmit_after_s=0",
+        f"resilience.compile_cache_dir={cache_dir}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
+
+
+class Job:
+    """One `python -m msjax.launch` job in the background, its output in a file. With
+    `held_until`, its rank 0 is SIGSTOPped once it compiles in attempt AFTER_EXCLUSION, and let
+    go on once held_until(job) holds."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        nprocs: int,
+        flags: list[str],
+        args: list[str],
+        held_until: Callable[[Job], bool] | None = None,
+        node_env: dict[str, str] | None = None,
+    ):
+        self.run_dir = run_dir
+        self.held_until = held_until
+        self.held_pid: int | None = None
+        self.log_path = run_dir.parent / f"{run_dir.name}-launch.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(node_env or {})}
+        command = [
+            sys.executable,
+            "-m",
+            "msjax.launch",
+            f"--nprocs={nprocs}",
+            "--devices-per-proc=2",
+            *flags,
+            "--",
+            *args,
+        ]
+        with self.log_path.open("w") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent
+            )
+
+    def hold(self) -> None:
+        """Stop rank 0 in its compile after the exclusion, or let it go on once it may."""
+        if self.held_until is None:
+            return
+        if self.held_until(self):
+            if self.held_pid is not None:
+                os.kill(self.held_pid, signal.SIGCONT)
+            self.held_until = None  # held once at most
+            return
+        if self.held_pid is not None:
+            return
+        record = HeartbeatRecord.read(RunDir(self.run_dir).heartbeat(0))
+        if record is not None and (record.attempt, record.phase) == (AFTER_EXCLUSION, "compile"):
+            os.kill(record.pid, signal.SIGSTOP)
+            self.held_pid = record.pid
+
+    def finish(self) -> Finished:
+        try:
+            code = self.process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = None
+        output = self.log_path.read_text()
+        assert code is not None, f"{self.run_dir} did not end in {RUN_TIMEOUT_S} s:\n{output}"
+        return Finished(self.run_dir, code, output)
+
+
+@dataclass(frozen=True)
+class Finished:
+    run_dir: Path
+    exit_code: int
+    output: str
+
+    def jsonl(self, name: str) -> list[dict[str, Any]]:
+        path = self.run_dir / name
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def losses(self) -> dict[int, float]:
+        """Each step's loss as last logged (the attempt that went on from it)."""
+        records = self.jsonl("metrics.jsonl")
+        return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+def run_jobs(jobs: dict[str, Job]) -> dict[str, Finished]:
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline and any(j.process.poll() is None for j in jobs.values()):
+            for job in jobs.values():
+                job.hold()
+            time.sleep(0.02)
+        return {name: job.finish() for name, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            if job.held_until is not None and job.held_pid is not None:
+                os.kill(job.held_pid, signal.SIGCONT)
+            if job.process.poll() is None:
+                job.process.kill()
+
+
+def readmitted(job: Job) -> bool:
+    return "slot 3 re-admitted" in job.log_path.read_text()
+
+
+def readmitted_as_a_waiting_spare(job: Job) -> bool:
+    waiting = job.run_dir / "logs" / "spare-slot3.log"
+    return readmitted(job) and waiting.exists() and "imports done" in waiting.read_text()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, Finished]:
+    """The uninterrupted reference and the crash-looping job without a spare side by side;
+    then the shrunk mesh started from the shrinking job's checkpoint, and the job with a spare."""
+    cache = tmp_path_factory.mktemp("compile_cache")
+    folder = {
+        name: tmp_path_factory.mktemp(name) / "run" for name in ("ref", "shrink", "spare", "regrow")
+    }
+    finished = run_jobs(
+        {
+            "reference": Job(folder["ref"], 4, [], job_args(folder["ref"], cache)),
+            "shrink": Job(
+                folder["shrink"],
+                4,
+                [f"--fault={BAD_SLOT_FAULT}"],
+                job_args(folder["shrink"], cache),
+            ),
+        }
+    )
+    restored = finished["shrink"].jsonl("incidents.jsonl")[-1]["resumed_from_step"]
+    from_checkpoint = tmp_path_factory.mktemp("from_checkpoint") / "run"
+    resume = f"checkpoint.resume_from={folder['shrink'] / 'checkpoints' / str(restored)}"
+    shrunk_args = job_args(from_checkpoint, cache, *SHRUNK_MESH, resume)
+    finished |= run_jobs(
+        {
+            "from_checkpoint": Job(from_checkpoint, 2, [], shrunk_args),
+            "spare": Job(
+                folder["spare"],
+                4,
+                ["--spares=1", f"--fault={HEALED_SLOT_FAULT}"],
+                job_args(folder["spare"], cache, "resilience.readmit_after_s=1"),
+                held_until=readmitted_as_a_waiting_spare,
+                node_env=SPARE_NODE_ENV,
+            ),
+            "regrow": Job(
+                folder["regrow"],
+                4,
+                [f"--fault={HEALED_SLOT_FAULT}"],
+                job_args(folder["regrow"], cache, "resilience.readmit_after_s=1"),
+                held_until=readmitted,
+            ),
+        }
+    )
+    return finished
+
+
+@pytest.mark.slow
+def test_crash_looping_slot_is_excluded_and_the_job_finishes_on_a_shrunk_mesh(jobs):
+    shrink = jobs["shrink"]
+    assert shrink.exit_code == 0, shrink.output[-4000:]
+    assert "slot 3 is marked bad: the named cause of 2 faults in a row" in shrink.output
+    assert "slot 3 (rank 3) excluded; no spare left" in shrink.output
+    assert "data 1 x fsdp 2 x pipe 1 x tensor 2 on 2 processes" in shrink.output
+    incidents = shrink.jsonl("incidents.jsonl")
+    assert [(i["cause"], i["rank"]) for i in incidents] == [("crash", 3)] * FAULTS_PER_SLOT
+    membership = incidents[-1]["membership"]
+    assert (membership["action"], membership["slot"]) == ("shrink", 3)
+    assert membership["incidents"] == [1, 2]
+    assert membership["slots"] == {"active": [0, 1], "spare": [], "idle": [2], "excluded": [3]}
+    # the timings of the change: first fault <= detected <= excluded <= first step on the mesh
+    assert (
+        membership["first_fault_unix_s"]
+        <= membership["detected_unix_s"]
+        <= membership["excluded_unix_s"]
+        <= membership["first_step_unix_s"]
+    )
+    assert membership["first_fault_to_new_mesh_s"] > 0
+    # the slot's fault fired at each of its starts and never after it left the job
+    firings = shrink.jsonl("faults.jsonl")
+    assert [(f["slot"], f["step"]) for f in firings] == [(3, CRASH_STEP)] * FAULTS_PER_SLOT
+    assert set(shrink.losses()) == set(range(STEPS))
+
+
+@pytest.mark.slow
+def test_shrunk_job_matches_a_run_started_on_that_mesh_from_the_same_checkpoint(jobs):
+    shrink, started = jobs["shrink"], jobs["from_checkpoint"]
+    assert started.exit_code == 0, started.output[-4000:]
+    restored = shrink.jsonl("incidents.jsonl")[-1]["resumed_from_step"]
+    assert restored == SAVE_EVERY  # the newest checkpoint before the crash-looping step
+    shrunk, fresh = shrink.losses(), started.losses()
+    assert sorted(fresh) == list(range(restored, STEPS))
+    np.testing.assert_allclose(
+        [shrunk[step] for step in sorted(fresh)], [fresh[s] for s in sorted(fresh)], atol=1e-5
+    )
+
+
+@pytest.mark.slow
+def test_shrunk_mesh_sees_the_same_global_batches_as_the_full_one(jobs):
+    # 2 processes accumulating over 2 passes, 4 processes in one: the same rows at each step,
+    # so the same losses up to float32 summation order (another batch would differ by ~1e-1)
+    shrunk, reference = jobs["shrink"].losses(), jobs["reference"].losses()
+    assert jobs["reference"].exit_code == 0
+    steps = range(SAVE_EVERY, STEPS)
+    np.testing.assert_allclose(
+        [shrunk[s] for s in steps], [reference[s] for s in steps], rtol=0, atol=1e-4
+    )
+
+
+@pytest.mark.slow
+def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterrupted_one(jobs):
+    spare, reference = jobs["spare"], jobs["reference"]
+    assert spare.exit_code == 0, spare.output[-4000:]
+    assert "spare slot 4 takes rank 3, the mesh is unchanged" in spare.output
+    incidents = spare.jsonl("incidents.jsonl")
+    assert [(i["cause"], i["rank"]) for i in incidents] == [("crash", 3)] * FAULTS_PER_SLOT
+    membership = incidents[-1]["membership"]
+    assert (membership["action"], membership["slot"], membership["spare_slot"]) == ("spare", 3, 4)
+    assert membership["slots"]["active"] == [0, 1, 2, 4]
+    assert membership["first_fault_to_new_mesh_s"] > 0
+    # the spare ran rank 3 (it did not inherit slot 3's fault) in the waiting process itself
+    assert "imports done" in (spare.run_dir / "logs" / "spare-slot4.log").read_text()
+    # and what it printed as rank 3 is in rank 3's log, after the header of its attempt
+    rank_log = (spare.run_dir / "logs" / "rank3.log").read_text()
+    as_rank = rank_log.split(", rank 3, pid ")[-1]  # the attempt the spare took rank 3 in
+    assert " waited " in as_rank.splitlines()[0] and "slot 4 takes rank 3" in as_rank
+    # each slot's worker saw its own GPUs alone: slot 3's while it crashed, then the spare's
+    devices = "msjax: process {}: devices CUDA_VISIBLE_DEVICES={}, local devices 0,1"
+    assert devices.format(3, "26,27") in rank_log.split(", rank 3, pid ")[0]
+    assert devices.format(3, "28,29") in as_rank and "26,27" not in as_rank
+    assert devices.format(0, "20,21") in (spare.run_dir / "logs" / "rank0.log").read_text()
+    # slot 3's check for re-admission ran on slot 3's GPUs, alone
+    check_log = (spare.run_dir / "logs" / "check-slot3.log").read_text()
+    assert devices.format(0, "26,27") in check_log
+    crashes = [f for f in spare.jsonl("faults.jsonl") if f["kind"] == "crash"]
+    assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
+    # on the job's own mesh, slot 3 (healed) re-admitted after its check and its training probe
+    # past step CRASH_STEP passed waits as a spare
+    readmitted = (
+        "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed and its "
+        "probe trained (probes/slot3-1)"
+    )
+    assert f"{readmitted}: a spare now" in spare.output
+    assert (spare.run_dir / "logs" / "check-slot3.log").exists()
+    assert "imports done" in (spare.run_dir / "logs" / "spare-slot3.log").read_text()
+    losses, expected = spare.losses(), reference.losses()
+    assert sorted(losses) == list(range(STEPS))
+    assert [losses[s] for s in range(STEPS)] == [expected[s] for s in range(STEPS)]  # bitwise
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # ended, not reaped by its new parent
+
+
+def test_a_waiting_process_imports_everything_and_starts_no_jax_backend():
+    """What a spare or a warm standby imports while it waits starts no backend: on a GPU node it
+    holds no device memory beside the rank's own worker, and XLA_FLAGS set later still count."""
+    script = (
+        "import importlib\n"
+        "from msjax.launch.spare import WARM_IMPORTS\n"
+        "for name in WARM_IMPORTS: importlib.import_module(name)\n"
+        "from jax._src import xla_bridge\n"
+        "print('backends started:', xla_bridge.backends_are_initialized())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "backends started: False", result.stdout
+
+
+@pytest.mark.slow
+def test_spare_waits_bounded_and_leaves_when_its_supervisor_is_gone(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    spare = [sys.executable, "-m", "msjax.launch.spare", str(tmp_path)]
+    # never handed a rank, it leaves after --max-wait-s with nothing written
+    waited = subprocess.run(
+        [*spare, "0", "--max-wait-s=0.5"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert waited.returncode == 0, waited.stderr[-2000:]
+    assert "slot 0 ready in" in waited.stdout and "slot 0 not needed; leaving" in waited.stdout
+    assert list(tmp_path.iterdir()) == []
+    # its supervisor killed, it leaves at once (it had no deadline of its own)
+    log = tmp_path / "spare1.log"
+    supervisor = subprocess.Popen(
+        ["bash", "-c", f"{' '.join(spare)} 1 > {log} 2>&1 & echo $!; sleep 600"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert supervisor.stdout is not None
+    pid = int(supervisor.stdout.readline())
+    try:
+        deadline = time.monotonic() + 300
+        while not log.exists() or "waiting for a rank" not in log.read_text():
+            assert time.monotonic() < deadline and not _gone(pid), "the spare did not get ready"
+            time.sleep(0.1)
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 10
+        while not _gone(pid):
+            assert time.monotonic() < deadline, f"the spare {pid} outlived its supervisor"
+            time.sleep(0.05)
+    finally:
+        supervisor.kill()
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_readmitted_slot_brings_the_job_back_to_the_full_mesh_at_its_next_checkpoint(jobs):
+    regrow, reference = jobs["regrow"], jobs["reference"]
+    assert regrow.exit_code == 0, regrow.output[-4000:]
+    incidents = regrow.jsonl("incidents.jsonl")
+    assert [i["cause"] for i in incidents] == ["crash"] * FAULTS_PER_SLOT + ["regrow"]
+    assert incidents[FAULTS_PER_SLOT - 1]["membership"]["action"] == "shrink"
+    back = incidents[-1]
+    assert back["membership"]["mesh"].endswith("on 4 processes, train.grad_accum_steps=1")
+    assert back["membership"]["slots"]["active"] == [0, 1, 2, 3]
+    # re-admitted once its own self-check passed (a crash does not show in it), slot 3 alone
+    assert "slot 3 re-admitted after resilience.readmit_after_s=1, its self-check passed" in (
+        regrow.output
+    )
+    readmitted = back["membership"]["readmitted"]["3"]
+    check = json.loads((regrow.run_dir / readmitted["health"]).read_text())
+    assert (check["passed"], sorted(check["ranks"])) == (True, ["0"])
+    # on the job's mesh shrunk onto one process: its tensor pairs, within the slot
+    [tensor] = check["ranks"]["0"]["collectives"]
+    assert (tensor["axis"], tensor["size"], tensor["ok"]) == ("tensor", 2, True)
+    excluded_unix_s = incidents[FAULTS_PER_SLOT - 1]["membership"]["excluded_unix_s"]
+    assert readmitted["checked_unix_s"] >= excluded_unix_s + 1 + check["wall_s"] - 0.5
+    assert (regrow.run_dir / "logs" / "check-slot3.log").exists()
+    # it waited for a checkpoint the shrunk mesh committed, and resumed from it on 4 processes
+    assert back["resumed_from_step"] > SAVE_EVERY
+    assert "attempt 3: 4 workers (ranks 0-3 of 4)" in regrow.output
+    crashes = [f for f in regrow.jsonl("faults.jsonl") if f["kind"] == "crash"]
+    assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
+    losses, expected = regrow.losses(), reference.losses()
+    np.testing.assert_allclose(
+        [losses[s] for s in range(STEPS)], [expected[s] for s in range(STEPS)], atol=1e-4
+    )
