@@ -17,7 +17,6 @@ MAX_FUNCTION_LINES = 60
 # `path` (a file) or `path:function` (dotted through classes and enclosing functions): its size
 # in lines today. Shrink an entry's number as the code shrinks; remove it once under the limit.
 ALLOWED_OVER: dict[str, int] = {
-    "msjax/checkpoint/manager.py": 661,
     "msjax/launch/supervisor.py": 635,
     "msjax/parallel/pipeline.py": 501,
     "msjax/planner/planning.py": 567,
