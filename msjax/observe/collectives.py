@@ -4,7 +4,8 @@ bytes one device sends over each mesh axis.
 Read from `compiled.as_text()` (optimised, partitioned HLO of one device). An op inside a `while`
 body (the scanned layers) runs once per trip, so it is counted `known_trip_count` times. Bytes are
 the sizes of each op's results; `bytes_sent_by_axes` turns them into ring bytes on the wire, per
-mesh axis, from each op's device groups (the planner's estimates are in `msjax.planner.planning`).
+mesh axis, from each op's device groups (the planner's estimates are in
+`msjax.planner.communication`).
 """
 
 from __future__ import annotations
@@ -231,8 +232,8 @@ def bytes_sent_by_axes(
     (collective_ops), keyed by the mesh axes each runs over ("tensor", "data+fsdp", ...; axes in
     mesh order); with within_loops, only what collectives inside loops send.
 
-    Ring algorithms as in `msjax.planner.planning`; a collective permute sends its result from
-    every device whose target is another device. Raises ValueError on a collective whose
+    Ring algorithms as in `msjax.planner.communication`; a collective permute sends its result
+    from every device whose target is another device. Raises ValueError on a collective whose
     devices cannot be read, so nothing goes uncounted.
     """
     devices = int(np.prod(mesh_shape))

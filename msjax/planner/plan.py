@@ -1,8 +1,9 @@
 """`python -m msjax.plan`: a dry run for a cluster you do not have: per-device memory and traffic
 of every mesh that can run a config on N devices, a predicted step time, and MegaScale's Table 2.
 
-Memory and communication come from the analytical model (`msjax.planner.planning`); `--xla`
-compiles each mesh on simulated CPU devices to set XLA's numbers beside it (small N only);
+Memory and communication come from the analytical model (`msjax.planner.planning` and
+`msjax.planner.communication`); `--xla` compiles each mesh on simulated CPU devices to set XLA's
+numbers beside it (small N only);
 `--lower` lowers the step on an abstract mesh of N devices, which JAX allows without them.
 """
 
