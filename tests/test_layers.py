@@ -16,7 +16,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("msjax.parallel",),
     3: ("msjax.ops",),
     4: ("msjax.models",),
-    5: ("msjax.step", "msjax.optim"),
+    5: ("msjax.step", "msjax.state_layout", "msjax.optim"),
     6: (
         "msjax.data",
         "msjax.checkpoint",

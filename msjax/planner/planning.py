@@ -25,7 +25,7 @@ from msjax.parallel.context import LogicalAxes
 from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
-from msjax.step import state_layout
+from msjax.state_layout import state_layout
 from pallas_kernels.cross_entropy import BlockSizes
 
 F32_BYTES = 4
@@ -52,7 +52,7 @@ def _array_layout(shape: jax.ShapeDtypeStruct, axes: LogicalAxes) -> ArrayLayout
 def state_arrays(
     model: ModelConfig, optim: OptimConfig, total_steps: int
 ) -> tuple[tuple[ArrayLayout, ...], tuple[ArrayLayout, ...]]:
-    """(parameters, optimizer state) of the train state, as `msjax.step.state_layout` has it."""
+    """(parameters, optimizer state) of the train state, as `msjax.state_layout` lays it out."""
     layout = state_layout(model, optim, total_steps)
     param_shapes = jax.tree.leaves(nnx.to_pure_dict(layout.abstract_params))
     param_axes = jax.tree.leaves(layout.param_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
