@@ -31,18 +31,20 @@ from msjax.optim import (
     stacked_over_layers,
 )
 from msjax.parallel.context import WeightGather, constrain, use_weight_gather
+from msjax.parallel.microbatches import (
+    arrange_microbatches,
+    cells_to_rows,
+    split_microbatches,
+    streams_to_rows,
+)
 from msjax.parallel.one_f_one_b import one_f_one_b_loss
 from msjax.parallel.pipeline import (
     PipelineLayout,
     Replicas,
     StageFunction,
-    arrange_microbatches,
-    cells_to_rows,
     gathers_stage_weights_once,
     rows_to_streams,
     run_streams,
-    split_microbatches,
-    streams_to_rows,
     to_canonical_order,
     to_memory_order,
 )
