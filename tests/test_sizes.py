@@ -18,8 +18,6 @@ MAX_FUNCTION_LINES = 60
 # in lines today. Shrink an entry's number as the code shrinks; remove it once under the limit.
 ALLOWED_OVER: dict[str, int] = {
     "msjax/launch/supervisor.py": 635,
-    "msjax/config_checks.py:validate": 65,
-    "msjax/config_checks.py:_check_resilience": 84,
     "msjax/launch/__main__.py:main": 83,
     "msjax/observe/collectives.py:program_runs": 82,
     "msjax/observe/flight_recorder.py:diagnose": 62,
