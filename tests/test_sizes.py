@@ -22,7 +22,6 @@ ALLOWED_OVER: dict[str, int] = {
     "msjax/observe/flight_recorder.py:diagnose": 62,
     "msjax/observe/run_files.py:load_run": 72,
     "msjax/planner/plan.py:_parser": 69,
-    "msjax/report.py:summary_lines": 79,
     "msjax/training/prepare.py:_prepare": 95,
 }
 
