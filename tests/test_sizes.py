@@ -20,7 +20,6 @@ ALLOWED_OVER: dict[str, int] = {
     "msjax/launch/supervisor.py": 635,
     "msjax/launch/__main__.py:main": 83,
     "msjax/observe/flight_recorder.py:diagnose": 62,
-    "msjax/planner/plan.py:_parser": 69,
     "msjax/training/prepare.py:_prepare": 95,
 }
 

@@ -46,7 +46,6 @@ MAX_XLA_DEVICES = 64  # --xla simulates this many CPU devices at most
 
 
 def _parser() -> argparse.ArgumentParser:
-    defaults = Hardware()
     parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Per-device memory, communication and predicted step time of every mesh "
@@ -80,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="predict step time and MFU at MegaScale's Table 2 GPU counts and batches",
     )
+    _add_hardware_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser
+
+
+def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that set the hardware a prediction assumes (defaults: Hardware's)."""
+    defaults = Hardware()
     hardware = parser.add_argument_group("hardware assumed for predictions (A100 SXM nodes)")
     hardware.add_argument(
         "--peak-tflops",
@@ -112,8 +119,6 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.devices_per_node,
         help=f"devices sharing the fast links (default {defaults.devices_per_node})",
     )
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser
 
 
 def hardware_from(args: argparse.Namespace, config: Config) -> Hardware:
