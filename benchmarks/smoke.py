@@ -1,5 +1,6 @@
-"""Tiny sizes for every benchmark's `--smoke` form: the whole script in seconds, so the test suite
-runs it (tests/jobs/test_benchmarks.py) and a broken benchmark fails CI. Its numbers mean nothing."""
+"""Tiny sizes for every benchmark's `--smoke` form: the whole script in seconds, so the suite
+runs it (tests/jobs/test_benchmarks.py) and a broken benchmark fails CI. Its numbers mean
+nothing."""
 
 # a 2-layer model of width 64 in place of the benchmark's own, and a short sequence
 TINY_MODEL = [

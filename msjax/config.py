@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 from msjax.config_checks import validate
+from msjax.config_file import read_config_file
 from msjax.errors import ConfigError
 
 DType = Literal["float32", "bfloat16"]
@@ -339,7 +340,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     """The config from a YAML file (or the defaults) with `section.key=value` overrides applied."""
     tree: dict[str, dict[str, Any]] = {}
     if path is not None:
-        tree = _read_yaml(Path(path))
+        tree = read_config_file(Path(path))
     for override in overrides:
         section, key, value = _parse_override(override)
         if tree.get(section) is None:
@@ -457,30 +458,6 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
             return value
         raise ConfigError(f"{name}={value!r} must be a string")
     raise TypeError(f"unsupported config annotation {annotation!r} for {name}")
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as error:
-        raise ConfigError(f"config file {path} cannot be read ({error.strerror})") from None
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte {error.start}); save it as UTF-8"
-        ) from None
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{where}") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return tree
 
 
 def _parse_override(override: str) -> tuple[str, str, Any]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from msjax.config import (
         CheckpointConfig,
         Config,
+        DataConfig,
         ModelConfig,
         ObserveConfig,
         OptimConfig,
@@ -30,26 +31,9 @@ MAX_SEED = 2**32 - 1  # jax.random.key takes a 32-bit unsigned seed whole (check
 
 def validate(config: Config) -> None:
     """Check every combination that can be checked without devices; raise ConfigError if bad."""
-    model, mesh, train, data = config.model, config.mesh, config.train, config.data
-    for section in dataclasses.fields(config):
-        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
-            is_int = isinstance(value, int) and not isinstance(value, bool)
-            if is_int and abs(value) > MAX_INT and f"{section.name}.{key}" != "run.seed":
-                raise ConfigError(
-                    f"{section.name}.{key}={value} is out of range; it must be at most "
-                    f"{MAX_INT:,} in size"
-                )
-    for index, source in enumerate(data.sources):
-        if not (math.isfinite(source.weight) and source.weight > 0):
-            raise ConfigError(f"data.sources[{index}].weight={source.weight} must be positive")
-        if not source.path.strip():
-            raise ConfigError(f"data.sources[{index}].path is empty; give a path, glob or stdlib")
-    if data.num_workers < 0:
-        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
-    if data.prefetch_batches < 0:
-        raise ConfigError(f"data.prefetch_batches={data.prefetch_batches} must be >= 0")
+    model, train, data = config.model, config.train, config.data
+    _check_numbers_in_range(config)
+    _check_data(data)
     positive = {
         "model.vocab_size": model.vocab_size,
         "model.num_layers": model.num_layers,
@@ -85,8 +69,38 @@ def validate(config: Config) -> None:
     _check_pipeline(config.pipeline)
     _check_observe(config.observe)
     _check_run_name(config.run.name)
+    _check_mesh(config)
 
-    sizes = mesh.axis_sizes()
+
+def _check_numbers_in_range(config: Config) -> None:
+    """Every float finite, every integer but the seed small enough for int32 counters."""
+    for section in dataclasses.fields(config):
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{key}={value} must be a finite number")
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if is_int and abs(value) > MAX_INT and f"{section.name}.{key}" != "run.seed":
+                raise ConfigError(
+                    f"{section.name}.{key}={value} is out of range; it must be at most "
+                    f"{MAX_INT:,} in size"
+                )
+
+
+def _check_data(data: DataConfig) -> None:
+    for index, source in enumerate(data.sources):
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(f"data.sources[{index}].weight={source.weight} must be positive")
+        if not source.path.strip():
+            raise ConfigError(f"data.sources[{index}].path is empty; give a path, glob or stdlib")
+    if data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={data.num_workers} must be >= 0")
+    if data.prefetch_batches < 0:
+        raise ConfigError(f"data.prefetch_batches={data.prefetch_batches} must be >= 0")
+
+
+def _check_mesh(config: Config) -> None:
+    """Mesh sizes positive or one -1, and the sizes the mesh splits divisible by it."""
+    sizes = config.mesh.axis_sizes()
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
@@ -249,6 +263,7 @@ PHASE_DEADLINE_KEYS = (
 
 
 def _check_resilience(resilience: ResilienceConfig) -> None:
+    """Heartbeats and deadlines (configured and measured), then the supervisor's recovery."""
     for key in ("heartbeat_every_s", *PHASE_DEADLINE_KEYS, "stop_grace_s"):
         value = getattr(resilience, key)
         if not value > 0:
@@ -281,6 +296,12 @@ def _check_resilience(resilience: ResilienceConfig) -> None:
             f"resilience.warm_standby_after_s={resilience.warm_standby_after_s} must be at "
             "least 0 (seconds of an attempt's steps before its warm standbys start)"
         )
+    _check_recovery(resilience)
+
+
+def _check_recovery(resilience: ResilienceConfig) -> None:
+    """The supervisor's side of resilience: restarts and their backoff, its records, the checks
+    it runs, and when a slot is left out."""
     if resilience.restart_backoff_s < 0:
         raise ConfigError(
             f"resilience.restart_backoff_s={resilience.restart_backoff_s} must be >= 0"

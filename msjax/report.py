@@ -108,6 +108,32 @@ def _field(label: str, text: str, width: int) -> list[str]:
 def summary_lines(run: Run, width: int = 80) -> list[str]:
     """The terminal summary."""
     lines = [f"run {run.name}  ({run.path})"]
+    lines += _progress_lines(run, width)
+    lines += _goodput_lines(run, width)
+    lines += _launch_lines(run, width)
+    lines += ["", f"incidents: {len(run.incidents) or 'none'}"]
+    for incident in run.incidents:
+        lines += textwrap.wrap(
+            _incident_text(incident), width, initial_indent="  ", subsequent_indent="      "
+        )
+
+    lines += health_lines(run.path, width)
+    lines.append("")
+    lines += _straggler_lines(run, width)
+    lines.append("")
+    lines += _flight_lines(run, width)
+    lines += _profile_lines(run)
+
+    heatmap = run.ranks.heatmap() if run.ranks is not None else None
+    if heatmap is not None:
+        lines += ["", "per-rank work time (ranks.jsonl)"]
+        lines += ["  " + line for line in text_heatmap(heatmap, width - 2)]
+    return lines
+
+
+def _progress_lines(run: Run, width: int) -> list[str]:
+    """Steps done, wall time, throughput and MFU, loss, and the lines of records skipped."""
+    lines: list[str] = []
     done = len(run.steps) + len(run.skipped)
     last = max(run.steps) if run.steps else None
     of = f" of {run.total_steps}" if run.total_steps is not None else ""
@@ -154,9 +180,13 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
         lines += _field("loss", "no training step recorded yet", width)
     for name, count in run.unreadable_lines.items():
         lines.append(f"  note: {count} unreadable line(s) in {name} skipped")
+    return lines
 
+
+def _goodput_lines(run: Run, width: int) -> list[str]:
+    """Where the run's time went (goodput.json, or the step records without it), with bars."""
     breakdown, _, source = goodput_breakdown(run)
-    lines += ["", *textwrap.wrap(f"goodput from {source}", width, subsequent_indent="  ")]
+    lines = ["", *textwrap.wrap(f"goodput from {source}", width, subsequent_indent="  ")]
     total = sum(breakdown.values()) or 1.0
     for key, seconds in breakdown.items():
         bar = "#" * round(40 * seconds / total)
@@ -164,25 +194,6 @@ def summary_lines(run: Run, width: int = 80) -> list[str]:
         lines.append(
             f"  {key.removesuffix('_s'):<15}{seconds:9.2f} s {share:5.1f}%  {bar}".rstrip()
         )
-
-    lines += _launch_lines(run, width)
-    lines += ["", f"incidents: {len(run.incidents) or 'none'}"]
-    for incident in run.incidents:
-        lines += textwrap.wrap(
-            _incident_text(incident), width, initial_indent="  ", subsequent_indent="      "
-        )
-
-    lines += health_lines(run.path, width)
-    lines.append("")
-    lines += _straggler_lines(run, width)
-    lines.append("")
-    lines += _flight_lines(run, width)
-    lines += _profile_lines(run)
-
-    heatmap = run.ranks.heatmap() if run.ranks is not None else None
-    if heatmap is not None:
-        lines += ["", "per-rank work time (ranks.jsonl)"]
-        lines += ["  " + line for line in text_heatmap(heatmap, width - 2)]
     return lines
 
 

@@ -1,7 +1,8 @@
 """The compiled train and eval steps, and the train state created already sharded.
 
 Everything here is pure: a step maps (state, batch) to (state, metrics) as one `jax.jit` program
-with explicit input and output shardings and a donated state. The loop that feeds it lives in
+with explicit input and output shardings and a donated state. The state's layout (its arrays, their
+logical axes and shardings) is `msjax.state_layout`'s; the loop that feeds the step lives in
 `msjax.train`.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,55 +23,40 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from msjax import ops
 from msjax.batch import BATCH_FIELDS
-from msjax.config import Config, ModelConfig, OptimConfig
+from msjax.config import Config
 from msjax.models.transformer import Transformer, apply_layer_stack, enclosing_checkpoint_policy
 from msjax.optim import (
     advance_schedule,
     learning_rate_schedule,
-    make_optimizer,
     stacked_over_layers,
-    weight_decay_mask,
 )
-from msjax.parallel.context import LogicalAxes, WeightGather, constrain, use_weight_gather
+from msjax.parallel.context import WeightGather, constrain, use_weight_gather
+from msjax.parallel.microbatches import (
+    arrange_microbatches,
+    cells_to_rows,
+    split_microbatches,
+    streams_to_rows,
+)
 from msjax.parallel.one_f_one_b import one_f_one_b_loss
 from msjax.parallel.pipeline import (
     PipelineLayout,
     Replicas,
     StageFunction,
-    arrange_microbatches,
-    cells_to_rows,
     gathers_stage_weights_once,
     rows_to_streams,
     run_streams,
-    split_microbatches,
-    streams_to_rows,
     to_canonical_order,
     to_memory_order,
 )
 from msjax.parallel.rules import (
     activation_placement,
     gathered_stage_weights,
-    logical_axes_of,
     logical_axis_rules,
-    logical_to_spec,
     placement_within_replica,
-    shardings_for,
     split_over_pipe,
     weight_gather,
 )
-
-Batch = dict[str, jax.Array]  # msjax.batch.BATCH_FIELDS: [batch, seq] int32
-Params = dict[str, Any]  # a pure nested dict of float32 arrays
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class TrainState:
-    """What one training step reads and writes."""
-
-    step: jax.Array  # int32 scalar: the number of updates applied so far
-    params: Params
-    opt_state: optax.OptState
+from msjax.state_layout import Batch, Params, TrainState, state_layout, state_shardings_of
 
 
 def update_is_finite(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
@@ -413,73 +400,15 @@ class TrainProgram:
         )
 
 
-@dataclass(frozen=True)
-class ArrayAxes:
-    """The logical axis names of one optimizer-state array, as one pytree leaf.
-
-    A bare tuple would be flattened, and optax's states are themselves tuples (NamedTuples).
-    """
-
-    names: LogicalAxes  # () for arrays kept whole on every device (counters)
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """The train state of a config without its values: abstract arrays and their logical axes."""
-
-    graphdef: nnx.GraphDef
-    abstract_params: nnx.State  # nnx.Param variables holding jax.ShapeDtypeStruct
-    param_axes: Any  # pure dict like the params: a tuple of logical axis names per parameter
-    optimizer: optax.GradientTransformation
-    opt_state_shapes: optax.OptState  # jax.ShapeDtypeStruct leaves
-    opt_state_axes: optax.OptState  # the same tree with an ArrayAxes per array
-
-
-def state_layout(model: ModelConfig, optim: OptimConfig, total_steps: int) -> StateLayout:
-    """Parameter shapes and axes, the optimizer, and its state's shapes and axes; nothing allocated.
-
-    Optimizer moments take the axes of the parameter they follow; everything else (step counters)
-    is replicated. total_steps is `train.steps`, which the learning-rate schedule spans.
-    """
-
-    def create() -> Transformer:
-        return Transformer(model, nnx.Rngs(params=0))  # shapes only: the seed makes no values
-
-    with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(create)
-    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-    param_axes = logical_axes_of(abstract_params)
-    optimizer = make_optimizer(
-        optim, total_steps, weight_decay_mask(param_axes), stacked_over_layers(param_axes)
-    )
-    opt_state_shapes = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract_params))
-    wrapped = jax.tree.map(ArrayAxes, param_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
-    opt_state_axes = optax.tree_map_params(
-        optimizer,
-        lambda _, axes: axes,
-        opt_state_shapes,
-        wrapped,
-        transform_non_params=lambda _: ArrayAxes(()),
-        is_leaf=lambda leaf: isinstance(leaf, ArrayAxes),
-    )
-    return StateLayout(
-        graphdef, abstract_params, param_axes, optimizer, opt_state_shapes, opt_state_axes
-    )
-
-
 def build_program(config: Config, mesh: Mesh) -> TrainProgram:
     """Shardings for state and batches, the optimizer, and the jitted train and eval steps."""
     rules = logical_axis_rules(config)
     layout = state_layout(config.model, config.optim, config.train.steps)
-    param_shardings = shardings_for(layout.param_axes, mesh, rules)
-    opt_shardings = jax.tree.map(
-        lambda axes: NamedSharding(mesh, logical_to_spec(axes.names, rules)),
-        layout.opt_state_axes,
-    )
+    state_shardings = state_shardings_of(layout, mesh, rules)
+    param_shardings = state_shardings.params
     schedule = learning_rate_schedule(config.optim, config.train.steps)
     optimizer = layout.optimizer
     replicated = NamedSharding(mesh, PartitionSpec())
-    state_shardings = TrainState(replicated, param_shardings, opt_shardings)
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules["batch"], None))
 
     program = TrainProgram(
@@ -494,7 +423,27 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
         batch_sharding=batch_sharding,
     )
     batch_shardings = dict.fromkeys(BATCH_FIELDS, batch_sharding)
+    train_step = _train_step_function(program)
 
+    program.train_step = jax.jit(
+        train_step,
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    program.eval_step = jax.jit(
+        program.loss,
+        in_shardings=(param_shardings, batch_shardings),
+        out_shardings=replicated,
+    )
+    return program
+
+
+def _train_step_function(program: TrainProgram) -> Callable[..., Any]:
+    """(state, batch) -> (state, metrics): one optimizer update from the batch's gradients,
+    accumulated over `train.grad_accum_steps` microbatches, kept only where it is finite."""
+    config, optimizer, schedule = program.config, program.optimizer, program.schedule
+    batch_sharding, param_shardings = program.batch_sharding, program.state_shardings.params
     loss_and_grads = microbatched(
         jax.value_and_grad(program.loss_share),
         config.train.grad_accum_steps,
@@ -522,15 +471,4 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
         new_state = keep_unless_finite(update_finite, updated, state)
         return new_state, metrics
 
-    program.train_step = jax.jit(
-        train_step,
-        in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=(0,),
-    )
-    program.eval_step = jax.jit(
-        program.loss,
-        in_shardings=(param_shardings, batch_shardings),
-        out_shardings=replicated,
-    )
-    return program
+    return train_step

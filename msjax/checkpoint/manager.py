@@ -5,15 +5,12 @@ only) and `meta` (JSON: the resolved config, the data position, the seed, finger
 array, sealed with a CRC-32). No pickle anywhere: restoring reads arrays and JSON, never code.
 A checkpoint found damaged is moved to `checkpoints/damaged/STEP`; one that could not be read
 stays (msjax.checkpoint.read_errors draws the line); old ones are deleted only once a newer one
-is committed with an intact record, counting only those.
+is committed with an intact record, counting only those. The `meta` item and its checks are
+msjax.checkpoint.meta_item's; the reads every process agrees on, msjax.checkpoint.restore_reads'.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import hashlib
-import itertools
 import json
 import shutil
 import threading
@@ -37,31 +34,31 @@ from msjax.checkpoint.fingerprint import (
     compile_fingerprints,
     fingerprints,
 )
+from msjax.checkpoint.meta_item import (
+    META_FILE,
+    MetaHandler,
+    MetaSave,
+    check_fingerprints,
+    read_sealed_record,
+)
 from msjax.checkpoint.orbax_noise import quiet_failed_saves
 from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure, read_error_reason
-from msjax.checkpoint.record import record_problem, seal_record
+from msjax.checkpoint.record import record_problem
+from msjax.checkpoint.restore_reads import (
+    Listing,
+    agree_on_listing,
+    agreed_read,
+    read_own_part,
+    restore_vote,
+)
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
-from msjax.parallel.agreement import ProcessVote, agree_any, agree_max, process_vote
+from msjax.parallel.agreement import ProcessVote, agree_any, agree_max
 from msjax.run_dir import RunDir
 
 # 2: odd fingerprint weights (msjax.checkpoint.fingerprint) and a sealed record; 1 still restores
 FORMAT_VERSION = 2
 DAMAGED_DIR = "damaged"  # checkpoints/damaged/STEP: found damaged on restore, kept for a look
-READ_ATTEMPTS = 3  # a read is retried (a file system hiccup) before its error counts
-READ_RETRY_S = 0.5
-META_FILE = "metadata"  # the file JsonCheckpointHandler reads back in the `meta` item directory
-# What each process found when it read a step (msjax.checkpoint.read_errors tells them apart)
-READ_OK, READ_DAMAGED, READ_FAILED = 0, 1, 2
-_restore_votes = itertools.count()  # every process opens the same votes in the same order
-
-
-@dataclass(frozen=True)
-class Listing:
-    """The steps a checkpoints directory holds, as one process lists them."""
-
-    steps: list[int]  # committed, oldest first
-    damaged: list[str]  # names under damaged/
 
 
 @dataclass(frozen=True)
@@ -102,46 +99,6 @@ def damaged_entries(directory: Path) -> list[str]:
     return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
 
 
-class _MetaHandler(ocp.JsonCheckpointHandler):
-    """The `meta` item: JSON, whose fingerprints are fetched by the thread that writes it.
-
-    Orbax runs the returned commit future in a background thread and finalizes the step only
-    after it is done, so a committed step always holds its fingerprints, and the training loop
-    never waits for them to be computed.
-    """
-
-    held_steps: frozenset[int] = frozenset()  # this process's part of their saves never ends
-
-    async def async_save(
-        self, directory: Any, item: Any = None, args: Any = None
-    ) -> list[ocp.future.Future] | None:
-        if not isinstance(args, _MetaSave):
-            return await super().async_save(directory, item, args)
-        held = args.meta["step"] in self.held_steps
-
-        async def write() -> None:
-            while held:  # the process exits mid-save (an injected crash_in_save)
-                await asyncio.sleep(1.0)
-            if jax.process_index() == 0:
-                meta = {**args.meta, "fingerprints": args.fingerprints.result()}
-                (Path(directory) / META_FILE).write_bytes(seal_record(meta))
-
-        return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="msjax_meta")]
-
-
-@ocp.args.register_with_handler(_MetaHandler, for_save=True)
-@dataclasses.dataclass
-class _MetaSave(ocp.args.CheckpointArgs):
-    meta: dict[str, Any]
-    fingerprints: PendingFingerprints
-
-
-@ocp.args.register_with_handler(_MetaHandler, for_restore=True)
-@dataclasses.dataclass
-class _MetaRestore(ocp.args.CheckpointArgs):
-    pass
-
-
 class Checkpointer:
     """Asynchronous saves (msjax.training.save_schedule decides when), their outcomes and
     retention; restores the newest valid step."""
@@ -154,7 +111,7 @@ class Checkpointer:
         # float weights and moments barely compress; zstd would only take host CPU from the
         # steps that overlap the write
         self._state_handler = ocp.PyTreeCheckpointHandler(use_compression=False)
-        self._meta_handler = _MetaHandler(META_FILE)
+        self._meta_handler = MetaHandler(META_FILE)
         self._manager = ocp.CheckpointManager(
             directory.absolute(),
             item_handlers={
@@ -225,9 +182,7 @@ class Checkpointer:
         pending = PendingFingerprints(state)  # the next step, donating state, waits for it
         self._manager.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state), meta=_MetaSave(meta, pending)
-            ),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=MetaSave(meta, pending)),
             force=True,
         )
         self._in_flight = step
@@ -349,33 +304,11 @@ class Checkpointer:
         The record is checked first (its seal, then the arrays against its fingerprints); a
         failed read is retried READ_ATTEMPTS times before it counts.
         """
-        vote = vote if vote is not None else _restore_vote()
+        vote = vote if vote is not None else restore_vote()
         path = self.directory / str(step)
-        outcome, local_error = READ_OK, None
-        try:
-            meta, state = self._read(path, abstract_state)
-        except CheckpointUnreadable as error:
-            outcome, local_error = READ_FAILED, error
-        except MsjaxError as error:
-            outcome, local_error = READ_DAMAGED, error
-        # Every process reads its own shards; all act on the same verdict. One that could not
-        # read wins over one that found damage: nothing is moved aside on a failed read.
-        outcomes = [values[0] for values in every_process(vote, [outcome])]
-        failed = [rank for rank, found in enumerate(outcomes) if found == READ_FAILED]
-        damaged = [rank for rank, found in enumerate(outcomes) if found == READ_DAMAGED]
-        if failed:
-            raise CheckpointUnreadable(
-                f"checkpoint {path} looks whole but could not be read by {_processes(failed)}"
-                + (f" ({local_error})" if outcome == READ_FAILED else "")
-                + "; it is left in place (a read error is not damage): retry, or check that "
-                "node's file system"
-            )
-        if local_error is not None:
-            raise local_error
-        if damaged:
-            raise MsjaxError(
-                f"checkpoint {path} is damaged in the shards {_processes(damaged)} reads"
-            )
+        meta, state = agreed_read(
+            vote, path, lambda: read_own_part(path, abstract_state, self._state_handler)
+        )
         try:  # computed over the global arrays: every process gets the same fingerprints
             actual = fingerprints(state, meta.get("fingerprint_format", 1))
         except Exception as error:
@@ -385,80 +318,22 @@ class Checkpointer:
                 f"checkpoint {path} was read but its fingerprints could not be computed "
                 f"({read_error_reason(error)}); it is left in place"
             ) from None
-        _check_fingerprints(path, meta, actual)
+        check_fingerprints(path, meta, actual)
         return Restored(step=step, state=state, meta=meta, path=path)
-
-    def _read(self, path: Path, abstract_state: Any) -> tuple[dict[str, Any], Any]:
-        """This process's part of a step: its record, checked, and its shards of the state.
-
-        MsjaxError for evidence of damage, CheckpointUnreadable for a read that failed
-        (msjax.checkpoint.read_errors draws the line).
-        """
-        finalized = self._read_with_retries(path, (path / COMMIT_MARKER).exists)
-        if not finalized:
-            raise MsjaxError(f"checkpoint {path} was never finalized (the save did not finish)")
-        raw = self._read_with_retries(path, lambda: (path / "meta" / META_FILE).read_bytes())
-        meta = checked_record(path, raw)
-        # The item handler itself, not the manager: the manager's restore ends in a barrier of
-        # all processes that one whose read failed would never reach.
-        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-        state = self._read_with_retries(
-            path,
-            lambda: self._state_handler.restore(
-                path.absolute() / "state",
-                args=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
-            ),
-        )
-        return meta, state
-
-    @staticmethod
-    def _read_with_retries(path: Path, read: Callable[[], Any]) -> Any:
-        for attempt in range(READ_ATTEMPTS):
-            try:
-                return read()
-            except Exception as error:  # Orbax and TensorStore raise many types for bad files
-                if attempt + 1 < READ_ATTEMPTS:
-                    time.sleep(READ_RETRY_S * 2**attempt)
-                    continue
-                reason = read_error_reason(error)
-                if is_read_failure(error):
-                    raise CheckpointUnreadable(f"{reason} ({READ_ATTEMPTS} tries)") from None
-                raise MsjaxError(
-                    f"checkpoint {path} could not be read ({READ_ATTEMPTS} tries): {reason}"
-                ) from None
-        raise AssertionError("unreachable")
 
     def agreed_listing(self, vote: ProcessVote | None = None, context: str = "") -> Listing:
         """The committed and damaged steps, which every process must list alike (and `context`,
         a choice made from them). Processes that list them otherwise (a stale or missing mount
         on one node) stop every process with CheckpointUnreadable naming them: choosing by the
         least or the most of the listings would let one node's view start the job afresh."""
-        vote = vote if vote is not None else _restore_vote()
+        vote = vote if vote is not None else restore_vote()
         try:
             listing = Listing(committed_steps(self.directory), self.damaged_entries())
         except OSError as error:  # the others learn of it as this process leaves (exit 7)
             raise CheckpointUnreadable(
                 f"the checkpoints in {self.directory} could not be listed: {error}"
             ) from None
-        text = json.dumps([listing.steps, listing.damaged, context])
-        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
-        newest = listing.steps[-1] if listing.steps else -1
-        views = every_process(vote, [digest, len(listing.steps), newest, len(listing.damaged)])
-        if len({view[0] for view in views}) == 1:
-            return listing
-        groups: dict[int, list[int]] = {}
-        for rank, view in enumerate(views):
-            groups.setdefault(view[0], []).append(rank)
-        # the likely stale view first: the fewest processes, then the fewest steps
-        ordered = sorted(groups.values(), key=lambda ranks: (len(ranks), views[ranks[0]][1:]))
-        seen = "; ".join(
-            f"{_processes(ranks)}: {_describe_view(views[ranks[0]])}" for ranks in ordered
-        )
-        raise CheckpointUnreadable(
-            f"the processes list different checkpoints in {self.directory}: {seen} (a stale or "
-            "missing mount on one node?); every process stops, and nothing was restored, moved "
-            "or trained"
-        )
+        return agree_on_listing(vote, self.directory, listing, context)
 
     def restore_newest_valid(
         self,
@@ -478,7 +353,7 @@ class Checkpointer:
         self.skipped, self.moved_aside = [], []
         for name in uncommitted_entries(self.directory):
             warn(f"skipped checkpoint {self.directory / name}: the save never finished")
-        vote = _restore_vote()
+        vote = restore_vote()
         steps = self.agreed_listing(vote).steps
         candidates = [s for s in steps if at_most is None or s <= at_most]
         diverged = [self._replicas_differed(step) for step in candidates]
@@ -511,7 +386,7 @@ class Checkpointer:
     def restore_named(self, step: int, abstract_state: Any) -> Restored:
         """Exactly this step (MsjaxError if it is not committed or is damaged; never an older
         one in its place), with the same listing on every process."""
-        vote = _restore_vote()
+        vote = restore_vote()
         steps = self.agreed_listing(vote).steps
         if step not in steps:
             finished = ", ".join(map(str, steps[-5:])) or "none"
@@ -561,7 +436,7 @@ class Checkpointer:
             raise MsjaxError(f"checkpoint {path} could not be read: {reason}") from None
         actual = fingerprints(dict(restored.state), meta.get("fingerprint_format", 1))
         expected = meta.get("fingerprints", {})
-        _check_fingerprints(path, {"fingerprints": {k: expected.get(k) for k in actual}}, actual)
+        check_fingerprints(path, {"fingerprints": {k: expected.get(k) for k in actual}}, actual)
         return restored.state["params"]
 
     def array_metadata(self, step: int) -> Any:
@@ -587,75 +462,9 @@ class Checkpointer:
         return json.loads(raw)
 
 
-def _restore_vote() -> ProcessVote | None:
-    return process_vote(f"restore/{next(_restore_votes)}")
-
-
-def every_process(vote: ProcessVote | None, mine: list[int]) -> list[tuple[int, ...]]:
-    """Every process's values (whole numbers >= -1), the same list on every process, in process
-    order. One vote round when all processes hold the same values, two when they differ."""
-    if vote is None:
-        return [tuple(mine)]
-    count = jax.process_count()
-    agreed = vote.agree([*mine, *(-value for value in mine)])  # each value's max, and -min
-    if all(agreed[i] == -agreed[len(mine) + i] for i in range(len(mine))):
-        return [tuple(mine)] * count
-    slots = [-1] * (count * len(mine))  # each process fills its own slots; the max reads them
-    slots[vote.rank * len(mine) : (vote.rank + 1) * len(mine)] = mine
-    agreed = vote.agree(slots)
-    return [tuple(agreed[rank * len(mine) : (rank + 1) * len(mine)]) for rank in range(count)]
-
-
-def _processes(ranks: list[int]) -> str:
-    return ("process " if len(ranks) == 1 else "processes ") + ", ".join(map(str, ranks))
-
-
-def _describe_view(view: tuple[int, ...]) -> str:
-    _, steps, newest, damaged = view
-    listed = f"{steps} committed steps (newest {newest})" if steps else "no committed step"
-    return listed + (f" and {damaged} damaged" if damaged else "")
-
-
-def read_sealed_record(path: Path) -> dict[str, Any]:
-    """The record of the step at path, checked: its seal intact and its fingerprint format one
-    this msjax knows; MsjaxError naming the step otherwise."""
-    try:
-        raw = (path / "meta" / META_FILE).read_bytes()
-    except OSError as error:
-        raise MsjaxError(f"checkpoint {path}: its record could not be read: {error}") from None
-    return checked_record(path, raw)
-
-
-def checked_record(path: Path, raw: bytes) -> dict[str, Any]:
-    """The record bytes of the step at path, parsed once its seal and fingerprint format are
-    checked; MsjaxError naming the step otherwise (evidence of damage, not a failed read)."""
-    problem = record_problem(raw)
-    if problem is not None:
-        raise MsjaxError(f"checkpoint {path} is damaged: {problem}")
-    meta = json.loads(raw)
-    fingerprint_format = meta.get("fingerprint_format", 1)  # format 1 records had none
-    if fingerprint_format not in FINGERPRINT_FORMATS:
-        raise MsjaxError(
-            f"checkpoint {path} has fingerprint format {fingerprint_format}, newer than this "
-            f"msjax reads ({FINGERPRINT_FORMATS[-1]}); restore it with a newer msjax"
-        )
-    return meta
-
-
 def _one_line(error: Exception) -> str:
     """An error as one line; a long one keeps its start and its end (the OS error is there)."""
     text = str(error).splitlines()[0] if str(error) else ""
     if len(text) > 300:
         text = f"{text[:120]} ... {text[-160:]}"
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _check_fingerprints(path: Path, meta: dict[str, Any], actual: dict[str, int]) -> None:
-    expected = meta.get("fingerprints", {})
-    if expected != actual:
-        differing = sorted(key for key in actual if expected.get(key) != actual[key])
-        first = differing[0] if differing else "the list of arrays differs"
-        raise MsjaxError(
-            f"checkpoint {path} is corrupted: {len(differing)} arrays do not match their "
-            f"fingerprints (first: {first})"
-        )

@@ -56,7 +56,7 @@ def load_run_params(
     from flax import nnx
 
     from msjax.parallel.rules import logical_axis_rules, shardings_for
-    from msjax.step import state_layout
+    from msjax.state_layout import state_layout
 
     layout = state_layout(config.model, config.optim, config.train.steps)
     if mesh is None:

@@ -4,7 +4,8 @@ bytes one device sends over each mesh axis.
 Read from `compiled.as_text()` (optimised, partitioned HLO of one device). An op inside a `while`
 body (the scanned layers) runs once per trip, so it is counted `known_trip_count` times. Bytes are
 the sizes of each op's results; `bytes_sent_by_axes` turns them into ring bytes on the wire, per
-mesh axis, from each op's device groups (the planner's estimates are in `msjax.planner.planning`).
+mesh axis, from each op's device groups (the planner's estimates are in
+`msjax.planner.communication`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,44 @@ def program_runs(hlo_text: str, branch_shares: tuple[float, ...] | None = None) 
     branch takes on average over devices (a pipeline that branches per device: the schedule
     table knows them, msjax.parallel.schedules.ScheduleTable.branch_shares).
     """
+    graph = _call_graph(hlo_text, branch_shares)
+    calls = graph.calls
+    runs: dict[str, int] = defaultdict(int)
+    loop_runs: dict[str, int] = defaultdict(int)
+    bodies = {
+        callee
+        for name in calls
+        for callee, factor in calls[name]
+        if factor != 1 and callee not in graph.branch_bodies
+    }
+
+    def visit(name: str, times: int, depth: int = 0, in_loop: bool = False) -> None:
+        if depth > 64:  # HLO call graphs are acyclic; this only guards against a bad parse
+            return
+        runs[name] += times
+        in_loop = in_loop or name in bodies
+        if in_loop:
+            loop_runs[name] += times
+        for callee, factor in calls.get(name, ()):
+            visit(callee, times * factor, depth + 1, in_loop)
+
+    if graph.entry is not None:
+        visit(graph.entry, 1)
+    return ProgramRuns(dict(runs), dict(loop_runs), dict(graph.body_lines))
+
+
+@dataclass(frozen=True)
+class _CallGraph:
+    """Which computations of an HLO program call which, and how often per run of the caller."""
+
+    entry: str | None  # the ENTRY computation
+    calls: dict[str, list[tuple[str, int]]]  # caller -> (callee, runs per run of the caller)
+    body_lines: dict[str, list[str]]  # each computation's instruction lines
+    branch_bodies: set[str]  # a conditional's branches: weighted, but not loop bodies
+
+
+def _call_graph(hlo_text: str, branch_shares: tuple[float, ...] | None) -> _CallGraph:
+    """The call graph of `hlo_text`, a while loop's body called its trip count of times."""
     computation = None
     entry = None
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -113,7 +152,7 @@ def program_runs(hlo_text: str, branch_shares: tuple[float, ...] | None = None) 
     counted_by: dict[str, bool] = {}
     unannotated: list[tuple[str, str]] = []  # (computation holding the while, its condition)
     body_lines: dict[str, list[str]] = defaultdict(list)
-    branch_bodies: set[str] = set()  # a conditional's branches: weighted, but not loop bodies
+    branch_bodies: set[str] = set()
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")):
             header = _HEADER.match(line)
@@ -156,28 +195,7 @@ def program_runs(hlo_text: str, branch_shares: tuple[float, ...] | None = None) 
         calls[name] = [
             (callee, loop_trips(factor) if factor < 0 else factor) for callee, factor in calls[name]
         ]
-    runs: dict[str, int] = defaultdict(int)
-    loop_runs: dict[str, int] = defaultdict(int)
-    bodies = {
-        callee
-        for name in calls
-        for callee, factor in calls[name]
-        if factor != 1 and callee not in branch_bodies
-    }
-
-    def visit(name: str, times: int, depth: int = 0, in_loop: bool = False) -> None:
-        if depth > 64:  # HLO call graphs are acyclic; this only guards against a bad parse
-            return
-        runs[name] += times
-        in_loop = in_loop or name in bodies
-        if in_loop:
-            loop_runs[name] += times
-        for callee, factor in calls.get(name, ()):
-            visit(callee, times * factor, depth + 1, in_loop)
-
-    if entry is not None:
-        visit(entry, 1)
-    return ProgramRuns(dict(runs), dict(loop_runs), dict(body_lines))
+    return _CallGraph(entry, calls, body_lines, branch_bodies)
 
 
 def collective_ops(
@@ -231,8 +249,8 @@ def bytes_sent_by_axes(
     (collective_ops), keyed by the mesh axes each runs over ("tensor", "data+fsdp", ...; axes in
     mesh order); with within_loops, only what collectives inside loops send.
 
-    Ring algorithms as in `msjax.planner.planning`; a collective permute sends its result from
-    every device whose target is another device. Raises ValueError on a collective whose
+    Ring algorithms as in `msjax.planner.communication`; a collective permute sends its result
+    from every device whose target is another device. Raises ValueError on a collective whose
     devices cannot be read, so nothing goes uncounted.
     """
     devices = int(np.prod(mesh_shape))

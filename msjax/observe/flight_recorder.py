@@ -142,9 +142,6 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
     records = read_flight_records(run_dir)
     if len(records) < 2 or all(record.get("closed") for record in records):
         return None
-    programs = {
-        e.get("fingerprint") for r in records for e in r["events"] if e["event"] == "compiled"
-    }
     last = {r["rank"]: r["events"][-1] for r in records if r["events"]}
     places = {r["rank"]: describe_place(r["mesh"]) for r in records if r.get("mesh")}
 
@@ -154,17 +151,7 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
     positions = {rank: _position(event) for rank, event in last.items()}
     alive_at = {r["rank"]: r["alive_at"] for r in records}
     newest_alive = max(alive_at.values())
-    details = [
-        f"rank {rank}: last {_describe(last[rank])}, alive {newest_alive - alive_at[rank]:.1f} s "
-        "before the newest dump" + (" (finished)" if r.get("closed") else "")
-        for r in records
-        for rank in [r["rank"]]
-        if rank in last
-    ]
-    if len(programs) > 1:
-        details.insert(
-            0, "ranks compiled different programs: " + ", ".join(sorted(map(str, programs)))
-        )
+    details = _rank_details(records, last, alive_at)
     furthest = max(positions.values())
     behind = [rank for rank, position in positions.items() if position < furthest]
     # A rank whose dumps stopped while the others' continued is not running (stopped or dead).
@@ -194,3 +181,26 @@ def diagnose(run_dir: Path) -> FlightVerdict | None:
         )
         return FlightVerdict(rank, summary, details)
     return None
+
+
+def _rank_details(
+    records: list[dict[str, Any]], last: dict[int, dict[str, Any]], alive_at: dict[int, float]
+) -> list[str]:
+    """A line per rank (its last event, how long before the newest dump it was last alive),
+    after a first line when the ranks compiled different programs."""
+    programs = {
+        e.get("fingerprint") for r in records for e in r["events"] if e["event"] == "compiled"
+    }
+    newest_alive = max(alive_at.values())
+    details = [
+        f"rank {rank}: last {_describe(last[rank])}, alive {newest_alive - alive_at[rank]:.1f} s "
+        "before the newest dump" + (" (finished)" if r.get("closed") else "")
+        for r in records
+        for rank in [r["rank"]]
+        if rank in last
+    ]
+    if len(programs) > 1:
+        details.insert(
+            0, "ranks compiled different programs: " + ", ".join(sorted(map(str, programs)))
+        )
+    return details

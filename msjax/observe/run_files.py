@@ -126,29 +126,7 @@ def load_run(run_dir: Path) -> Run:
     run_section = config.get("run") or {}
     train_section = config.get("train") or {}
 
-    # An attempt starts at a resume record, or where a step number goes back (a restart
-    # without a checkpoint); its first steps are warm-up.
-    steps: dict[int, dict[str, Any]] = {}
-    warm_index: dict[int, bool] = {}
-    attempt_starts: list[int] = []
-    in_attempt, previous_step = WARMUP_STEPS, None
-    eval_loss: dict[int, float] = {}
-    skipped: set[int] = set()
-    for record in records:
-        if record.get("event") == "resume":
-            in_attempt = None
-        elif record.get("event") == "skipped":
-            skipped.add(record["step"])
-        elif "eval_loss" in record:
-            eval_loss[record["step"]] = record["eval_loss"]
-        elif is_step(record):
-            step = record["step"]
-            if in_attempt is None or previous_step is None or step <= previous_step:
-                attempt_starts.append(step)
-                in_attempt = 0
-            steps[step] = record
-            warm_index[step] = in_attempt < WARMUP_STEPS
-            in_attempt, previous_step = in_attempt + 1, step
+    trained = _training_steps(records)
     goodput = None
     if files.goodput.exists():
         try:
@@ -174,16 +152,61 @@ def load_run(run_dir: Path) -> Run:
         name=str(run_section.get("name") or run_dir.name),
         total_steps=train_section.get("steps"),
         records=records,
-        steps=dict(sorted(steps.items())),
-        warmup_steps={step for step, warm in warm_index.items() if warm},
-        attempt_starts=attempt_starts,
-        eval_loss=dict(sorted(eval_loss.items())),
-        skipped=sorted(skipped - set(steps)),
+        steps=trained.steps,
+        warmup_steps=trained.warmup_steps,
+        attempt_starts=trained.attempt_starts,
+        eval_loss=trained.eval_loss,
+        skipped=trained.skipped,
         goodput=goodput,
         incidents=incidents,
         ranks=ranks,
         launches=launches,
         unreadable_lines=unreadable,
+    )
+
+
+@dataclass(frozen=True)
+class _TrainingSteps:
+    """What the metrics records say of the training steps (the fields of Run of the same names)."""
+
+    steps: dict[int, dict[str, Any]]
+    warmup_steps: set[int]
+    attempt_starts: list[int]
+    eval_loss: dict[int, float]
+    skipped: list[int]
+
+
+def _training_steps(records: list[dict[str, Any]]) -> _TrainingSteps:
+    """The kept steps, each attempt's warm-up and first step, eval losses and skipped steps."""
+    # An attempt starts at a resume record, or where a step number goes back (a restart
+    # without a checkpoint); its first steps are warm-up.
+    steps: dict[int, dict[str, Any]] = {}
+    warm_index: dict[int, bool] = {}
+    attempt_starts: list[int] = []
+    in_attempt, previous_step = WARMUP_STEPS, None
+    eval_loss: dict[int, float] = {}
+    skipped: set[int] = set()
+    for record in records:
+        if record.get("event") == "resume":
+            in_attempt = None
+        elif record.get("event") == "skipped":
+            skipped.add(record["step"])
+        elif "eval_loss" in record:
+            eval_loss[record["step"]] = record["eval_loss"]
+        elif is_step(record):
+            step = record["step"]
+            if in_attempt is None or previous_step is None or step <= previous_step:
+                attempt_starts.append(step)
+                in_attempt = 0
+            steps[step] = record
+            warm_index[step] = in_attempt < WARMUP_STEPS
+            in_attempt, previous_step = in_attempt + 1, step
+    return _TrainingSteps(
+        steps=dict(sorted(steps.items())),
+        warmup_steps={step for step, warm in warm_index.items() if warm},
+        attempt_starts=attempt_starts,
+        eval_loss=dict(sorted(eval_loss.items())),
+        skipped=sorted(skipped - set(steps)),
     )
 
 

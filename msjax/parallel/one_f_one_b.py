@@ -15,15 +15,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from msjax.parallel.context import constrain
+from msjax.parallel.microbatches import merge_microbatches, split_microbatches
 from msjax.parallel.pipeline import (
     ONE_REPLICA,
     PIPE_AXIS,
     PipelineLayout,
     Replicas,
     StageFunction,
-    merge_microbatches,
     run_pipeline,
-    split_microbatches,
     stage_blocks,
 )
 from msjax.parallel.schedules import FORWARD, GPIPE, HEAD_BRANCH, one_f_one_b_pairs

@@ -19,6 +19,11 @@ import numpy as np
 
 from msjax.config import Config
 from msjax.parallel.context import constrain
+from msjax.parallel.microbatches import (
+    arrange_microbatches,
+    merge_microbatches,
+    split_microbatches,
+)
 from msjax.parallel.schedules import (
     FORWARD,
     GPIPE,
@@ -193,20 +198,6 @@ def to_canonical_order(stacked: jax.Array, layout: PipelineLayout) -> jax.Array:
     return jnp.take(stacked, jnp.asarray(np.argsort(layout.memory_order())), axis=0)
 
 
-def split_microbatches(x: jax.Array, count: int) -> jax.Array:
-    """[batch, ...] -> [count, batch / count, ...]; microbatch i takes rows i, i + count, ...
-
-    Strided so that each data-parallel replica's rows (a contiguous block) contribute equally to
-    every microbatch: the split moves no data between devices.
-    """
-    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
-
-
-def merge_microbatches(x: jax.Array) -> jax.Array:
-    """The inverse of split_microbatches."""
-    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
 @dataclass(frozen=True)
 class Replicas:
     """The copies of its stage's weights a pipeline loop works on: one per rank of `axes`, each
@@ -279,33 +270,11 @@ STAGE_ACTIVATIONS = ("stage", "batch", "residual_seq", "act_embed")
 STREAMS = ("stage", None, "batch", "residual_seq", "act_embed")
 
 
-def arrange_microbatches(x: jax.Array, cells: np.ndarray, count: int) -> jax.Array:
-    """[batch, ...] -> [stages * slots, batch / count, ...]: cell c holds microbatch cells[c] of
-    split_microbatches(x, count) (-1: zeros). A static gather along the microbatch axis, so with
-    the rows split over `data` it moves nothing between devices."""
-    microbatches = split_microbatches(x, count)
-    padded = jnp.concatenate([microbatches, jnp.zeros_like(microbatches[:1])])
-    return jnp.take(padded, jnp.asarray(np.where(cells < 0, len(microbatches), cells)), axis=0)
-
-
-def cells_to_rows(cells: jax.Array, stages: int) -> jax.Array:
-    """[stages * slots, microbatch, ...] -> [stages * microbatch * slots, ...]: rows in an order
-    that splits them over `pipe` (stage-major) and then over `data` (within a microbatch)."""
-    slots, microbatch = cells.shape[0] // stages, cells.shape[1]
-    by_stage = cells.reshape(stages, slots, microbatch, *cells.shape[2:])
-    return jnp.swapaxes(by_stage, 1, 2).reshape(stages * microbatch * slots, *cells.shape[2:])
-
-
 def rows_to_streams(rows: jax.Array, layout: PipelineLayout) -> jax.Array:
     """The inverse of cells_to_rows, as streams [stages, slots, microbatch, ...]."""
     stages, slots = layout.stages, layout.slots_per_stage
     by_stage = rows.reshape(stages, rows.shape[0] // (stages * slots), slots, *rows.shape[1:])
     return jnp.swapaxes(by_stage, 1, 2)
-
-
-def streams_to_rows(streams: jax.Array) -> jax.Array:
-    """[stages, slots, microbatch, ...] -> rows as cells_to_rows orders them."""
-    return cells_to_rows(streams.reshape(-1, *streams.shape[2:]), streams.shape[0])
 
 
 def run_pipeline(

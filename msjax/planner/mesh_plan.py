@@ -11,13 +11,9 @@ from typing import Any
 from msjax.config import Config
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, valid_meshes
+from msjax.planner.communication import CommEstimate, estimate_communication
 from msjax.planner.compute import estimate_compute
-from msjax.planner.planning import (
-    CommEstimate,
-    MemoryEstimate,
-    estimate_communication,
-    estimate_memory,
-)
+from msjax.planner.planning import MemoryEstimate, estimate_memory
 from msjax.planner.prediction import Hardware, StepPrediction, predict_mesh_step
 
 GIB = 2**30

@@ -1,8 +1,9 @@
 """`python -m msjax.plan`: a dry run for a cluster you do not have: per-device memory and traffic
 of every mesh that can run a config on N devices, a predicted step time, and MegaScale's Table 2.
 
-Memory and communication come from the analytical model (`msjax.planner.planning`); `--xla`
-compiles each mesh on simulated CPU devices to set XLA's numbers beside it (small N only);
+Memory and communication come from the analytical model (`msjax.planner.planning` and
+`msjax.planner.communication`); `--xla` compiles each mesh on simulated CPU devices to set XLA's
+numbers beside it (small N only);
 `--lower` lowers the step on an abstract mesh of N devices, which JAX allows without them.
 """
 
@@ -45,7 +46,6 @@ MAX_XLA_DEVICES = 64  # --xla simulates this many CPU devices at most
 
 
 def _parser() -> argparse.ArgumentParser:
-    defaults = Hardware()
     parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Per-device memory, communication and predicted step time of every mesh "
@@ -79,6 +79,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="predict step time and MFU at MegaScale's Table 2 GPU counts and batches",
     )
+    _add_hardware_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser
+
+
+def _add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that set the hardware a prediction assumes (defaults: Hardware's)."""
+    defaults = Hardware()
     hardware = parser.add_argument_group("hardware assumed for predictions (A100 SXM nodes)")
     hardware.add_argument(
         "--peak-tflops",
@@ -111,8 +119,6 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.devices_per_node,
         help=f"devices sharing the fast links (default {defaults.devices_per_node})",
     )
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser
 
 
 def hardware_from(args: argparse.Namespace, config: Config) -> Hardware:

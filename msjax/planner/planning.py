@@ -1,11 +1,11 @@
-"""The analytical per-device memory and communication of one train step on a mesh, with no devices.
+"""The analytical per-device memory of one train step on a mesh, with no devices.
 
 State (parameters, optimizer moments) is exact: every array's shard shape from the logical-axis
 rules. Activations and temporaries are closed-form counts of what the model keeps for the backward
 pass under each `model.remat` policy, and on a pipe mesh of what the pipeline's loop keeps,
-calibrated against XLA's buffer assignment (the coefficients below; `tests/unit/test_plan.py` holds
-them to 10% of XLA's memory analysis, on pipe meshes too). Communication is the bytes one device
-sends per step with ring collectives.
+calibrated against XLA's buffer assignment (the coefficients below; `tests/unit/test_plan.py`
+holds them to 10% of XLA's memory analysis, on pipe meshes too). Communication, the bytes one device
+sends per step, is msjax.planner.communication's, built on the shard sizes here.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.parallel.context import LogicalAxes
 from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
-from msjax.parallel.schedules import ScheduleTable
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
-from msjax.step import state_layout
+from msjax.state_layout import state_layout
 from pallas_kernels.cross_entropy import BlockSizes
 
 F32_BYTES = 4
@@ -53,7 +52,7 @@ def _array_layout(shape: jax.ShapeDtypeStruct, axes: LogicalAxes) -> ArrayLayout
 def state_arrays(
     model: ModelConfig, optim: OptimConfig, total_steps: int
 ) -> tuple[tuple[ArrayLayout, ...], tuple[ArrayLayout, ...]]:
-    """(parameters, optimizer state) of the train state, as `msjax.step.state_layout` has it."""
+    """(parameters, optimizer state) of the train state, as `msjax.state_layout` lays it out."""
     layout = state_layout(model, optim, total_steps)
     param_shapes = jax.tree.leaves(nnx.to_pure_dict(layout.abstract_params))
     param_axes = jax.tree.leaves(layout.param_axes, is_leaf=lambda leaf: isinstance(leaf, tuple))
@@ -164,7 +163,8 @@ SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residua
 # Buffers alive while the last layer runs backward, besides what is saved: multiples of one
 # float32 score tensor, one [batch, seq, mlp] and one [batch, seq, embed] tensor. Fitted to XLA's
 # temporaries for the tiny and small configs on five to ten meshes per remat policy (float32,
-# vocab 264 and the small config's: tests/unit/test_plan.py's TINY_MESHES, SMALL_MESHES, PIPE_CASES).
+# vocab 264 and the small config's: tests/unit/test_plan.py's TINY_MESHES, SMALL_MESHES and
+# PIPE_CASES).
 WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
 FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
@@ -257,7 +257,9 @@ class MemoryEstimate:
 
 
 @dataclass(frozen=True)
-class _StateBytes:
+class StateBytes:
+    """One device's share of the train state, in bytes (float32 parameters, their moments)."""
+
     params: int
     optimizer: int
     stacked: int  # this device's shard of the stacked layers' parameters
@@ -266,7 +268,7 @@ class _StateBytes:
     stage_gathered: int  # this device's stacked layers as gathered over fsdp
 
 
-def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
+def state_bytes(config: Config, mesh: MeshShape) -> StateBytes:
     """Per-device state of a config made for `mesh` (see `config_for_mesh`)."""
     rules = logical_axis_rules(config)
     sizes = mesh.sizes()
@@ -277,7 +279,7 @@ def _state_bytes(config: Config, mesh: MeshShape) -> _StateBytes:
         for array in params
         if array.stacked
     )
-    return _StateBytes(
+    return StateBytes(
         params=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in params),
         stacked=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in params if a.stacked),
         optimizer=sum(_shard_elements(a, rules, sizes) * a.itemsize for a in opt_state)
@@ -297,7 +299,7 @@ def estimate_memory(
     flash-attention kernel that keeps no [seq, seq] scores on GPUs, the XLA reference elsewhere.
     """
     config = config_for_mesh(config, mesh, platform)
-    state = _state_bytes(config, mesh)
+    state = state_bytes(config, mesh)
     dims = local_dims(config, mesh)
     remat = config.model.remat
     table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
@@ -346,7 +348,7 @@ def estimate_memory(
     )
 
 
-def _loop_weights(config: Config, dims: LocalDims, state: _StateBytes) -> float:
+def _loop_weights(config: Config, dims: LocalDims, state: StateBytes) -> float:
     """Bytes of the copies of a device's stacked layer weights the pipeline's loop holds (their
     gradient's among them): the schedule's loop_weight_copies of the shard where the stage runs
     a layer scan, or its gathered_weight_copies whole over fsdp where they are gathered before
@@ -359,13 +361,13 @@ def _loop_weights(config: Config, dims: LocalDims, state: _StateBytes) -> float:
     return schedule.loop_weight_copies * state.stacked if dims.layers > 1 else 0.0
 
 
-def _head_param_bytes(dims: LocalDims) -> float:
+def head_param_bytes(dims: LocalDims) -> float:
     """A device's float32 share of the loss head's parameters: unembedding and final norm."""
     return (dims.vocab + 1) * dims.embed * F32_BYTES
 
 
 def _one_f_one_b_buffers(
-    config: Config, dims: LocalDims, state: _StateBytes, remat: str
+    config: Config, dims: LocalDims, state: StateBytes, remat: str
 ) -> tuple[float, float, float]:
     """(saved activations, buffers outside the layers, the loop's working copies) of a 1F1B
     step (msjax.parallel.one_f_one_b), per device.
@@ -383,185 +385,6 @@ def _one_f_one_b_buffers(
     # iteration's branch and the branch's result before it is written back
     run_saved = microbatch_stream + dims.layers * _saved_per_layer(dims, remat)
     saved = (layout.stash_slots + 2) * run_saved
-    head_params = _head_param_bytes(dims)
+    head_params = head_param_bytes(dims)
     # the loop's copy of the stage's weights and its gradient accumulator, as under GPipe
     return saved, 3 * replica_stream, _loop_weights(config, dims, state) + head_params
-
-
-@dataclass(frozen=True)
-class CommEstimate:
-    """Bytes one device sends per step over each mesh axis (ring collectives, permutes)."""
-
-    tensor_bytes: int  # Megatron all-reduces of activations
-    fsdp_bytes: int  # weight all-gathers and gradient reduce-scatters
-    data_bytes: int  # gradient all-reduce across replicas
-    pipe_bytes: int = 0  # stage-to-stage activations and their gradients (collective permutes)
-    fsdp_gather_bytes: int = 0  # of fsdp_bytes, the weight all-gathers
-
-    @property
-    def total_bytes(self) -> int:
-        return self.tensor_bytes + self.fsdp_bytes + self.data_bytes + self.pipe_bytes
-
-    def by_axis(self) -> dict[str, int]:
-        return {
-            "tensor": self.tensor_bytes,
-            "fsdp": self.fsdp_bytes,
-            "pipe": self.pipe_bytes,
-            "data": self.data_bytes,
-        }
-
-
-def ring_all_reduce_bytes(size_bytes: float, group: int) -> float:
-    """Bytes one member sends in a ring all-reduce of size_bytes (reduce-scatter + all-gather)."""
-    return 2.0 * (group - 1) / group * size_bytes
-
-
-def ring_all_gather_bytes(gathered_bytes: float, group: int) -> float:
-    """Bytes one member sends to gather gathered_bytes (also a reduce-scatter of that size)."""
-    return (group - 1) / group * gathered_bytes
-
-
-def forward_passes(remat: str) -> int:
-    """How often a layer's forward matmuls run per step: twice under full recomputation."""
-    return 2 if remat == "full" else 1
-
-
-def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
-    """Per-device bytes sent per step over each axis of `mesh` (ConfigError if it cannot run).
-
-    On a pipe mesh a device runs its stage's layers once per pipeline iteration on one
-    microbatch (bubble iterations included: they run on zeros), so its per-layer traffic is
-    counted per stage run. Accumulating gradients, each of the `grad_accum_steps` microbatches is
-    a pass of its own: XLA gathers the weights, and reduces their gradients (over fsdp and over
-    data), inside the accumulation loop, once per microbatch.
-    """
-    config = config_for_mesh(config, mesh)
-    dims = local_dims(config, mesh)
-    table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
-    passes = forward_passes(config.model.remat)
-    layer_runs = dims.stage_runs * dims.layers  # layers run per step on this device
-    split = dims.residual_split
-    stream = dims.batch * dims.seq * dims.embed * dims.act_bytes / split  # one run's stream
-    replica_stream = dims.replica_batch * dims.seq * dims.embed * dims.act_bytes / split
-    tensor_bytes = 0.0
-    if mesh.tensor > 1:
-        # Per layer: attention output and MLP output all-reduced in every forward pass, and the
-        # gradients into the fused q/k/v and gate/up inputs in the backward pass; plus the
-        # vocab-split embedding lookup and the gradient of the unembedding's input, both in
-        # float32 (the table's dtype, the loss's); under 1F1B every stage runs the head each
-        # iteration, under GPipe and circular on the tokens its stage holds.
-        per_layer = (2 * passes + 2) * ring_all_reduce_bytes(stream * split, mesh.tensor)
-        # the shares of the batch a device embeds and scores (the schedule's)
-        lookups = 1.0 if table is None else table.embedding_share
-        head_runs = 1.0 if table is None else table.head_share
-        head_stream = replica_stream * split * F32_BYTES / dims.act_bytes
-        tensor_bytes = layer_runs * per_layer + (lookups + head_runs) * ring_all_reduce_bytes(
-            head_stream, mesh.tensor
-        )
-    state = _state_bytes(config, mesh)
-    fsdp_bytes, gather_bytes = _fsdp_bytes(config, mesh, dims, state) if mesh.fsdp > 1 else (0, 0)
-    # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
-    tables = state.params - state.stacked
-    if split > 1:  # sequence-parallel lookups: each tensor rank's gradient of the whole table
-        tables += (split - 1) * dims.vocab * dims.embed / mesh.fsdp * F32_BYTES
-    split_head = table is not None and not table.runs_backward
-    data_reduced = state.params - (tables if split_head else 0)
-    data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data) if mesh.data > 1 else 0.0
-    pipe_bytes = 0.0
-    if table is not None:
-        pipe_bytes = _pipe_bytes(table, dims, stream, replica_stream, tables, mesh)
-    passes_per_step = dims.accum_steps
-    return CommEstimate(
-        round(passes_per_step * tensor_bytes),
-        round(passes_per_step * fsdp_bytes),
-        round(passes_per_step * data_bytes),
-        pipe_bytes=round(passes_per_step * pipe_bytes),
-        fsdp_gather_bytes=round(passes_per_step * gather_bytes),
-    )
-
-
-def _fsdp_bytes(
-    config: Config, mesh: MeshShape, dims: LocalDims, state: _StateBytes
-) -> tuple[float, float]:
-    """(bytes a device sends over fsdp per pass, of them the weights' all-gathers).
-
-    Float32 compute: weights gathered for every forward pass and again for the backward pass
-    (XLA does not keep them). A narrower compute dtype: weights cast on the shard and gathered
-    in it (msjax.parallel.rules.weight_gather) once per forward pass, the backward reusing them.
-    Gradients reduced once, in optim.grad_reduce_dtype.
-
-    On a pipe mesh the tables used outside the loop (embedding, unembedding) are gathered once
-    per forward pass and kept. A stage's layers: with one layer per stage run XLA gathers them
-    once per pass, outside the pipeline's loop; with a layer scan inside the stage, or a
-    repeat's chunk selected per iteration (circular), it gathers (and reduces the gradient of)
-    each layer where the loop runs it, so once per pipeline iteration. Under
-    `pipeline.fsdp_gather=once` they are gathered in their own dtype (float32) before the loop
-    and their gradient reduced, in optim.grad_reduce_dtype, after it, once each per pass,
-    whatever the schedule and remat.
-    """
-    table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
-    passes = forward_passes(config.model.remat)
-    narrow = dims.act_bytes < F32_BYTES
-    gathers = passes if narrow else passes + 1
-    stacked = state.stage_gathered  # this device's stacked layers, whole over fsdp
-    tables = state.fsdp_gathered - stacked
-    reduce_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize
-    grad_itemsize = reduce_itemsize if narrow else F32_BYTES
-    # a stage run gathers what it runs: one repeat's chunk of the device's layers under circular
-    chunk, stacked_runs = stacked, 1
-    if table is not None and (dims.layers > 1 or table.repeats > 1):
-        chunk, stacked_runs = stacked / table.repeats, dims.stage_runs
-    if mesh.pipe == 1:
-        gathered = gathers * state.fsdp_gathered * dims.act_bytes / F32_BYTES
-        stacked_reduced = stacked * grad_itemsize / F32_BYTES
-    elif gathers_stage_weights_once(config):
-        gathered = passes * tables * dims.act_bytes / F32_BYTES + stacked
-        stacked_reduced = stacked * reduce_itemsize / F32_BYTES
-    else:
-        gathered = (passes * tables + gathers * stacked_runs * chunk) * dims.act_bytes / F32_BYTES
-        stacked_reduced = stacked_runs * chunk * grad_itemsize / F32_BYTES
-    gather_bytes = ring_all_gather_bytes(gathered, mesh.fsdp)
-    # GPipe and circular reduce the tables' gradients over fsdp within their reduction over
-    # data x pipe (see _pipe_bytes)
-    split_tables = table is not None and not table.runs_backward
-    reduced = (0 if split_tables else tables * grad_itemsize / F32_BYTES) + stacked_reduced
-    return gather_bytes + ring_all_gather_bytes(reduced, mesh.fsdp), gather_bytes
-
-
-def _pipe_bytes(
-    table: ScheduleTable,
-    dims: LocalDims,
-    stream: float,
-    replica_stream: float,
-    tables: float,
-    mesh: MeshShape,
-) -> float:
-    """Bytes a device sends over `pipe` per step (msjax.parallel.pipeline, .one_f_one_b).
-
-    stream: one stage run's activations on a device (1 / tensor of them under sequence
-    parallelism), replica_stream: its replica's whole batch; tables: a device's float32 share
-    of the parameters outside the layer stack (embedding, unembedding, final norm).
-    In the loop, every iteration: the schedule's sends_per_iteration, stage activations and
-    their gradients (collective permutes). Once per step, where the loop leaves the backward to
-    autodiff (GPipe, circular), the tables' gradients, each stage's from its own tokens, are
-    summed over pipe within the data-parallel all-reduce: a reduce-scatter of the whole tables
-    over data x fsdp x pipe, then an all-gather of a device's fsdp shard over data x pipe (one
-    all-reduce over data x pipe without fsdp; read off the compiled program of data 2 x fsdp 2 x
-    pipe 2). Where it runs the backward itself (1F1B), stage 0's input gradients and the head's
-    parameter gradients are summed over the stages, the input gradients in float32 (the
-    embedding's dtype); reading the head's gradients off the last stage, XLA first permutes them
-    from the last stage to stage 0 (one device in P sends; read off the compiled program at
-    vocab 264 and 131,072); the head's gradients move as their fsdp shards.
-    """
-    stages = table.stages
-    in_loop = table.iterations * stream * table.sends_per_iteration
-    if not table.runs_backward:
-        replicas = mesh.data * stages
-        table_grads = ring_all_gather_bytes(tables * mesh.fsdp, replicas * mesh.fsdp)
-        table_grads += ring_all_gather_bytes(tables, replicas)
-        return in_loop + table_grads
-    all_reduce = ring_all_reduce_bytes(replica_stream, stages)
-    input_grads = all_reduce * F32_BYTES / dims.act_bytes
-    head_params = _head_param_bytes(dims) / mesh.fsdp  # their gradients' fsdp shard
-    head_grads = ring_all_reduce_bytes(head_params, stages) + head_params / stages
-    return in_loop + input_grads + head_grads

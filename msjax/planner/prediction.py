@@ -18,7 +18,7 @@ from msjax.config import Config
 from msjax.observe.flops import count_params, flops_per_step
 from msjax.parallel.pipeline import PipelineLayout as PipelineSchedule
 from msjax.planner.candidates import MeshShape, config_for_mesh, mesh_of_config
-from msjax.planner.planning import (
+from msjax.planner.communication import (
     estimate_communication,
     forward_passes,
     ring_all_gather_bytes,

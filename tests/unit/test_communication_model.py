@@ -13,7 +13,7 @@ from msjax.config import load_config
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
-from msjax.planner.planning import estimate_communication, ring_all_gather_bytes
+from msjax.planner.communication import estimate_communication, ring_all_gather_bytes
 
 CIRCULAR = "pipeline.schedule=circular pipeline.repeats=2"
 # name: (data,fsdp,tensor or data,fsdp,pipe,tensor, overrides) on configs/tiny.yaml (float32)

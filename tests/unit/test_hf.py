@@ -27,7 +27,8 @@ from msjax.models.transformer import Transformer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, shardings_for
 from msjax.resolve import resolve, resolve_model
-from msjax.step import build_program, state_layout
+from msjax.state_layout import state_layout
+from msjax.step import build_program
 from msjax.train import main as train_cli
 from msjax.train import train
 from msjax.training.checkpoints import restore_or_init

@@ -11,12 +11,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Module name prefixes per layer, from the bottom; the longest matching prefix decides.
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("msjax", "msjax.config", "msjax.config_checks", "msjax.errors", "msjax.cli"),
+    0: (
+        "msjax",
+        "msjax.config",
+        "msjax.config_file",
+        "msjax.config_checks",
+        "msjax.errors",
+        "msjax.cli",
+    ),
     1: ("pallas_kernels",),
     2: ("msjax.parallel",),
     3: ("msjax.ops",),
     4: ("msjax.models",),
-    5: ("msjax.step", "msjax.optim"),
+    5: ("msjax.step", "msjax.state_layout", "msjax.optim"),
     6: (
         "msjax.data",
         "msjax.checkpoint",

@@ -112,7 +112,7 @@ def test_run_directory_names_appear_only_in_run_dir():
     assert elsewhere["msjax/run_dir.py"] == sorted(RUN_DIR_NAMES)
 
 
-def test_the_state_layout_is_derived_in_the_step_module_only():
+def test_the_state_layout_is_derived_in_the_state_layout_module_only():
     def derives_optimizer_state(tree: ast.AST) -> bool:
         return any(
             isinstance(node, ast.Call)
@@ -121,7 +121,7 @@ def test_the_state_layout_is_derived_in_the_step_module_only():
             for node in ast.walk(tree)
         )
 
-    assert where(derives_optimizer_state) == ["msjax/step.py"]
+    assert where(derives_optimizer_state) == ["msjax/state_layout.py"]
 
 
 def test_a_rank_s_heartbeat_is_made_in_one_place_of_the_run():

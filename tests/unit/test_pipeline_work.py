@@ -19,7 +19,7 @@ from msjax.observe.hlo_dataflow import DataFlow
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import parse_mesh
-from msjax.planner.planning import ring_all_reduce_bytes
+from msjax.planner.communication import ring_all_reduce_bytes
 
 MESH = "2,1,2,2"  # data, fsdp, pipe, tensor
 GPIPE = "pipeline.microbatches=4"

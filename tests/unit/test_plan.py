@@ -19,7 +19,8 @@ from msjax.parallel.mesh import MESH_AXES
 from msjax.plan import main
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import MeshShape, config_for_mesh, parse_mesh, valid_meshes
-from msjax.planner.planning import estimate_communication, estimate_memory
+from msjax.planner.communication import estimate_communication
+from msjax.planner.planning import estimate_memory
 from msjax.planner.prediction import (
     MEGASCALE_TABLE2,
     Hardware,

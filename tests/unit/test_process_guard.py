@@ -13,7 +13,7 @@ STARTS = {
     "subprocess.run": lambda: subprocess.run([sys.executable, "-c", "pass"], check=True),
     "subprocess.Popen": lambda: subprocess.Popen(["true"]),
     "os.posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], dict(os.environ)),
-    "os.fork": os.fork,
+    "os.fork": lambda: os.fork(),
     "multiprocessing": lambda: multiprocessing.get_context("spawn").Process(target=print).start(),
 }
 

@@ -11,7 +11,7 @@ from msjax.config import load_config
 from msjax.parallel.rules import activation_placement, logical_axis_rules
 from msjax.planner.aot import compile_step
 from msjax.planner.candidates import MeshShape
-from msjax.planner.planning import estimate_communication, ring_all_gather_bytes
+from msjax.planner.communication import estimate_communication, ring_all_gather_bytes
 from msjax.planner.sweep import synthetic_batch
 from msjax.step import real_token_count, real_token_weights
 
