@@ -18,7 +18,7 @@ from msjax.checkpoint.manager import (
     damaged_entries,
     parse_resume_source,
 )
-from msjax.config import Config
+from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
@@ -35,7 +35,7 @@ from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
-from msjax.resilience.worker import WorkerResilience
+from msjax.resilience.worker import StepHooks, WorkerResilience
 from msjax.resolve import mesh_device_count, resolve, resolve_run_dir
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.run_lock import RunDirLock
@@ -48,6 +48,7 @@ from msjax.training.checkpoints import (
     restore_or_init,
 )
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
+from msjax.training.steps import LoopSteps
 
 
 @dataclass
@@ -57,10 +58,9 @@ class PreparedRun:
     config: Config  # resolved: what every part of the run reads
     run_dir: RunDir
     program: TrainProgram
-    train_step: Any  # the compiled (state, batch) -> (state, metrics)
+    steps: LoopSteps  # the compiled train step and the eval step, as the loop runs them
     start: StartingPoint
     data: TrainingData
-    validation: list[dict[str, Any]]  # the validation batches, on the devices
     events: EventFanOut
     results: StepResults
     saves: CheckpointSaves
@@ -129,6 +129,23 @@ def resume_source(config: Config, plan: RunDirPlan) -> ResumeSource | None:
     return directory, step
 
 
+@dataclass(frozen=True)
+class JoinedJob:
+    """What is settled before a run's parts are built: the job, XLA's flags, the run dir's plan
+    and lock, checkpoint.resume_from where it applies, and when preparing began."""
+
+    job: JobEnv
+    xla_flags: XlaFlagsRecord
+    plan: RunDirPlan
+    resume: ResumeSource | None
+    lock: RunDirLock
+    started: float  # time.perf_counter()
+
+    @property
+    def run_dir(self) -> RunDir:
+        return self.plan.run_dir
+
+
 def prepare_run(
     config: Config,
     progress_stream: IO[str] | None = None,
@@ -142,9 +159,8 @@ def prepare_run(
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
-        return _prepare(
-            config, job, xla_flags, plan, resume, lock, started, progress_stream, extra_listeners
-        )
+        joined = JoinedJob(job, xla_flags, plan, resume, lock, started)
+        return build_run(config, joined, progress_stream, extra_listeners)
     except BaseException:
         lock.release()
         raise
@@ -161,101 +177,199 @@ def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
     return lock
 
 
-def _prepare(
+def build_run(
     config: Config,
-    job: JobEnv,
-    xla_flags: XlaFlagsRecord,
-    plan: RunDirPlan,
-    resume: ResumeSource | None,
-    lock: RunDirLock,
-    started: float,
+    joined: JoinedJob,
     progress_stream: IO[str] | None,
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
-    import jax
-
-    run_dir = plan.run_dir
-    compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
+    """The run's parts, each from its builder, in the order they are made."""
+    compile_cache = enable_compile_cache(
+        config.resilience, joined.run_dir.path, joined.job.launched
+    )
     mesh = build_mesh(config.mesh)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
-    # this rank's one heartbeat, from the data phase to the end of the loop
-    heartbeat = Heartbeat(
-        run_dir.path, jax.process_index(), config.resilience.heartbeat_every_s, job.attempt
-    )
-    data = read_data_watched(config, job, heartbeat, progress.message)
-    peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
-    is_writer = jax.process_index() == 0
-    if config.observe.tensorboard:
-        check_tensorboard_installed()
-    if is_writer:
-        write_run_record(plan, config, data, progress.message, lock if not job.launched else None)
-        write_json(run_dir.xla_flags, xla_flags.record())
-    shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
-    progress.message(
-        f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
-        f"({shape}); run dir {run_dir.path}"
-    )
-
-    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
-    resilience = WorkerResilience(
-        run_dir.path,
-        heartbeat,
-        job.attempt,
-        checkpointer.wait,
-        checkpointer.hold_write,
-        config.model.vocab_size,
-    )
-    program = build_program(config, mesh)
-    abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
-    resilience.beat("restore")
-    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message, resume)
+    heartbeat, data, peak_tflops = build_data(config, joined, progress.message)
+    record_run(config, joined, data, mesh, progress.message)
+    checkpointer = Checkpointer(joined.run_dir.checkpoints, config.checkpoint)
+    resilience = build_resilience(joined, heartbeat, checkpointer, config.model.vocab_size)
+    model = build_model_state(config, mesh, checkpointer, resilience, joined.resume, progress)
     corpus = data.identity()
-    allowed_data_changes = check_same_corpus(config, start, corpus, progress.message)
-    describe_data(data, config, start, progress.message)
-    observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
-    listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
-    if is_writer:
-        listeners.append(MetricsLog(run_dir.metrics))
-    listeners += [ProgressReport(progress), resilience, *extra_listeners, lock]
-    events = EventFanOut(listeners)
-    # the events own run_failed: from run_start on, a failure (compiling here, the loop in
-    # msjax.train) reaches every listener
-    with events:
-        events.run_start(start.step, None if start.restored is None else start.restored.path)
-        if config.checkpoint.enabled:
-            checkpointer.prepare(abstract_state)
-        train_step = compile_train_step(program, abstract_state, compile_cache, progress.message)
-        events.compiled(train_step)
-
-    tokens_per_step = config.train.global_batch * config.data.seq_len
-    results = StepResults(
-        events, tokens_per_step, flops_per_step(config), jax.device_count(), peak_tflops,
-        resilience.loss,
-    )  # fmt: skip
+    allowed_data_changes = check_same_corpus(config, model.start, corpus, progress.message)
+    describe_data(data, config.train, model.start, progress.message)
+    events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
+    train_step = start_and_compile(events, model, checkpointer, compile_cache, progress.message)
+    results = build_results(config, events, peak_tflops, resilience.step_hooks)
+    steps = build_steps(model.program, train_step, data, resilience.step_hooks)
+    saves = CheckpointSaves(
+        config,
+        checkpointer,
+        model.start,
+        events,
+        progress.message,
+        to_canonical=model.program.to_canonical,
+        corpus=corpus,
+        allowed_data_changes=allowed_data_changes,
+    )
     return PreparedRun(
         config=config,
-        run_dir=run_dir,
-        program=program,
-        train_step=train_step,
-        start=start,
+        run_dir=joined.run_dir,
+        program=model.program,
+        steps=steps,
+        start=model.start,
         data=data,
-        validation=[jax.device_put(batch, program.batch_sharding) for batch in data.validation],
         events=events,
         results=results,
-        saves=CheckpointSaves(
-            config,
-            checkpointer,
-            start,
-            events,
-            progress.message,
-            to_canonical=program.to_canonical,
-            corpus=corpus,
-            allowed_data_changes=allowed_data_changes,
-        ),
+        saves=saves,
         resilience=resilience,
         progress=progress,
-        started=started,
+        started=joined.started,
     )
+
+
+def build_data(
+    config: Config, joined: JoinedJob, message: Callable[[str], None]
+) -> tuple[Heartbeat, TrainingData, float]:
+    """This rank's one heartbeat (from the data phase to the end of the loop), the corpus, and
+    the devices' peak TFLOP/s (measured on CPU, where no table holds it)."""
+    import jax
+
+    heartbeat = Heartbeat(
+        joined.run_dir.path,
+        jax.process_index(),
+        config.resilience.heartbeat_every_s,
+        joined.job.attempt,
+    )
+    data = read_data_watched(config, joined.job, heartbeat, message)
+    return heartbeat, data, peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+
+
+def record_run(
+    config: Config,
+    joined: JoinedJob,
+    data: TrainingData,
+    mesh: Any,
+    message: Callable[[str], None],
+) -> None:
+    """The run dir with its record (process 0), then the run's first line."""
+    import jax
+
+    if config.observe.tensorboard:
+        check_tensorboard_installed()
+    if jax.process_index() == 0:
+        lock = joined.lock if not joined.job.launched else None
+        write_run_record(joined.plan, config, data, message, lock)
+        write_json(joined.run_dir.xla_flags, joined.xla_flags.record())
+    shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
+    message(
+        f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"({shape}); run dir {joined.run_dir.path}"
+    )
+
+
+def build_resilience(
+    joined: JoinedJob, heartbeat: Heartbeat, checkpointer: Checkpointer, vocab_size: int
+) -> WorkerResilience:
+    """This rank's heartbeat, drills and skip list, as one listener of the loop's events."""
+    return WorkerResilience(
+        joined.run_dir.path,
+        heartbeat,
+        joined.job.attempt,
+        checkpointer.wait,
+        checkpointer.hold_write,
+        vocab_size,
+    )
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """The program, its state's shapes (traced once: restore, saves and compile share them), and
+    the state the run starts from."""
+
+    program: TrainProgram
+    abstract_state: Any
+    start: StartingPoint
+
+
+def build_model_state(
+    config: Config,
+    mesh: Any,
+    checkpointer: Checkpointer,
+    resilience: WorkerResilience,
+    resume: ResumeSource | None,
+    progress: ProgressLine,
+) -> ModelState:
+    """The program for the mesh, and the starting state: restored, or new."""
+    program = build_program(config, mesh)
+    abstract_state = program.abstract_state()
+    resilience.beat("restore")
+    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message, resume)
+    return ModelState(program, abstract_state, start)
+
+
+def build_events(
+    observe: ObserveConfig,
+    joined: JoinedJob,
+    mesh: Any,
+    progress: ProgressLine,
+    last_listeners: Sequence[LoopEvents],
+) -> EventFanOut:
+    """Every listener of the loop's events, in the order they hear them: the observer, the
+    optional ones, the metrics record (process 0), the progress line, then `last_listeners`
+    (resilience and the caller's), and the run lock last."""
+    import jax
+
+    is_writer = jax.process_index() == 0
+    run_dir = joined.run_dir
+    observer = LoopObserver(observe, run_dir.path, mesh, joined.job.attempt, progress.message)
+    listeners: list[LoopEvents] = [observer, *optional_listeners(observe, run_dir, is_writer)]
+    if is_writer:
+        listeners.append(MetricsLog(run_dir.metrics))
+    listeners += [ProgressReport(progress), *last_listeners, joined.lock]
+    return EventFanOut(listeners)
+
+
+def start_and_compile(
+    events: EventFanOut,
+    model: ModelState,
+    checkpointer: Checkpointer,
+    compile_cache: Any,
+    message: Callable[[str], None],
+) -> Any:
+    """The run's start told to every listener, then the train step compiled. The events own
+    run_failed: from run_start on, a failure (compiling here, the loop in msjax.train) reaches
+    every listener."""
+    with events:
+        restored = model.start.restored
+        events.run_start(model.start.step, None if restored is None else restored.path)
+        if checkpointer.options.enabled:
+            checkpointer.prepare(model.abstract_state)
+        train_step = compile_train_step(model.program, model.abstract_state, compile_cache, message)
+        events.compiled(train_step)
+    return train_step
+
+
+def build_results(
+    config: Config, events: EventFanOut, peak_tflops: float, hooks: StepHooks
+) -> StepResults:
+    """The reader of each step's metrics, with what it needs to report tokens/s and MFU."""
+    import jax
+
+    tokens_per_step = config.train.global_batch * config.data.seq_len
+    return StepResults(
+        events, tokens_per_step, flops_per_step(config), jax.device_count(), peak_tflops,
+        hooks.loss,
+    )  # fmt: skip
+
+
+def build_steps(
+    program: TrainProgram, train_step: Any, data: TrainingData, hooks: StepHooks
+) -> LoopSteps:
+    """The loop's steps: the compiled train step, the eval step and its batches on the devices."""
+    import jax
+
+    validation = [jax.device_put(batch, program.batch_sharding) for batch in data.validation]
+    return LoopSteps(train_step, program.eval_step, validation, hooks)
 
 
 def read_data_watched(
@@ -271,15 +385,17 @@ def read_data_watched(
         return build_training_data(config, message)
 
 
-def optional_listeners(config: Config, run_dir: RunDir, is_writer: bool) -> list[LoopEvents]:
+def optional_listeners(
+    observe: ObserveConfig, run_dir: RunDir, is_writer: bool
+) -> list[LoopEvents]:
     """TensorBoard events (process 0) and profiler traces (every rank), as configured."""
     import jax
 
     listeners: list[LoopEvents] = []
-    if config.observe.tensorboard and is_writer:
+    if observe.tensorboard and is_writer:
         listeners.append(TensorBoardLog(run_dir.tensorboard))
-    if config.observe.profile_steps:
-        first, last = config.observe.profile_steps
+    if observe.profile_steps:
+        first, last = observe.profile_steps
         listeners.append(ProfileCapture(run_dir.profile(jax.process_index()), first, last))
     return listeners
 
@@ -315,14 +431,14 @@ def compile_train_step(
 
 
 def describe_data(
-    data: TrainingData, config: Config, start: StartingPoint, message: Callable[[str], None]
+    data: TrainingData, train: TrainConfig, start: StartingPoint, message: Callable[[str], None]
 ) -> None:
     """One line per source: what it holds and how much of it the run will have seen."""
-    remaining_steps = max(config.train.steps - start.step, 0)
-    samples_at_end = start.first_sample + remaining_steps * config.train.global_batch
+    remaining_steps = max(train.steps - start.step, 0)
+    samples_at_end = start.first_sample + remaining_steps * train.global_batch
     epochs = data.train.epochs_at(samples_at_end)
     for streams, packed, seen in zip(data.sources, data.train.sources, epochs, strict=True):
         message(
             f"data: {streams.label}: {packed.num_tokens:,} train tokens in "
-            f"{packed.num_sequences:,} sequences; {seen:.2f} epochs by step {config.train.steps}"
+            f"{packed.num_sequences:,} sequences; {seen:.2f} epochs by step {train.steps}"
         )
