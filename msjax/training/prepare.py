@@ -6,6 +6,7 @@ Every check that can fail on user input runs before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -184,54 +185,52 @@ def build_run(
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
-    compile_cache = enable_compile_cache(
-        config.resilience, joined.run_dir.path, joined.job.launched
-    )
-    mesh = build_mesh(config.mesh)
+    run_dir = joined.run_dir
+    compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
-    heartbeat, data, peak_tflops = build_data(config, joined, progress.message)
-    record_run(config, joined, data, mesh, progress.message)
-    checkpointer = Checkpointer(joined.run_dir.checkpoints, config.checkpoint)
-    resilience = build_resilience(joined, heartbeat, checkpointer, config.model.vocab_size)
-    model = build_model_state(config, mesh, checkpointer, resilience, joined.resume, progress)
-    corpus = data.identity()
-    allowed_data_changes = check_same_corpus(config, model.start, corpus, progress.message)
-    describe_data(data, config.train, model.start, progress.message)
+    mesh = build_mesh(config.mesh)
+    message = progress.message
+    data = build_data(config, joined, message)
+    record_run(config, joined, data.training, mesh, message)
+    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
+    resilience = WorkerResilience(
+        run_dir.path, data.heartbeat, joined.job.attempt, checkpointer.wait,
+        checkpointer.hold_write, config.model.vocab_size,
+    )  # fmt: skip
+    model = build_model_state(config, mesh, checkpointer, resilience, data.corpus, joined, message)
+    describe_data(data.training, config.train, model.start, message)
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
-    train_step = start_and_compile(events, model, checkpointer, compile_cache, progress.message)
-    results = build_results(config, events, peak_tflops, resilience.step_hooks)
-    steps = build_steps(model.program, train_step, data, resilience.step_hooks)
-    saves = CheckpointSaves(
-        config,
-        checkpointer,
-        model.start,
-        events,
-        progress.message,
-        to_canonical=model.program.to_canonical,
-        corpus=corpus,
-        allowed_data_changes=allowed_data_changes,
-    )
+    train_step = start_and_compile(events, model, checkpointer, compile_cache, message)
+    hooks = resilience.step_hooks
     return PreparedRun(
         config=config,
-        run_dir=joined.run_dir,
+        run_dir=run_dir,
         program=model.program,
-        steps=steps,
+        results=build_results(config, events, data.peak_tflops, hooks),
+        steps=build_steps(model.program, train_step, data.training, hooks),
         start=model.start,
-        data=data,
+        data=data.training,
         events=events,
-        results=results,
-        saves=saves,
+        saves=build_saves(config, checkpointer, model, data.corpus, events, message),
         resilience=resilience,
         progress=progress,
         started=joined.started,
     )
 
 
-def build_data(
-    config: Config, joined: JoinedJob, message: Callable[[str], None]
-) -> tuple[Heartbeat, TrainingData, float]:
-    """This rank's one heartbeat (from the data phase to the end of the loop), the corpus, and
-    the devices' peak TFLOP/s (measured on CPU, where no table holds it)."""
+@dataclass(frozen=True)
+class RunData:
+    """The corpus as the run reads it, with what was made beside it."""
+
+    training: TrainingData
+    corpus: dict[str, Any]  # its identity, recorded in every checkpoint (msjax.data.identity)
+    heartbeat: Heartbeat  # this rank's one heartbeat, from the data phase to the end of the loop
+    peak_tflops: float  # per device: the MFU's denominator
+
+
+def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]) -> RunData:
+    """This rank's heartbeat, the corpus read (or tokenized) and identified, and the devices'
+    peak TFLOP/s (measured on CPU, where no table holds it)."""
     import jax
 
     heartbeat = Heartbeat(
@@ -240,8 +239,17 @@ def build_data(
         config.resilience.heartbeat_every_s,
         joined.job.attempt,
     )
-    data = read_data_watched(config, joined.job, heartbeat, message)
-    return heartbeat, data, peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+    # under msjax.launch, a heartbeat in phase `data` reports every long step's work (bytes
+    # hashed and read, token files scanned, tokens written): a large corpus is progress, not a hang
+    watch = contextlib.nullcontext()
+    if joined.job.launched:
+        heartbeat.beat("data")
+        watch = write_progress(lambda tokens: heartbeat.beat("data", progress=tokens))
+    with watch:
+        data = build_training_data(config, message)
+    corpus = data.identity()
+    peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+    return RunData(data, corpus, heartbeat, peak_tflops)
 
 
 def record_run(
@@ -267,28 +275,15 @@ def record_run(
     )
 
 
-def build_resilience(
-    joined: JoinedJob, heartbeat: Heartbeat, checkpointer: Checkpointer, vocab_size: int
-) -> WorkerResilience:
-    """This rank's heartbeat, drills and skip list, as one listener of the loop's events."""
-    return WorkerResilience(
-        joined.run_dir.path,
-        heartbeat,
-        joined.job.attempt,
-        checkpointer.wait,
-        checkpointer.hold_write,
-        vocab_size,
-    )
-
-
 @dataclass(frozen=True)
 class ModelState:
-    """The program, its state's shapes (traced once: restore, saves and compile share them), and
-    the state the run starts from."""
+    """The program, its state's shapes (traced once: restore, saves and compile share them), the
+    state the run starts from, and the corpus changes its checkpoint allows."""
 
     program: TrainProgram
     abstract_state: Any
     start: StartingPoint
+    allowed_data_changes: list[dict[str, Any]]  # recorded in every later checkpoint
 
 
 def build_model_state(
@@ -296,15 +291,18 @@ def build_model_state(
     mesh: Any,
     checkpointer: Checkpointer,
     resilience: WorkerResilience,
-    resume: ResumeSource | None,
-    progress: ProgressLine,
+    corpus: dict[str, Any],
+    joined: JoinedJob,
+    message: Callable[[str], None],
 ) -> ModelState:
-    """The program for the mesh, and the starting state: restored, or new."""
+    """The program for the mesh, and the starting state: restored (of this model, on this
+    corpus unless data.allow_changed), or new."""
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()
     resilience.beat("restore")
-    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message, resume)
-    return ModelState(program, abstract_state, start)
+    start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
+    allowed_data_changes = check_same_corpus(config, start, corpus, message)
+    return ModelState(program, abstract_state, start, allowed_data_changes)
 
 
 def build_events(
@@ -321,8 +319,9 @@ def build_events(
 
     is_writer = jax.process_index() == 0
     run_dir = joined.run_dir
+    optional = optional_listeners(observe, run_dir, is_writer)
     observer = LoopObserver(observe, run_dir.path, mesh, joined.job.attempt, progress.message)
-    listeners: list[LoopEvents] = [observer, *optional_listeners(observe, run_dir, is_writer)]
+    listeners: list[LoopEvents] = [observer, *optional]
     if is_writer:
         listeners.append(MetricsLog(run_dir.metrics))
     listeners += [ProgressReport(progress), *last_listeners, joined.lock]
@@ -344,7 +343,12 @@ def start_and_compile(
         events.run_start(model.start.step, None if restored is None else restored.path)
         if checkpointer.options.enabled:
             checkpointer.prepare(model.abstract_state)
-        train_step = compile_train_step(model.program, model.abstract_state, compile_cache, message)
+        # compiled for the batch's known shape (no process reads a whole batch)
+        compile_started = time.perf_counter()
+        program = model.program
+        lowered = program.train_step.lower(model.abstract_state, program.abstract_batch())
+        train_step = compile_cached(lowered, compile_cache, "train_step")
+        message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
         events.compiled(train_step)
     return train_step
 
@@ -362,6 +366,27 @@ def build_results(
     )  # fmt: skip
 
 
+def build_saves(
+    config: Config,
+    checkpointer: Checkpointer,
+    model: ModelState,
+    corpus: dict[str, Any],
+    events: EventFanOut,
+    message: Callable[[str], None],
+) -> CheckpointSaves:
+    """The run's saves: what they record beside the state, and where they are written."""
+    return CheckpointSaves(
+        config,
+        checkpointer,
+        model.start,
+        events,
+        message,
+        to_canonical=model.program.to_canonical,
+        corpus=corpus,
+        allowed_data_changes=model.allowed_data_changes,
+    )
+
+
 def build_steps(
     program: TrainProgram, train_step: Any, data: TrainingData, hooks: StepHooks
 ) -> LoopSteps:
@@ -370,19 +395,6 @@ def build_steps(
 
     validation = [jax.device_put(batch, program.batch_sharding) for batch in data.validation]
     return LoopSteps(train_step, program.eval_step, validation, hooks)
-
-
-def read_data_watched(
-    config: Config, job: JobEnv, heartbeat: Heartbeat, message: Callable[[str], None]
-) -> TrainingData:
-    """The corpus, read or tokenized; under msjax.launch with a heartbeat in phase `data` that
-    reports every long step's work (bytes hashed and read, token files scanned, tokens written),
-    so a large corpus counts as progress, not as a hang."""
-    if not job.launched:
-        return build_training_data(config, message)
-    heartbeat.beat("data")
-    with write_progress(lambda tokens: heartbeat.beat("data", progress=tokens)):
-        return build_training_data(config, message)
 
 
 def optional_listeners(
@@ -417,17 +429,6 @@ def write_run_record(
         message(f"run.overwrite=true: the earlier run in {plan.path} moved to {aside}")
     save_config(config, plan.run_dir)
     write_json(plan.run_dir.data_facts, data.facts())
-
-
-def compile_train_step(
-    program: TrainProgram, abstract_state: Any, cache: Any, message: Callable[[str], None]
-) -> Any:
-    """The train step compiled for the batch's known shape (no process reads a whole batch)."""
-    compile_started = time.perf_counter()
-    lowered = program.train_step.lower(abstract_state, program.abstract_batch())
-    train_step = compile_cached(lowered, cache, "train_step")
-    message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
-    return train_step
 
 
 def describe_data(
