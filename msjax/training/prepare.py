@@ -192,26 +192,21 @@ def build_run(
     message = progress.message
     data = build_data(config, joined, message)
     record_run(config, joined, data.training, mesh, message)
-    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
-    resilience = WorkerResilience(
-        run_dir.path, data.heartbeat, joined.job.attempt, checkpointer.wait,
-        checkpointer.hold_write, config.model.vocab_size,
-    )  # fmt: skip
-    model = build_model_state(config, mesh, checkpointer, resilience, data.corpus, joined, message)
-    describe_data(data.training, config.train, model.start, message)
+    state = build_state(config, mesh, data, joined, message)
+    describe_data(data.training, config.train, state.start, message)
+    resilience = state.resilience
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
-    train_step = start_and_compile(events, model, checkpointer, compile_cache, message)
-    hooks = resilience.step_hooks
+    train_step = start_and_compile(events, state, compile_cache, message)
     return PreparedRun(
         config=config,
         run_dir=run_dir,
-        program=model.program,
-        results=build_results(config, events, data.peak_tflops, hooks),
-        steps=build_steps(model.program, train_step, data.training, hooks),
-        start=model.start,
+        program=state.program,
+        results=build_results(config, events, data, resilience.step_hooks),
+        steps=build_steps(state.program, train_step, data.training, resilience.step_hooks),
+        start=state.start,
         data=data.training,
         events=events,
-        saves=build_saves(config, checkpointer, model, data.corpus, events, message),
+        saves=build_saves(config, state, data.corpus, events, message),
         resilience=resilience,
         progress=progress,
         started=joined.started,
@@ -220,17 +215,19 @@ def build_run(
 
 @dataclass(frozen=True)
 class RunData:
-    """The corpus as the run reads it, with what was made beside it."""
+    """The corpus as the run reads it, with what was made beside it and the figures of the work
+    a step does on it."""
 
     training: TrainingData
     corpus: dict[str, Any]  # its identity, recorded in every checkpoint (msjax.data.identity)
     heartbeat: Heartbeat  # this rank's one heartbeat, from the data phase to the end of the loop
-    peak_tflops: float  # per device: the MFU's denominator
+    step_flops: float  # the model FLOPs of one step on global_batch x seq_len tokens
+    peak_tflops: float  # per device: with step_flops, what the MFU is reckoned from
 
 
 def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]) -> RunData:
-    """This rank's heartbeat, the corpus read (or tokenized) and identified, and the devices'
-    peak TFLOP/s (measured on CPU, where no table holds it)."""
+    """This rank's heartbeat, the corpus read (or tokenized) and identified, the FLOPs of a step
+    on it, and the devices' peak TFLOP/s (measured on CPU, where no table holds it)."""
     import jax
 
     heartbeat = Heartbeat(
@@ -248,8 +245,9 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
     with watch:
         data = build_training_data(config, message)
     corpus = data.identity()
+    step_flops = flops_per_step(config)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
-    return RunData(data, corpus, heartbeat, peak_tflops)
+    return RunData(data, corpus, heartbeat, step_flops, peak_tflops)
 
 
 def record_run(
@@ -276,33 +274,37 @@ def record_run(
 
 
 @dataclass(frozen=True)
-class ModelState:
-    """The program, its state's shapes (traced once: restore, saves and compile share them), the
+class RunState:
+    """The state and what keeps it: the checkpointer, this rank's resilience listener, the
+    program with its state's shapes (traced once: restore, saves and compile share them), the
     state the run starts from, and the corpus changes its checkpoint allows."""
 
+    checkpointer: Checkpointer
+    resilience: WorkerResilience
     program: TrainProgram
     abstract_state: Any
     start: StartingPoint
     allowed_data_changes: list[dict[str, Any]]  # recorded in every later checkpoint
 
 
-def build_model_state(
-    config: Config,
-    mesh: Any,
-    checkpointer: Checkpointer,
-    resilience: WorkerResilience,
-    corpus: dict[str, Any],
-    joined: JoinedJob,
-    message: Callable[[str], None],
-) -> ModelState:
-    """The program for the mesh, and the starting state: restored (of this model, on this
-    corpus unless data.allow_changed), or new."""
+def build_state(
+    config: Config, mesh: Any, data: RunData, joined: JoinedJob, message: Callable[[str], None]
+) -> RunState:
+    """The checkpointer, this rank's heartbeat, drills and skip list as one listener, the program
+    for the mesh, and the starting state: restored (of this model, on this corpus unless
+    data.allow_changed), or new."""
+    run_dir = joined.run_dir
+    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
+    resilience = WorkerResilience(
+        run_dir.path, data.heartbeat, joined.job.attempt, checkpointer.wait,
+        checkpointer.hold_write, config.model.vocab_size,
+    )  # fmt: skip
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()
     resilience.beat("restore")
     start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
-    allowed_data_changes = check_same_corpus(config, start, corpus, message)
-    return ModelState(program, abstract_state, start, allowed_data_changes)
+    allowed_data_changes = check_same_corpus(config, start, data.corpus, message)
+    return RunState(checkpointer, resilience, program, abstract_state, start, allowed_data_changes)
 
 
 def build_events(
@@ -329,24 +331,20 @@ def build_events(
 
 
 def start_and_compile(
-    events: EventFanOut,
-    model: ModelState,
-    checkpointer: Checkpointer,
-    compile_cache: Any,
-    message: Callable[[str], None],
+    events: EventFanOut, state: RunState, compile_cache: Any, message: Callable[[str], None]
 ) -> Any:
     """The run's start told to every listener, then the train step compiled. The events own
     run_failed: from run_start on, a failure (compiling here, the loop in msjax.train) reaches
     every listener."""
     with events:
-        restored = model.start.restored
-        events.run_start(model.start.step, None if restored is None else restored.path)
-        if checkpointer.options.enabled:
-            checkpointer.prepare(model.abstract_state)
+        restored = state.start.restored
+        events.run_start(state.start.step, None if restored is None else restored.path)
+        if state.checkpointer.options.enabled:
+            state.checkpointer.prepare(state.abstract_state)
         # compiled for the batch's known shape (no process reads a whole batch)
         compile_started = time.perf_counter()
-        program = model.program
-        lowered = program.train_step.lower(model.abstract_state, program.abstract_batch())
+        program = state.program
+        lowered = program.train_step.lower(state.abstract_state, program.abstract_batch())
         train_step = compile_cached(lowered, compile_cache, "train_step")
         message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
         events.compiled(train_step)
@@ -354,22 +352,21 @@ def start_and_compile(
 
 
 def build_results(
-    config: Config, events: EventFanOut, peak_tflops: float, hooks: StepHooks
+    config: Config, events: EventFanOut, data: RunData, hooks: StepHooks
 ) -> StepResults:
     """The reader of each step's metrics, with what it needs to report tokens/s and MFU."""
     import jax
 
     tokens_per_step = config.train.global_batch * config.data.seq_len
     return StepResults(
-        events, tokens_per_step, flops_per_step(config), jax.device_count(), peak_tflops,
+        events, tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
         hooks.loss,
     )  # fmt: skip
 
 
 def build_saves(
     config: Config,
-    checkpointer: Checkpointer,
-    model: ModelState,
+    state: RunState,
     corpus: dict[str, Any],
     events: EventFanOut,
     message: Callable[[str], None],
@@ -377,13 +374,13 @@ def build_saves(
     """The run's saves: what they record beside the state, and where they are written."""
     return CheckpointSaves(
         config,
-        checkpointer,
-        model.start,
+        state.checkpointer,
+        state.start,
         events,
         message,
-        to_canonical=model.program.to_canonical,
+        to_canonical=state.program.to_canonical,
         corpus=corpus,
-        allowed_data_changes=model.allowed_data_changes,
+        allowed_data_changes=state.allowed_data_changes,
     )
 
 
