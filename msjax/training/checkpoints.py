@@ -197,7 +197,9 @@ class CheckpointSaves:
     """Saves of the train state with the run's config and data position, entered by every
     process together, and counted good only once committed.
 
-    A failed save is retried on the schedule's back-off (`schedule`); checkpoint.on_save_error=
+    The one owner of saving: after each step it proposes what to save (`proposal`), counts what
+    every process agreed on (`agreed`), and follows the agreed decision (`after_step`). A failed
+    save is retried on the schedule's back-off (`schedule`); checkpoint.on_save_error=
     stop ends the attempt at the first failure, and checkpoint.max_unsaved_minutes bounds how
     long training goes on while saves keep failing.
     """
