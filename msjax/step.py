@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +150,39 @@ def microbatched(
     return accumulated
 
 
+@dataclass(frozen=True)
+class UpdateStep:
+    """One optimizer step, built with what it needs: the loss and its gradients summed over the
+    microbatches, the optimizer and the learning-rate schedule (TrainProgram.train_step jits it)."""
+
+    loss_and_grads: Any  # (params, batch, real tokens) -> (loss, grads)
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+
+    def train_step(
+        self, state: TrainState, batch: Batch
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The state after one update on a global batch (kept as it was where the update is not
+        finite), and the step's metrics."""
+        # every microbatch's loss is divided by the whole batch's real tokens, so the sum over
+        # microbatches is the whole batch's mean, however the padding falls among them
+        loss, grads = self.loss_and_grads(state.params, batch, real_token_count(batch))
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
+        update_finite = update_is_finite(loss, grad_norm, params)
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": self.schedule(state.step),
+            "update_finite": update_finite,
+        }
+        updated = dataclasses.replace(
+            state, step=state.step + 1, params=params, opt_state=opt_state
+        )
+        return keep_unless_finite(update_finite, updated, state), metrics
+
+
 @dataclass
 class TrainProgram:
     """The model's structure, the shardings of every array, and the compiled steps of one run."""
@@ -164,8 +196,34 @@ class TrainProgram:
     schedule: optax.Schedule
     state_shardings: TrainState
     batch_sharding: NamedSharding
-    train_step: Any = None  # jitted (state, batch) -> (state, metrics)
-    eval_step: Any = None  # jitted (params, batch) -> loss
+
+    @functools.cached_property
+    def train_step(self) -> Any:
+        """`UpdateStep.train_step` jitted: (state, batch) -> (state, metrics), state donated."""
+        loss_and_grads = microbatched(
+            jax.value_and_grad(self.loss_share),
+            self.config.train.grad_accum_steps,
+            microbatch_sharding=self.batch_sharding,
+            grad_shardings=self.state_shardings.params,
+        )
+        update = UpdateStep(loss_and_grads, self.optimizer, self.schedule)
+        batch_shardings = dict.fromkeys(BATCH_FIELDS, self.batch_sharding)
+        return jax.jit(
+            update.train_step,
+            in_shardings=(self.state_shardings, batch_shardings),
+            out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
+            donate_argnums=(0,),
+        )
+
+    @functools.cached_property
+    def eval_step(self) -> Any:
+        """`loss` jitted: (params, batch) -> the batch's mean loss."""
+        batch_shardings = dict.fromkeys(BATCH_FIELDS, self.batch_sharding)
+        return jax.jit(
+            self.loss,
+            in_shardings=(self.state_shardings.params, batch_shardings),
+            out_shardings=NamedSharding(self.mesh, PartitionSpec()),
+        )
 
     def model(self, params: Params) -> Transformer:
         """A model object bound to params (usable inside jitted code)."""
@@ -405,70 +463,16 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
     rules = logical_axis_rules(config)
     layout = state_layout(config.model, config.optim, config.train.steps)
     state_shardings = state_shardings_of(layout, mesh, rules)
-    param_shardings = state_shardings.params
     schedule = learning_rate_schedule(config.optim, config.train.steps)
-    optimizer = layout.optimizer
-    replicated = NamedSharding(mesh, PartitionSpec())
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules["batch"], None))
-
-    program = TrainProgram(
+    return TrainProgram(
         config=config,
         mesh=mesh,
         graphdef=layout.graphdef,
         abstract_params=layout.abstract_params,
         logical_axes=layout.param_axes,
-        optimizer=optimizer,
+        optimizer=layout.optimizer,
         schedule=schedule,
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
     )
-    batch_shardings = dict.fromkeys(BATCH_FIELDS, batch_sharding)
-    train_step = _train_step_function(program)
-
-    program.train_step = jax.jit(
-        train_step,
-        in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, replicated),
-        donate_argnums=(0,),
-    )
-    program.eval_step = jax.jit(
-        program.loss,
-        in_shardings=(param_shardings, batch_shardings),
-        out_shardings=replicated,
-    )
-    return program
-
-
-def _train_step_function(program: TrainProgram) -> Callable[..., Any]:
-    """(state, batch) -> (state, metrics): one optimizer update from the batch's gradients,
-    accumulated over `train.grad_accum_steps` microbatches, kept only where it is finite."""
-    config, optimizer, schedule = program.config, program.optimizer, program.schedule
-    batch_sharding, param_shardings = program.batch_sharding, program.state_shardings.params
-    loss_and_grads = microbatched(
-        jax.value_and_grad(program.loss_share),
-        config.train.grad_accum_steps,
-        microbatch_sharding=batch_sharding,
-        grad_shardings=param_shardings,
-    )
-
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        # every microbatch's loss is divided by the whole batch's real tokens, so the sum over
-        # microbatches is the whole batch's mean, however the padding falls among them
-        loss, grads = loss_and_grads(state.params, batch, real_token_count(batch))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        grad_norm = optax.tree.norm(grads)
-        update_finite = update_is_finite(loss, grad_norm, params)
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": schedule(state.step),
-            "update_finite": update_finite,
-        }
-        updated = dataclasses.replace(
-            state, step=state.step + 1, params=params, opt_state=opt_state
-        )
-        new_state = keep_unless_finite(update_finite, updated, state)
-        return new_state, metrics
-
-    return train_step

@@ -24,7 +24,7 @@ from msjax.resilience import exit_codes
 from msjax.resilience.crash_records import record_crash
 from msjax.resilience.fault_kinds import kind_of_error
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
-from msjax.resilience.worker import SavesFailing, dump_stacks_from_start
+from msjax.resilience.worker import dump_stacks_from_start
 from msjax.training.stop_signal import (
     forget_stop_signals_from_start,
     remember_stop_signals_from_start,
@@ -131,7 +131,7 @@ def train(
     # save only repeats the request to stop (msjax.training.stop_signal)
     grace_s = run.config.resilience.checkpoint_deadline_s
     with run.events, StopSignal(grace_s) as stop:
-        decide = Decider(run.config, run.saves.schedule, stop, bool(run.validation), run.saves)
+        decide = Decider(run.config, stop, bool(run.steps.validation), run.saves)
         checks = ReplicaChecks(run)
         segment = Segment(run.start.state, run.start.step, run.start.first_sample)
         eval_loss = None
@@ -160,27 +160,24 @@ def train_segment(
 ) -> SegmentEnd:
     """The steps from segment.step on, until the last one, a stop, or a replica check that
     asks for a replay."""
-    from msjax.step import skip_update
     from msjax.training.reporting import InFlight
 
-    events, results, state = run.events, run.results, segment.state
+    events, results, steps, state = run.events, run.results, run.steps, segment.state
     in_flight = None  # the dispatched step whose metrics are not read yet
     ended = SegmentEnd(state)
     with run.batches(segment.step, segment.first_sample) as batches:
         for step in range(segment.step, run.config.train.steps):
             events.step_begin(step)
-            if run.resilience.skips(step):
+            if steps.skips(step):
                 next(batches)  # drawn and dropped, so later steps keep their own batches
-                state = skip_update(state)
+                state = steps.skip(state)
                 results.finish(in_flight)
                 in_flight = None
                 events.step_skipped(step)
             else:
                 batch, data_wait_s = next(batches)
-                batch = run.resilience.batch(step, batch)
                 events.batch_ready(step, data_wait_s)
-                state, device_metrics = run.train_step(state, batch)
-                state = run.resilience.after_update(step, state)  # where a bitflip strikes
+                state, device_metrics = steps.train(step, state, batch)
                 events.step_dispatched(step)
                 results.finish(in_flight)
                 in_flight = InFlight(step, device_metrics, data_wait_s)
@@ -196,29 +193,19 @@ def train_segment(
                     return ended
             if decision.evaluate:
                 ended.eval_loss = evaluate(run, state, step)
-            if decision.saves_failing:
-                raise SavesFailing(
-                    f"checkpoint saves kept failing for checkpoint.max_unsaved_minutes="
-                    f"{run.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
-                    f"{step + 1}); ending the attempt to restart from the last good one"
-                )
+            if run.saves.after_step(decision, state):  # saves, or ends a run whose saves fail
+                results.restart_clock()  # the save's pause is reported on its own
             if decision.stop_by:
                 ended.stopped_by = decision.stop_by
                 break
-            if decision.save:
-                run.saves.save(step + 1, state)
-                results.restart_clock()  # the save's pause is reported on its own
         results.finish(in_flight)
     return ended
 
 
 def evaluate(run: PreparedRun, state: Any, step: int) -> float:
     """The mean loss over the validation batches, after `step`."""
-    import jax
-
     run.events.eval_begin(step)
-    losses = [run.program.eval_step(state.params, batch) for batch in run.validation]
-    loss = float(sum(jax.device_get(losses)) / len(losses))
+    loss = run.steps.eval_loss(state.params)
     run.events.eval_end(step, loss)
     run.results.restart_clock()  # evaluation time is not the next step's time
     return loss
@@ -238,7 +225,7 @@ def end_run(
             f"stopped by {stopped_by} after step {final_step}; checkpoint in "
             f"{run.saves.directory / str(final_step)}; rerun the same command to resume"
         )
-    elif run.config.train.eval_every and final_step > run.start.step and run.validation:
+    elif run.config.train.eval_every and final_step > run.start.step and run.steps.validation:
         eval_loss = evaluate(run, state, final_step - 1)
     wall_s = time.perf_counter() - run.started
     last = run.results.last

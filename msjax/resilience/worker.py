@@ -19,6 +19,7 @@ from msjax.resilience.job_end import leave_job_now
 __all__ = [
     "NonFiniteLoss",
     "SavesFailing",
+    "StepHooks",
     "WorkerResilience",
     "dump_stacks_from_start",
     "leave_job_now",
@@ -67,6 +68,33 @@ def dump_stacks_from_start(run_dir: str | None) -> None:
 _stacks_from_start: Heartbeat | None = None
 
 
+class StepHooks:
+    """What resilience may change in a step as the loop runs it: a skipped step (a rollback after
+    a non-finite loss), and an injected fault's batch, state or loss as read back (drills)."""
+
+    def __init__(self, faults: FaultInjector, skipped_steps: frozenset[int], vocab_size: int = 0):
+        self.faults = faults
+        self.skipped_steps = skipped_steps
+        self.vocab_size = vocab_size  # an injected bad token is this id, just past the table
+
+    def skips(self, step: int) -> bool:
+        """Whether step's batch is to be dropped (a rollback after a non-finite loss)."""
+        return step in self.skipped_steps
+
+    def batch(self, step: int, batch: dict) -> dict:
+        """The batch of step `step` as the step sees it (an injected `bad_token` alters it)."""
+        return self.faults.batch(step, batch, self.vocab_size) if self.faults.active else batch
+
+    def after_update(self, step: int, state: Any) -> Any:
+        """The state after step `step`'s update as this rank holds it (an injected `bitflip`
+        changes one bit of it on the device)."""
+        return self.faults.after_update(step, state) if self.faults.active else state
+
+    def loss(self, step: int, loss: float) -> float:
+        """The loss as this rank reads it back (an injected `nan` fault replaces it)."""
+        return self.faults.loss(step, loss)
+
+
 class WorkerResilience(LoopEvents):
     """Heartbeat, fault injection and skipped steps of one rank, listening to the train loop.
 
@@ -89,31 +117,14 @@ class WorkerResilience(LoopEvents):
         self.heartbeat = heartbeat  # the rank's one heartbeat, made when its run dir was known
         self.heartbeat.dump_stacks_on_sigusr1(run_dir)
         self.faults = FaultInjector.from_env(run_dir, heartbeat.rank, attempt)
-        self.skipped_steps = read_skipped_steps(run_dir)
+        # the one handle through which drills and the skip list reach the train loop
+        self.step_hooks = StepHooks(self.faults, read_skipped_steps(run_dir), vocab_size)
         self.wait_for_saves = wait_for_saves
         self.hold_save_write = hold_save_write  # an injected crash_in_save holds its save
-        self.vocab_size = vocab_size  # an injected bad token is this id, just past the table
         self.heartbeat.beat("init")
 
     def beat(self, phase: Phase, step: int | None = None) -> None:
         self.heartbeat.beat(phase, step)
-
-    def skips(self, step: int) -> bool:
-        """Whether step's batch is to be dropped (a rollback after a non-finite loss)."""
-        return step in self.skipped_steps
-
-    def batch(self, step: int, batch: dict) -> dict:
-        """The batch of step `step` as the step sees it (an injected `bad_token` alters it)."""
-        return self.faults.batch(step, batch, self.vocab_size) if self.faults.active else batch
-
-    def after_update(self, step: int, state: Any) -> Any:
-        """The state after step `step`'s update as this rank holds it (an injected `bitflip`
-        changes one bit of it on the device)."""
-        return self.faults.after_update(step, state) if self.faults.active else state
-
-    def loss(self, step: int, loss: float) -> float:
-        """The loss as this rank reads it back (an injected `nan` fault replaces it)."""
-        return self.faults.loss(step, loss)
 
     def run_start(self, start_step: int, restored_from: Path | None) -> None:
         self.heartbeat.start_step = start_step

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msjax import __version__
 from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored
@@ -18,7 +18,10 @@ from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_max, process_vote
 from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
-from msjax.training.save_schedule import SaveSchedule
+from msjax.training.save_schedule import NOT_FINISHED, SaveProposal, SaveSchedule
+
+if TYPE_CHECKING:
+    from msjax.training.decisions import Decision
 
 
 @dataclass(frozen=True)
@@ -190,14 +193,13 @@ def check_same_corpus(
     return [*earlier, {"at_step": start.step, "changes": changes}]
 
 
-NOT_FINISHED = -1  # the save in flight, as a process reports it: none, or still being written
-
-
 class CheckpointSaves:
     """Saves of the train state with the run's config and data position, entered by every
     process together, and counted good only once committed.
 
-    A failed save is retried on the schedule's back-off (`schedule`); checkpoint.on_save_error=
+    The one owner of saving: after each step it proposes what to save (`proposal`), counts what
+    every process agreed on (`agreed`), and follows the agreed decision (`after_step`). A failed
+    save is retried on the schedule's back-off (`schedule`); checkpoint.on_save_error=
     stop ends the attempt at the first failure, and checkpoint.max_unsaved_minutes bounds how
     long training goes on while saves keep failing.
     """
@@ -240,6 +242,41 @@ class CheckpointSaves:
     @property
     def directory(self) -> Path:
         return self.checkpointer.directory
+
+    def proposal(self, step: int, before_end: bool) -> SaveProposal:
+        """What this process proposes to save after `step` updates, from the schedule and the
+        save in flight; before_end: `step` is not the run's last (the end of the run saves)."""
+        finished, failed = self.view_of_save_in_flight()
+        schedule = self.schedule
+        return SaveProposal(
+            by_steps=schedule.due_by_steps(step) and before_end,
+            overdue=schedule.overdue(),
+            by_clock=schedule.due_by_clock() and before_end,
+            retry=schedule.retry_due() and before_end,
+            finished=finished,
+            failed=failed,
+        )
+
+    def agreed(self, decision: Decision) -> None:
+        """The processes agreed on `decision`: a save in flight that every process saw finish is
+        counted now, by all at the same step."""
+        if self.schedule.in_flight and decision.save_finished == self.last_saved_step:
+            self.settle(decision.save_failed)
+
+    def after_step(self, decision: Decision, state: Any) -> bool:
+        """Follow the agreed decision after its step: SavesFailing where saves kept failing past
+        checkpoint.max_unsaved_minutes, else save `state` when the decision asks for it and the
+        run goes on (a stopping run saves at its end). Whether a save was made."""
+        if decision.saves_failing:
+            raise SavesFailing(
+                f"checkpoint saves kept failing for checkpoint.max_unsaved_minutes="
+                f"{self.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
+                f"{decision.step}); ending the attempt to restart from the last good one"
+            )
+        if decision.stop_by or not decision.save:
+            return False
+        self.save(decision.step, state)
+        return True
 
     def view_of_save_in_flight(self) -> tuple[int, bool]:
         """This process's view of the save started last and not counted yet: (its step once

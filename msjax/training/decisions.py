@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from msjax.config import Config
 from msjax.parallel.agreement import (
@@ -21,9 +22,11 @@ from msjax.parallel.agreement import (
     VoteSpacing,
     process_vote,
 )
-from msjax.training.checkpoints import NOT_FINISHED, CheckpointSaves
-from msjax.training.save_schedule import SaveSchedule
+from msjax.training.save_schedule import NOT_FINISHED, SaveProposal
 from msjax.training.stop_signal import StopSignal
+
+if TYPE_CHECKING:
+    from msjax.training.checkpoints import CheckpointSaves
 
 STOP_SIGNALS = (None, "SIGTERM", "SIGINT")  # a vote's stop value indexes this
 
@@ -48,23 +51,21 @@ class Decision:
 
 
 class Decider:
-    """Makes the decision after each step from the config, the save schedule (the one answer
-    to "save now?"), the save in flight and signals; counts the save in flight once every
-    process has seen it finish."""
+    """Makes the decision after each step from the config, signals and what the save owner
+    proposes (`CheckpointSaves`, the one answer to "save now?"), and tells the save owner what
+    every process agreed on."""
 
     def __init__(
         self,
         config: Config,
-        schedule: SaveSchedule,
         stop: StopSignal,
         can_evaluate: bool,
         saves: CheckpointSaves | None = None,
     ):
         self.total_steps = config.train.steps
         self.eval_every = config.train.eval_every if can_evaluate else 0
-        self.schedule = schedule
         self.stop = stop
-        self.saves = saves
+        self.saves = saves  # None: a run that saves nothing
         # between two rounds a peer may take their steps, a save and an evaluation (which
         # compiles)
         r = config.resilience
@@ -78,29 +79,21 @@ class Decider:
         """The decision once the state has `step` updates; the run's last step is never saved
         or evaluated here (the end of the run does both)."""
         before_end = step < self.total_steps
-        finished, failed = (
-            (NOT_FINISHED, False) if self.saves is None else self.saves.view_of_save_in_flight()
-        )
+        saving = SaveProposal() if self.saves is None else self.saves.proposal(step, before_end)
         local = Decision(
             step=step,
             evaluate=bool(self.eval_every) and step % self.eval_every == 0 and before_end,
-            save=self.schedule.due_by_steps(step) and before_end,
+            save=saving.by_steps,
             stop_by=self.stop.received,
-            saves_failing=self.schedule.overdue(),
-            save_finished=finished,
-            save_failed=failed,
+            saves_failing=saving.overdue,
+            save_finished=saving.finished,
+            save_failed=saving.failed,
         )
-        clock_save = self.schedule.due_by_clock() and before_end
-        retry = self.schedule.retry_due() and before_end
         decision, self.save_voted = agree(
-            local, clock_save, self.vote, retry, self.save_voted, self.spacing
+            local, saving.by_clock, self.vote, saving.retry, self.save_voted, self.spacing
         )
-        if (
-            self.saves is not None
-            and self.schedule.in_flight
-            and decision.save_finished == self.saves.last_saved_step
-        ):
-            self.saves.settle(decision.save_failed)  # finished everywhere: counted by all now
+        if self.saves is not None:
+            self.saves.agreed(decision)  # a save finished everywhere is counted by all now
         return decision
 
 

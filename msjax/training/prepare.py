@@ -6,6 +6,7 @@ Every check that can fail on user input runs before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -18,7 +19,7 @@ from msjax.checkpoint.manager import (
     damaged_entries,
     parse_resume_source,
 )
-from msjax.config import Config
+from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
@@ -35,7 +36,7 @@ from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
-from msjax.resilience.worker import WorkerResilience
+from msjax.resilience.worker import StepHooks, WorkerResilience
 from msjax.resolve import mesh_device_count, resolve, resolve_run_dir
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.run_lock import RunDirLock
@@ -48,6 +49,7 @@ from msjax.training.checkpoints import (
     restore_or_init,
 )
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
+from msjax.training.steps import LoopSteps
 
 
 @dataclass
@@ -57,10 +59,9 @@ class PreparedRun:
     config: Config  # resolved: what every part of the run reads
     run_dir: RunDir
     program: TrainProgram
-    train_step: Any  # the compiled (state, batch) -> (state, metrics)
+    steps: LoopSteps  # the compiled train step and the eval step, as the loop runs them
     start: StartingPoint
     data: TrainingData
-    validation: list[dict[str, Any]]  # the validation batches, on the devices
     events: EventFanOut
     results: StepResults
     saves: CheckpointSaves
@@ -129,6 +130,23 @@ def resume_source(config: Config, plan: RunDirPlan) -> ResumeSource | None:
     return directory, step
 
 
+@dataclass(frozen=True)
+class JoinedJob:
+    """What is settled before a run's parts are built: the job, XLA's flags, the run dir's plan
+    and lock, checkpoint.resume_from where it applies, and when preparing began."""
+
+    job: JobEnv
+    xla_flags: XlaFlagsRecord
+    plan: RunDirPlan
+    resume: ResumeSource | None
+    lock: RunDirLock
+    started: float  # time.perf_counter()
+
+    @property
+    def run_dir(self) -> RunDir:
+        return self.plan.run_dir
+
+
 def prepare_run(
     config: Config,
     progress_stream: IO[str] | None = None,
@@ -142,9 +160,8 @@ def prepare_run(
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
-        return _prepare(
-            config, job, xla_flags, plan, resume, lock, started, progress_stream, extra_listeners
-        )
+        joined = JoinedJob(job, xla_flags, plan, resume, lock, started)
+        return build_run(config, joined, progress_stream, extra_listeners)
     except BaseException:
         lock.release()
         raise
@@ -161,125 +178,233 @@ def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
     return lock
 
 
-def _prepare(
+def build_run(
     config: Config,
-    job: JobEnv,
-    xla_flags: XlaFlagsRecord,
-    plan: RunDirPlan,
-    resume: ResumeSource | None,
-    lock: RunDirLock,
-    started: float,
+    joined: JoinedJob,
     progress_stream: IO[str] | None,
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
-    import jax
-
-    run_dir = plan.run_dir
-    compile_cache = enable_compile_cache(config.resilience, run_dir.path, job.launched)
-    mesh = build_mesh(config.mesh)
+    """The run's parts, each from its builder, in the order they are made."""
+    run_dir = joined.run_dir
+    compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
-    # this rank's one heartbeat, from the data phase to the end of the loop
-    heartbeat = Heartbeat(
-        run_dir.path, jax.process_index(), config.resilience.heartbeat_every_s, job.attempt
-    )
-    data = read_data_watched(config, job, heartbeat, progress.message)
-    peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
-    is_writer = jax.process_index() == 0
-    if config.observe.tensorboard:
-        check_tensorboard_installed()
-    if is_writer:
-        write_run_record(plan, config, data, progress.message, lock if not job.launched else None)
-        write_json(run_dir.xla_flags, xla_flags.record())
-    shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
-    progress.message(
-        f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
-        f"({shape}); run dir {run_dir.path}"
-    )
-
-    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
-    resilience = WorkerResilience(
-        run_dir.path,
-        heartbeat,
-        job.attempt,
-        checkpointer.wait,
-        checkpointer.hold_write,
-        config.model.vocab_size,
-    )
-    program = build_program(config, mesh)
-    abstract_state = program.abstract_state()  # traced once: restore, saves and compile share it
-    resilience.beat("restore")
-    start = restore_or_init(config, checkpointer, program, abstract_state, progress.message, resume)
-    corpus = data.identity()
-    allowed_data_changes = check_same_corpus(config, start, corpus, progress.message)
-    describe_data(data, config, start, progress.message)
-    observer = LoopObserver(config.observe, run_dir.path, mesh, job.attempt, progress.message)
-    listeners: list[LoopEvents] = [observer, *optional_listeners(config, run_dir, is_writer)]
-    if is_writer:
-        listeners.append(MetricsLog(run_dir.metrics))
-    listeners += [ProgressReport(progress), resilience, *extra_listeners, lock]
-    events = EventFanOut(listeners)
-    # the events own run_failed: from run_start on, a failure (compiling here, the loop in
-    # msjax.train) reaches every listener
-    with events:
-        events.run_start(start.step, None if start.restored is None else start.restored.path)
-        if config.checkpoint.enabled:
-            checkpointer.prepare(abstract_state)
-        train_step = compile_train_step(program, abstract_state, compile_cache, progress.message)
-        events.compiled(train_step)
-
-    tokens_per_step = config.train.global_batch * config.data.seq_len
-    results = StepResults(
-        events, tokens_per_step, flops_per_step(config), jax.device_count(), peak_tflops,
-        resilience.loss,
-    )  # fmt: skip
+    mesh = build_mesh(config.mesh)
+    message = progress.message
+    data = build_data(config, joined, message)
+    record_run(config, joined, data.training, mesh, message)
+    state = build_state(config, mesh, data, joined, message)
+    describe_data(data.training, config.train, state.start, message)
+    resilience = state.resilience
+    events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
+    train_step = start_and_compile(events, state, compile_cache, message)
     return PreparedRun(
         config=config,
         run_dir=run_dir,
-        program=program,
-        train_step=train_step,
-        start=start,
-        data=data,
-        validation=[jax.device_put(batch, program.batch_sharding) for batch in data.validation],
+        program=state.program,
+        results=build_results(config, events, data, resilience.step_hooks),
+        steps=build_steps(state.program, train_step, data.training, resilience.step_hooks),
+        start=state.start,
+        data=data.training,
         events=events,
-        results=results,
-        saves=CheckpointSaves(
-            config,
-            checkpointer,
-            start,
-            events,
-            progress.message,
-            to_canonical=program.to_canonical,
-            corpus=corpus,
-            allowed_data_changes=allowed_data_changes,
-        ),
+        saves=build_saves(config, state, data.corpus, events, message),
         resilience=resilience,
         progress=progress,
-        started=started,
+        started=joined.started,
     )
 
 
-def read_data_watched(
-    config: Config, job: JobEnv, heartbeat: Heartbeat, message: Callable[[str], None]
-) -> TrainingData:
-    """The corpus, read or tokenized; under msjax.launch with a heartbeat in phase `data` that
-    reports every long step's work (bytes hashed and read, token files scanned, tokens written),
-    so a large corpus counts as progress, not as a hang."""
-    if not job.launched:
-        return build_training_data(config, message)
-    heartbeat.beat("data")
-    with write_progress(lambda tokens: heartbeat.beat("data", progress=tokens)):
-        return build_training_data(config, message)
+@dataclass(frozen=True)
+class RunData:
+    """The corpus as the run reads it, with what was made beside it and the figures of the work
+    a step does on it."""
+
+    training: TrainingData
+    corpus: dict[str, Any]  # its identity, recorded in every checkpoint (msjax.data.identity)
+    heartbeat: Heartbeat  # this rank's one heartbeat, from the data phase to the end of the loop
+    step_flops: float  # the model FLOPs of one step on global_batch x seq_len tokens
+    peak_tflops: float  # per device: with step_flops, what the MFU is reckoned from
 
 
-def optional_listeners(config: Config, run_dir: RunDir, is_writer: bool) -> list[LoopEvents]:
+def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]) -> RunData:
+    """This rank's heartbeat, the corpus read (or tokenized) and identified, the FLOPs of a step
+    on it, and the devices' peak TFLOP/s (measured on CPU, where no table holds it)."""
+    import jax
+
+    heartbeat = Heartbeat(
+        joined.run_dir.path,
+        jax.process_index(),
+        config.resilience.heartbeat_every_s,
+        joined.job.attempt,
+    )
+    # under msjax.launch, a heartbeat in phase `data` reports every long step's work (bytes
+    # hashed and read, token files scanned, tokens written): a large corpus is progress, not a hang
+    watch = contextlib.nullcontext()
+    if joined.job.launched:
+        heartbeat.beat("data")
+        watch = write_progress(lambda tokens: heartbeat.beat("data", progress=tokens))
+    with watch:
+        data = build_training_data(config, message)
+    corpus = data.identity()
+    step_flops = flops_per_step(config)
+    peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+    return RunData(data, corpus, heartbeat, step_flops, peak_tflops)
+
+
+def record_run(
+    config: Config,
+    joined: JoinedJob,
+    data: TrainingData,
+    mesh: Any,
+    message: Callable[[str], None],
+) -> None:
+    """The run dir with its record (process 0), then the run's first line."""
+    import jax
+
+    if config.observe.tensorboard:
+        check_tensorboard_installed()
+    if jax.process_index() == 0:
+        lock = joined.lock if not joined.job.launched else None
+        write_run_record(joined.plan, config, data, message, lock)
+        write_json(joined.run_dir.xla_flags, joined.xla_flags.record())
+    shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
+    message(
+        f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"({shape}); run dir {joined.run_dir.path}"
+    )
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The state and what keeps it: the checkpointer, this rank's resilience listener, the
+    program with its state's shapes (traced once: restore, saves and compile share them), the
+    state the run starts from, and the corpus changes its checkpoint allows."""
+
+    checkpointer: Checkpointer
+    resilience: WorkerResilience
+    program: TrainProgram
+    abstract_state: Any
+    start: StartingPoint
+    allowed_data_changes: list[dict[str, Any]]  # recorded in every later checkpoint
+
+
+def build_state(
+    config: Config, mesh: Any, data: RunData, joined: JoinedJob, message: Callable[[str], None]
+) -> RunState:
+    """The checkpointer, this rank's heartbeat, drills and skip list as one listener, the program
+    for the mesh, and the starting state: restored (of this model, on this corpus unless
+    data.allow_changed), or new."""
+    run_dir = joined.run_dir
+    checkpointer = Checkpointer(run_dir.checkpoints, config.checkpoint)
+    resilience = WorkerResilience(
+        run_dir.path, data.heartbeat, joined.job.attempt, checkpointer.wait,
+        checkpointer.hold_write, config.model.vocab_size,
+    )  # fmt: skip
+    program = build_program(config, mesh)
+    abstract_state = program.abstract_state()
+    resilience.beat("restore")
+    start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
+    allowed_data_changes = check_same_corpus(config, start, data.corpus, message)
+    return RunState(checkpointer, resilience, program, abstract_state, start, allowed_data_changes)
+
+
+def build_events(
+    observe: ObserveConfig,
+    joined: JoinedJob,
+    mesh: Any,
+    progress: ProgressLine,
+    last_listeners: Sequence[LoopEvents],
+) -> EventFanOut:
+    """Every listener of the loop's events, in the order they hear them: the observer, the
+    optional ones, the metrics record (process 0), the progress line, then `last_listeners`
+    (resilience and the caller's), and the run lock last."""
+    import jax
+
+    is_writer = jax.process_index() == 0
+    run_dir = joined.run_dir
+    optional = optional_listeners(observe, run_dir, is_writer)
+    observer = LoopObserver(observe, run_dir.path, mesh, joined.job.attempt, progress.message)
+    listeners: list[LoopEvents] = [observer, *optional]
+    if is_writer:
+        listeners.append(MetricsLog(run_dir.metrics))
+    listeners += [ProgressReport(progress), *last_listeners, joined.lock]
+    return EventFanOut(listeners)
+
+
+def start_and_compile(
+    events: EventFanOut, state: RunState, compile_cache: Any, message: Callable[[str], None]
+) -> Any:
+    """The run's start told to every listener, then the train step compiled. The events own
+    run_failed: from run_start on, a failure (compiling here, the loop in msjax.train) reaches
+    every listener."""
+    with events:
+        restored = state.start.restored
+        events.run_start(state.start.step, None if restored is None else restored.path)
+        if state.checkpointer.options.enabled:
+            state.checkpointer.prepare(state.abstract_state)
+        # compiled for the batch's known shape (no process reads a whole batch)
+        compile_started = time.perf_counter()
+        program = state.program
+        lowered = program.train_step.lower(state.abstract_state, program.abstract_batch())
+        train_step = compile_cached(lowered, compile_cache, "train_step")
+        message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
+        events.compiled(train_step)
+    return train_step
+
+
+def build_results(
+    config: Config, events: EventFanOut, data: RunData, hooks: StepHooks
+) -> StepResults:
+    """The reader of each step's metrics, with what it needs to report tokens/s and MFU."""
+    import jax
+
+    tokens_per_step = config.train.global_batch * config.data.seq_len
+    return StepResults(
+        events, tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
+        hooks.loss,
+    )  # fmt: skip
+
+
+def build_saves(
+    config: Config,
+    state: RunState,
+    corpus: dict[str, Any],
+    events: EventFanOut,
+    message: Callable[[str], None],
+) -> CheckpointSaves:
+    """The run's saves: what they record beside the state, and where they are written."""
+    return CheckpointSaves(
+        config,
+        state.checkpointer,
+        state.start,
+        events,
+        message,
+        to_canonical=state.program.to_canonical,
+        corpus=corpus,
+        allowed_data_changes=state.allowed_data_changes,
+    )
+
+
+def build_steps(
+    program: TrainProgram, train_step: Any, data: TrainingData, hooks: StepHooks
+) -> LoopSteps:
+    """The loop's steps: the compiled train step, the eval step and its batches on the devices."""
+    import jax
+
+    validation = [jax.device_put(batch, program.batch_sharding) for batch in data.validation]
+    return LoopSteps(train_step, program.eval_step, validation, hooks)
+
+
+def optional_listeners(
+    observe: ObserveConfig, run_dir: RunDir, is_writer: bool
+) -> list[LoopEvents]:
     """TensorBoard events (process 0) and profiler traces (every rank), as configured."""
     import jax
 
     listeners: list[LoopEvents] = []
-    if config.observe.tensorboard and is_writer:
+    if observe.tensorboard and is_writer:
         listeners.append(TensorBoardLog(run_dir.tensorboard))
-    if config.observe.profile_steps:
-        first, last = config.observe.profile_steps
+    if observe.profile_steps:
+        first, last = observe.profile_steps
         listeners.append(ProfileCapture(run_dir.profile(jax.process_index()), first, last))
     return listeners
 
@@ -303,26 +428,15 @@ def write_run_record(
     write_json(plan.run_dir.data_facts, data.facts())
 
 
-def compile_train_step(
-    program: TrainProgram, abstract_state: Any, cache: Any, message: Callable[[str], None]
-) -> Any:
-    """The train step compiled for the batch's known shape (no process reads a whole batch)."""
-    compile_started = time.perf_counter()
-    lowered = program.train_step.lower(abstract_state, program.abstract_batch())
-    train_step = compile_cached(lowered, cache, "train_step")
-    message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
-    return train_step
-
-
 def describe_data(
-    data: TrainingData, config: Config, start: StartingPoint, message: Callable[[str], None]
+    data: TrainingData, train: TrainConfig, start: StartingPoint, message: Callable[[str], None]
 ) -> None:
     """One line per source: what it holds and how much of it the run will have seen."""
-    remaining_steps = max(config.train.steps - start.step, 0)
-    samples_at_end = start.first_sample + remaining_steps * config.train.global_batch
+    remaining_steps = max(train.steps - start.step, 0)
+    samples_at_end = start.first_sample + remaining_steps * train.global_batch
     epochs = data.train.epochs_at(samples_at_end)
     for streams, packed, seen in zip(data.sources, data.train.sources, epochs, strict=True):
         message(
             f"data: {streams.label}: {packed.num_tokens:,} train tokens in "
-            f"{packed.num_sequences:,} sequences; {seen:.2f} epochs by step {config.train.steps}"
+            f"{packed.num_sequences:,} sequences; {seen:.2f} epochs by step {train.steps}"
         )

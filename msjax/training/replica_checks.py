@@ -44,6 +44,7 @@ class ReplicaChecks:
         import jax
 
         resilience, mesh = run.config.resilience, run.program.mesh
+        vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
         self.every = resilience.replica_check_every
         self.total_steps = run.config.train.steps
         self.enabled = self.every > 0 and mesh.shape["data"] > 1
@@ -61,7 +62,6 @@ class ReplicaChecks:
         self._compute: ComputeCheck | None = None
         if self.compute_every > 0:
             self._compute = ComputeCheck(mesh)  # compiled before the loop: no step waits
-        vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
         self.log = MismatchLog(
             run.run_dir.path,
             jax.process_index() == 0,

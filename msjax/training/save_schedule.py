@@ -4,10 +4,24 @@ every_minutes, the retries of failed saves, and the time since the last committe
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from msjax.config import CheckpointConfig
 
 RETRY_PAUSE_MAX_S = 60.0  # a failed save is retried after 1 s, 2 s, 4 s, ... at most this
+NOT_FINISHED = -1  # the save in flight, as a process reports it: none, or still being written
+
+
+@dataclass(frozen=True)
+class SaveProposal:
+    """This process's view of saving after a step, before the processes agree on it."""
+
+    by_steps: bool = False  # checkpoint.every_steps asks for a save (the same on every process)
+    by_clock: bool = False  # checkpoint.every_minutes have passed on this process's clock
+    retry: bool = False  # a failed save's pause is over
+    overdue: bool = False  # saves kept failing past checkpoint.max_unsaved_minutes
+    finished: int = NOT_FINISHED  # the save in flight once finished here, else NOT_FINISHED
+    failed: bool = False  # that save failed here
 
 
 class SaveSchedule:

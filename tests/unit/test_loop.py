@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 from small_runs import QUICK_RUN
 
-from msjax.config import CheckpointConfig, load_config
+from msjax.checkpoint.manager import Checkpointer
+from msjax.config import load_config
 from msjax.loop_events import HOOKS, EventFanOut, LoopEvents
 from msjax.observe.metrics import read_metrics
 from msjax.train import train
+from msjax.training.checkpoints import CheckpointSaves, StartingPoint
 from msjax.training.decisions import Decider, Decision, StopSignal
-from msjax.training.save_schedule import SaveSchedule
 
 TINY_RUN = [
     *QUICK_RUN,
@@ -112,8 +113,12 @@ def test_fan_out_calls_listeners_in_order_and_tells_all_of_a_failure():
 
 
 def decider(tmp_path: Path, stop: StopSignal, **overrides) -> Decider:
-    config = load_config(None, [f"train.{k}={v}" for k, v in overrides.items()])
-    return Decider(config, SaveSchedule(CheckpointConfig(every_steps=3)), stop, can_evaluate=True)
+    overrides = [f"train.{k}={v}" for k, v in overrides.items()]
+    config = load_config(None, [*overrides, "checkpoint.every_steps=3"])
+    checkpointer = Checkpointer(tmp_path / "checkpoints", config.checkpoint)
+    start = StartingPoint(state=None, step=0, first_sample=0, restored=None)
+    saves = CheckpointSaves(config, checkpointer, start, LoopEvents(), print)
+    return Decider(config, stop, can_evaluate=True, saves=saves)
 
 
 def test_decisions_follow_the_cadences_and_leave_the_last_step_to_the_end(tmp_path: Path):
