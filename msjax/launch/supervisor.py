@@ -322,7 +322,7 @@ class Supervisor:
         to blame (exit 14)."""
         if self.resilience.check_budget_s <= 0:
             return None, None
-        from msjax.doctor import detail, failed_by_every_rank, report_lines
+        from msjax.launch.self_check_rounds import detail, failed_by_every_rank, report_lines
 
         layout = self.layout
         slots: list[int] | None = None
@@ -376,7 +376,7 @@ class Supervisor:
         self, number: int, ranks: list[int], num_processes: int, slots: list[int] | None
     ) -> Any:
         """A round of msjax.doctor's self-checks over ranks (in slots), started."""
-        from msjax.doctor import SelfCheckRound
+        from msjax.launch.self_check_rounds import SelfCheckRound
 
         return SelfCheckRound(
             self.membership.planned_config(),
