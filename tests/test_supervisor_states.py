@@ -3,14 +3,22 @@ refused, and every state on a path from the start to an end."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import pytest
 
+from msjax.config import load_config
+from msjax.launch.launches import RUNNING, read_launches
+from msjax.launch.layout import JobLayout
+from msjax.launch.supervisor import Supervisor
 from msjax.launch.supervisor_states import (
     ALLOWED_TRANSITIONS,
     State,
     TransitionRefused,
     check_transition,
 )
+from msjax.run_dir import RunDir
 
 
 def reachable(start: State) -> set[State]:
@@ -63,3 +71,24 @@ def test_the_loops_moves_are_allowed(current, following):
 def test_any_other_move_is_refused(current, following, message):
     with pytest.raises(TransitionRefused, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_transition(current, following)
+
+
+def supervisor_in(run_dir: Path) -> Supervisor:
+    config = load_config("configs/tiny.yaml", [f"run.dir={run_dir}", "mesh.data=1"])
+    return Supervisor(config, run_dir, [], JobLayout(1, None), out=io.StringIO())
+
+
+def test_a_supervisor_refuses_a_move_off_its_table_and_writes_nothing_for_it(tmp_path):
+    supervisor = supervisor_in(tmp_path)
+    with pytest.raises(TransitionRefused, match="from built to done"):
+        supervisor.enter(State.DONE)
+    assert supervisor.state is State.BUILT
+    assert not RunDir(tmp_path).launches.exists()
+    assert supervisor.out.getvalue() == ""
+
+
+def test_entering_starting_puts_the_launch_on_record_as_running(tmp_path):
+    supervisor = supervisor_in(tmp_path)
+    supervisor.enter(State.STARTING)
+    assert supervisor.state is State.STARTING
+    assert [launch["outcome"] for launch in read_launches(RunDir(tmp_path))] == [RUNNING]

@@ -10,9 +10,10 @@ import dataclasses
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from msjax.checkpoint.commits import uncommitted_entries
-from msjax.config import Config
+from msjax.config import Config, ResilienceConfig
 from msjax.launch.attempt import Attempt
 from msjax.launch.fault_detection import DetectedFault
 from msjax.launch.incidents import (
@@ -32,29 +33,22 @@ from msjax.run_dir import RunDir
 from msjax.writable import warn_write_dropped
 
 
+@dataclass
 class AfterFault:
     """Records a fault's incident, stops the attempt, and takes the policy's decision on it."""
 
-    def __init__(
-        self,
-        config: Config,
-        layout: JobLayout,
-        run_dir: RunDir,
-        incidents: IncidentLog,
-        membership: JobMembership,
-        node: str,
-        launch_id: str,
-        say: Callable[[str], None],
-    ):
-        self.config = config
-        self.resilience = config.resilience
-        self.layout = layout
-        self.run_dir = run_dir
-        self.incidents = incidents
-        self.membership = membership
-        self.node = node
-        self.launch_id = launch_id
-        self.say = say
+    config: Config
+    layout: JobLayout
+    run_dir: RunDir
+    incidents: IncidentLog
+    membership: JobMembership
+    node: str  # this node's name (slot faults name it)
+    launch_id: str  # groups this launch's slot faults (launch_record.launch_id)
+    say: Callable[[str], None]
+
+    @property
+    def resilience(self) -> ResilienceConfig:
+        return self.config.resilience
 
     def record_fault(self, attempt: Attempt, fault: DetectedFault) -> int:
         """Diagnostics into RUN_DIR/incidents/<n>/, then stop every worker. Returns n."""

@@ -9,10 +9,11 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import IO
 
 from msjax.checkpoint.commits import committed_steps
-from msjax.config import Config
+from msjax.config import Config, ResilienceConfig
 from msjax.distributed import worker_env
 from msjax.launch.attempt import Attempt
 from msjax.launch.devices import slot_devices
@@ -27,6 +28,7 @@ from msjax.launch.fault_detection import (
 from msjax.launch.incidents import IncidentLog
 from msjax.launch.job_membership import JobMembership
 from msjax.launch.layout import JobLayout
+from msjax.launch.membership import Slots
 from msjax.launch.self_check_rounds import (
     HealthRound,
     SelfCheckRound,
@@ -43,38 +45,32 @@ from msjax.run_dir import RunDir
 STANDBY_CHECK_EVERY_S = 5.0  # how often a running attempt's warm standbys are looked after
 
 
+@dataclass
 class AttemptRunner:
     """Starts and watches the job's attempts on this node; `attempts` is the launch's list."""
 
-    def __init__(
-        self,
-        config: Config,
-        layout: JobLayout,
-        run_dir: RunDir,
-        train_args: list[str],
-        faults: str | None,
-        membership: JobMembership,
-        incidents: IncidentLog,
-        attempts: list[Attempt],
-        out: IO[str],
-        say: Callable[[str], None],
-        poll_s: float,
-    ):
-        self.config = config
-        self.resilience = config.resilience
-        self.layout = layout
-        self.run_dir = run_dir
-        self.train_args = train_args
-        self.faults = faults
-        self.membership = membership
-        self.slots = membership.slots
-        self.incidents = incidents
-        self.attempts = attempts
-        self.out = out
-        self.say = say
-        self.poll_s = poll_s
-        self.timed_before: Timings = {}  # steps and saves timed by the attempts so far
-        self._standbys_checked = (-1, 0.0)  # the attempt keep_standbys_ready last looked in, when
+    config: Config
+    layout: JobLayout
+    run_dir: RunDir
+    train_args: list[str]  # the workers' arguments (--config FILE)
+    faults: str | None  # injected faults (MSJAX_FAULT syntax)
+    membership: JobMembership
+    incidents: IncidentLog
+    attempts: list[Attempt]
+    out: IO[str]  # rank 0's output is echoed here
+    say: Callable[[str], None]
+    poll_s: float
+    timed_before: Timings = field(default_factory=dict, init=False)  # by the attempts so far
+    # the attempt keep_standbys_ready last looked in, and when
+    _standbys_checked: tuple[int, float] = field(default=(-1, 0.0), init=False)
+
+    @property
+    def resilience(self) -> ResilienceConfig:
+        return self.config.resilience
+
+    @property
+    def slots(self) -> Slots:
+        return self.membership.slots
 
     # --- self-checks before an attempt ---------------------------------------------------------
 
