@@ -309,24 +309,17 @@ class IncidentLog:
         self.written: list[dict[str, Any]] = []  # this supervisor's incidents
         self.open_incident: Incident | None = None
         self.held: list[Incident] = []  # added while an incident was open (add)
-        self.count = self._count_so_far()
-        self.transients_recorded = self._transients_so_far()
+        earlier = self._earlier_lines()
+        self.count = sum(1 for line in earlier.splitlines() if line.strip())
+        # transient corruption verdicts earlier supervisors of this run made incidents of
+        self.transients_recorded = earlier.count('"event": "transient"')
 
-    def _count_so_far(self) -> int:
-        """Incidents of earlier supervisors of this run (numbers go on from there)."""
+    def _earlier_lines(self) -> str:
+        """The incidents of earlier supervisors of this run (numbers go on from theirs)."""
         try:
-            text = read_no_follow(self.path).decode(errors="replace")
+            return read_no_follow(self.path).decode(errors="replace")
         except FileNotFoundError:
-            return 0
-        return sum(1 for line in text.splitlines() if line.strip())
-
-    def _transients_so_far(self) -> int:
-        """Transient corruption verdicts earlier supervisors of this run made incidents of."""
-        try:
-            text = read_no_follow(self.path).decode(errors="replace")
-        except FileNotFoundError:
-            return 0
-        return text.count('"event": "transient"')
+            return ""
 
     def record_transient_corruption(self, attempt: Attempt) -> None:
         """Every transient verdict the guard logged (RUN_DIR/replica_mismatches.jsonl) and no

@@ -16,7 +16,6 @@ from typing import Any
 
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import Config
-from msjax.doctor import HealthRound
 from msjax.errors import MsjaxError
 from msjax.launch.attempt import Attempt
 from msjax.launch.devices import slot_devices
@@ -27,6 +26,7 @@ from msjax.launch.membership import MeshPlan, Slots, full_plan, replan_mesh
 from msjax.launch.policy import Action
 from msjax.launch.probe import SlotProbe, probe_failed_incident
 from msjax.launch.readmission import Readmission, SlotCheck, kept_out_incident
+from msjax.launch.self_check_rounds import HealthRound
 from msjax.launch.slots import read_slot_faults
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.resilience import exit_codes, fault_kinds

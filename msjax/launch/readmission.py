@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 
 from msjax.config import Config
-from msjax.doctor import HealthRound, SelfCheckRound, detail
 from msjax.errors import MsjaxError
 from msjax.launch.incidents import Incident
 from msjax.launch.layout import JobLayout
 from msjax.launch.membership import Slots, replan_mesh
 from msjax.launch.probe import SlotProbe, start_probe
+from msjax.launch.self_check_rounds import HealthRound, SelfCheckRound, detail
 from msjax.launch.workers import free_port, stop_workers
 from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
 from msjax.run_dir import RunDir

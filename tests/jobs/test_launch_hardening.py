@@ -20,9 +20,9 @@ from small_runs import QUICK_RUN
 
 from msjax.checkpoint.commits import committed_steps
 from msjax.config import ResilienceConfig
-from msjax.launch.__main__ import job_config
 from msjax.launch.attempt import Attempt
 from msjax.launch.fault_detection import Poll, exit_fault
+from msjax.launch.job_options import job_config
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir

@@ -485,7 +485,7 @@ def test_k8s_jobset_fails_on_fatal_exit_codes_and_restarts_every_pod_otherwise()
 
 
 def test_launcher_reads_the_node_layout_from_slurm():
-    from msjax.launch.__main__ import first_slurm_host, slurm_layout
+    from msjax.launch.job_options import first_slurm_host, slurm_layout
 
     assert first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
     assert first_slurm_host("node7") == "node7"

@@ -26,7 +26,7 @@ from msjax.checkpoint.manager import META_FILE, Checkpointer, committed_steps
 from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure
 from msjax.config import CheckpointConfig
 from msjax.hf.export import export_checkpoint
-from msjax.launch.supervisor import free_port
+from msjax.launch.workers import free_port
 from msjax.observe.metrics import read_metrics
 from msjax.resilience import exit_codes
 from tests.small_runs import QUICK_RUN
