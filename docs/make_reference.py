@@ -51,6 +51,8 @@ COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("python -m msjax.launch.spare", "msjax.launch.spare", ()),
     ("python -m msjax.resilience.self_checks", "msjax.resilience.self_checks", ()),
 )
+# Modules whose ArgumentParser serves a command whose main() is elsewhere: module -> that main's
+PARSER_HOMES = {"msjax.launch.job_options": "msjax.launch.__main__"}
 HELP_COLUMNS = "100"  # argparse wraps --help to the terminal; the page is made at one width
 
 

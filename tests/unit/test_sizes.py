@@ -16,10 +16,7 @@ MAX_FUNCTION_LINES = 60
 
 # `path` (a file) or `path:function` (dotted through classes and enclosing functions): its size
 # in lines today. Shrink an entry's number as the code shrinks; remove it once under the limit.
-ALLOWED_OVER: dict[str, int] = {
-    "msjax/launch/supervisor.py": 635,
-    "msjax/launch/__main__.py:main": 83,
-}
+ALLOWED_OVER: dict[str, int] = {}
 
 
 def function_sizes(tree: ast.AST, prefix: str = "") -> dict[str, int]:
