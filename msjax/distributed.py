@@ -193,7 +193,7 @@ def coordinator_bind_address(coordinator: str | None) -> str | None:
     """Where process 0's coordination service listens: only on loopback when the job's
     coordinator is a loopback address (one node), so a single-node job opens no port to the
     network. None otherwise: JAX's default, every interface on the coordinator's port, unless
-    JAX_COORDINATOR_BIND_ADDRESS says otherwise (README, "Ports")."""
+    JAX_COORDINATOR_BIND_ADDRESS says otherwise (docs/recovery.md, "Ports")."""
     if coordinator is None:
         return None
     host = coordinator.rsplit(":", 1)[0].strip("[]")

@@ -2,7 +2,7 @@
 
 Starts P `python -m msjax.train` workers of one `jax.distributed` job (per node; --nnodes and
 --cluster slurm for several), restarts them from the newest checkpoint after a fault, and exits
-with a code per outcome (msjax.resilience.exit_codes, launch/README.md).
+with a code per outcome (msjax.resilience.exit_codes, docs/reference/exit-codes.md).
 """
 
 from __future__ import annotations

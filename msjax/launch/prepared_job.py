@@ -89,7 +89,8 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
     if not ensure_job_secret(options.nnodes):
         print(
             "msjax.launch: warning: MSJAX_JOB_SECRET is not set, so this multi-node job's "
-            'coordination records are not sealed (launch/README.md, "Coordination service")',
+            "coordination records are not sealed (docs/recovery.md, "
+            '"The coordination service on a shared node")',
             file=sys.stderr,
         )
     layout = JobLayout(

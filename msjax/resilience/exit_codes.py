@@ -1,6 +1,7 @@
 """Exit codes of `python -m msjax.train` and `python -m msjax.launch`, one per fault class.
 
-Schedulers key their restart policies on these (launch/README.md, launch/slurm, launch/k8s).
+Schedulers key their restart policies on these (docs/reference/exit-codes.md; launch/slurm,
+launch/k8s).
 """
 
 OK = 0  # train.steps reached

@@ -1,6 +1,7 @@
 """Every kind of fault in one table, KINDS: its exceptions, exit code, cause and supervisor action.
-Adding a kind is one row here and its code in exit_codes.py (and launch/README.md): msjax.train's
-exit ladder, msjax.launch.fault_detection and msjax.launch.policy all read the row."""
+Adding a kind is one row here and its code in exit_codes.py (and docs/recovery.md, "Exit
+codes"): msjax.train's exit ladder, msjax.launch.fault_detection and msjax.launch.policy all read
+the row."""
 
 from __future__ import annotations
 
