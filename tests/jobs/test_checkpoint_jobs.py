@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_checkpoint import run, saved_fingerprints
+from test_checkpoint import straight_run as straight_run  # a fixture, re-exported for pytest
 
 from msjax.checkpoint.manager import committed_steps
 

@@ -13,6 +13,10 @@ from test_data import (
     batches_of,
     token_store,
 )
+from test_data import batch_sharding as batch_sharding  # fixtures, re-exported for pytest
+from test_data import corpus as corpus
+from test_data import store_dir as store_dir
+from test_data import train_source as train_source
 
 from msjax.data.pipeline import sharded_batches
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from test_handed_files import TINY, tiny_params, write_hf
+from test_handed_files import saved_run as saved_run  # a fixture, re-exported for pytest
 
 from msjax.resilience import exit_codes
 
