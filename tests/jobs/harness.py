@@ -216,6 +216,11 @@ class Job(RunRecords):
         """Send signum to the job's own process."""
         self.process.send_signal(signum)
 
+    def stop(self, signum: int) -> Finished:
+        """Send signum and wait for the job's end."""
+        self.send(signum)
+        return self.finish()
+
     def send_to_group(self, signum: int) -> None:
         """Send signum to the job's process group (started with new_session), as a scheduler
         does."""
@@ -228,8 +233,48 @@ class Job(RunRecords):
         self.process.wait()
 
 
+def train_command(run_dir: Path | None, overrides: Iterable[str]) -> list[str]:
+    """`python -m msjax.train OVERRIDES run.dir=RUN_DIR` (no run.dir where run_dir is None)."""
+    run_dir_override = [f"run.dir={run_dir}"] if run_dir is not None else []
+    return [sys.executable, "-m", "msjax.train", *overrides, *run_dir_override]
+
+
+def launch_command(
+    run_dir: Path | None,
+    overrides: Iterable[str],
+    nprocs: int = 1,
+    devices_per_proc: int | None = 1,
+    launch_flags: Iterable[str] = (),
+) -> list[str]:
+    """`python -m msjax.launch --nprocs N --devices-per-proc D FLAGS -- OVERRIDES run.dir=...`:
+    launch_flags are the launcher's own options (--fault, --max-restarts, --spares...),
+    overrides the trainer's; devices_per_proc None leaves it to the launcher (the mesh's)."""
+    run_dir_override = [f"run.dir={run_dir}"] if run_dir is not None else []
+    devices = [f"--devices-per-proc={devices_per_proc}"] if devices_per_proc is not None else []
+    return [
+        sys.executable,
+        "-m",
+        "msjax.launch",
+        f"--nprocs={nprocs}",
+        *devices,
+        *launch_flags,
+        "--",
+        *overrides,
+        *run_dir_override,
+    ]
+
+
+def run_to_end(
+    command: Sequence[str], timeout_s: float = SAFETY_TIMEOUT_S, cwd: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """A short job run in the foreground, its stdout and stderr captured apart."""
+    return subprocess.run(
+        command, capture_output=True, text=True, env=job_env(**env), timeout=timeout_s, cwd=cwd
+    )
+
+
 class TrainJob(Job):
-    """`python -m msjax.train OVERRIDES run.dir=RUN_DIR`."""
+    """`python -m msjax.train OVERRIDES run.dir=RUN_DIR` in the background."""
 
     @classmethod
     def start(
@@ -242,13 +287,13 @@ class TrainJob(Job):
         new_session: bool = False,
     ) -> TrainJob:
         """env: variables on top of job_env(); the log beside run_dir unless log_path says."""
-        command = [sys.executable, "-m", "msjax.train", *overrides, f"run.dir={run_dir}"]
         log_path = log_path or run_dir.parent / f"{run_dir.name}.log"
+        command = train_command(run_dir, overrides)
         return cls(command, run_dir, log_path, job_env(**(env or {})), new_session)
 
 
 class LaunchJob(Job):
-    """`python -m msjax.launch --nprocs N --devices-per-proc D FLAGS -- OVERRIDES run.dir=...`."""
+    """`python -m msjax.launch ... -- OVERRIDES run.dir=RUN_DIR` in the background."""
 
     @classmethod
     def start(
@@ -257,27 +302,16 @@ class LaunchJob(Job):
         overrides: Iterable[str],
         *,
         nprocs: int = 1,
-        devices_per_proc: int = 1,
+        devices_per_proc: int | None = 1,
         launch_flags: Iterable[str] = (),
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
-        run_dir_override: bool = True,
+        new_session: bool = False,
     ) -> LaunchJob:
-        """launch_flags: the launcher's own options (--fault, --max-restarts, --spares...);
-        overrides: the trainer's; run_dir_override=False leaves run.dir to the overrides."""
-        command = [
-            sys.executable,
-            "-m",
-            "msjax.launch",
-            f"--nprocs={nprocs}",
-            f"--devices-per-proc={devices_per_proc}",
-            *launch_flags,
-            "--",
-            *overrides,
-            *([f"run.dir={run_dir}"] if run_dir_override else []),
-        ]
+        """See launch_command; env: variables on top of job_env()."""
+        command = launch_command(run_dir, overrides, nprocs, devices_per_proc, launch_flags)
         log_path = log_path or run_dir.parent / f"{run_dir.name}-launch.log"
-        return cls(command, run_dir, log_path, job_env(**(env or {})))
+        return cls(command, run_dir, log_path, job_env(**(env or {})), new_session)
 
 
 def finish_all(
