@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -338,9 +337,3 @@ def finish_all(
 def kill_all(jobs: Iterable[Job]) -> None:
     for job in jobs:
         job.kill()
-
-
-def stop_then_continue(pid: int) -> Callable[[], None]:
-    """SIGSTOP pid; gives the function that lets it go on (SIGCONT)."""
-    os.kill(pid, signal.SIGSTOP)
-    return lambda: os.kill(pid, signal.SIGCONT)
