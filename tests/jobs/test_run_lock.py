@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from harness import LaunchJob, job_env, run_to_end
+from harness import LaunchJob, job_env, run_to_end, wait_until
 
 from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
@@ -36,17 +35,16 @@ def environment(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def wait_for_holder(run_dir: RunDir, pid: int, timeout_s: float = 120.0) -> None:
+def wait_for_holder(run_dir: RunDir, pid: int) -> None:
     """Until the lock file names pid as its holder."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def held_by_pid() -> bool:
         try:
-            if json.loads(run_dir.lock.read_text())["pid"] == pid:
-                return
+            return json.loads(run_dir.lock.read_text())["pid"] == pid
         except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"pid {pid} never took {run_dir.lock}")
+            return False
+
+    wait_until(held_by_pid, f"pid {pid} holding {run_dir.lock}")
 
 
 def test_lock_is_exclusive_and_released_by_its_holder(tmp_path: Path) -> None:
@@ -79,16 +77,16 @@ def refused(command: list[str], train_args: list[str], env: dict[str, str]) -> s
     return lines[0]
 
 
-def wait_until_free(run_dir: RunDir, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+def wait_until_free(run_dir: RunDir) -> None:
+    def free() -> bool:
         try:
             with RunDirLock(run_dir) as lock:
                 assert lock.held
-            return
+            return True
         except MsjaxError:
-            assert time.monotonic() < deadline, "the killed job's lock was never released"
-            time.sleep(0.2)
+            return False
+
+    wait_until(free, "the killed job's lock released")
 
 
 @pytest.mark.slow
