@@ -76,14 +76,16 @@ def worker_pids(launcher_output: str) -> list[int]:
     return [int(pid) for pids in found for pid in pids.split()]
 
 
-def wait_until(event: Callable[[], T], what: str, timeout_s: float = SAFETY_TIMEOUT_S) -> T:
-    """Poll event() until it gives something true, and return that; past the safety timeout,
-    fail the test with a line naming `what`."""
+def wait_until(
+    event: Callable[[], T], what: str, timeout_s: float = SAFETY_TIMEOUT_S, poll_s: float = POLL_S
+) -> T:
+    """Poll event() every poll_s until it gives something true, and return that; past the safety
+    timeout, fail the test with a line naming `what`."""
     deadline = time.monotonic() + timeout_s
     while not (found := event()):
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: never came within {timeout_s:.0f} s")
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
     return found
 
 

@@ -14,12 +14,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from checkpoint_fault_helpers import mounted_tmpfs
-from harness import job_env, launch_command, train_command
+from harness import job_env, launch_command, train_command, wait_until
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
@@ -325,13 +325,6 @@ def warnings_per_file(output: str) -> Counter[str]:
     )
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def read_beat(run_dir: RunDir) -> dict:
     """Rank 0's heartbeat, waiting out a read that caught it torn (rewritten in place)."""
     for _ in range(100):
@@ -367,7 +360,9 @@ def test_training_on_a_disk_that_fills_up_goes_on_and_exits_0(
             stderr=subprocess.STDOUT,
         )
         try:
-            wait_for(lambda: metrics_lines(run_dir) >= 1 or job.poll() is not None, "step 0")
+            # polled often: the disk must fill between two steps
+            step_0 = lambda: metrics_lines(run_dir) >= 1 or job.poll() is not None  # noqa: E731
+            wait_until(step_0, "step 0", poll_s=0.005)
             job.send_signal(signal.SIGSTOP)  # the disk fills between two steps
             lines_before = metrics_lines(run_dir)
             with kept_full(small_disk):
@@ -411,7 +406,8 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
         )
         try:
             stepping = lambda: read_beat(run_dir).get("phase") == "step"  # noqa: E731
-            wait_for(lambda: stepping() and read_beat(run_dir)["step"] > 0, "the first steps")
+            first_steps = lambda: stepping() and read_beat(run_dir)["step"] > 0  # noqa: E731
+            wait_until(first_steps, "the first steps", poll_s=0.005)
             with kept_full(small_disk):
                 step_at_fill = read_beat(run_dir)["step"]
                 time.sleep(3.0)  # metrics, ranks, flight, heartbeat and log writes hit it
