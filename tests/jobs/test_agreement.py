@@ -4,23 +4,27 @@ with one checkpoint, and an error in one ends both at once with its exit code.""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import (
+    SAFETY_TIMEOUT_S,
+    TrainJob,
+    distributed_env,
+    free_port,
+    kill_all,
+    read_jsonl,
+    wait_until,
+)
 from small_runs import QUICK_RUN
 
 from msjax.resilience import exit_codes
+from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 100  # a signal after step 4 lands mid-run, though the vote it waits for may be 32 steps off
-TIMEOUT_S = 420
 TRAIN_ARGS = [
     *QUICK_RUN,
     f"train.steps={STEPS}",
@@ -32,93 +36,48 @@ TRAIN_ARGS = [
 ]
 
 
-class TwoProcessJob:
+def start_pair(run_dir: Path, tag: str, **env: str) -> list[TrainJob]:
     """Two `python -m msjax.train` processes of one job, each logging to its own file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        TrainJob.start(
+            run_dir,
+            TRAIN_ARGS,
+            log_path=run_dir.parent / f"{run_dir.name}-{tag}-rank{rank}.log",
+            env={"JAX_NUM_CPU_DEVICES": "2", **distributed_env(coordinator, 2, rank), **env},
+        )
+        for rank in range(2)
+    ]
 
-    def __init__(self, run_dir: Path, tag: str, env_extra: dict[str, str] | None = None):
-        import portpicker
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir = run_dir
-        port = portpicker.pick_unused_port()
-        self.logs = [run_dir.parent / f"{run_dir.name}-{tag}-rank{r}.log" for r in range(2)]
-        self.processes = []
-        for rank, log_path in enumerate(self.logs):
-            env = {
-                **os.environ,
-                "PYTHONPATH": str(REPO),
-                "PYTHONUNBUFFERED": "1",
-                "JAX_NUM_CPU_DEVICES": "2",
-                "MSJAX_COORDINATOR": f"127.0.0.1:{port}",
-                "MSJAX_NUM_PROCESSES": "2",
-                "MSJAX_PROCESS_ID": str(rank),
-                **(env_extra or {}),
-            }
-            with log_path.open("w") as log:
-                self.processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "msjax.train", *TRAIN_ARGS, f"run.dir={run_dir}"],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=run_dir.parent,
-                    )
-                )
-
-    def output(self, rank: int) -> str:
-        return self.logs[rank].read_text()
-
-    def wait_for_step(self, step: int) -> None:
-        """Until metrics.jsonl (rank 0's) holds `step` step records."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self.processes):
-                pytest.fail("a process ended early:\n" + self.output(0) + self.output(1))
-            if len(step_losses(self.run_dir)) >= step:
-                return
-            time.sleep(0.01)
-        self.kill()
-        pytest.fail(f"no step {step} within {TIMEOUT_S} s:\n{self.output(0)}")
-
-    def finish(self, timeout_s: float = TIMEOUT_S) -> list[int]:
-        codes = []
-        for process in self.processes:
-            try:
-                codes.append(process.wait(timeout=timeout_s))
-            except subprocess.TimeoutExpired:
-                self.kill()
-                codes.append(process.wait())
-        return codes
-
-    def kill(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
+def finish_pair(pair: list[TrainJob], timeout_s: float = SAFETY_TIMEOUT_S) -> list[int]:
+    try:
+        return [process.finish(timeout_s).exit_code for process in pair]
+    finally:
+        kill_all(pair)
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
     """Each step's loss in metrics.jsonl (the last record of a step wins, as on a resume)."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # complete lines only
-    records = [json.loads(line) for line in lines if line.strip()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_jsonl(RunDir(run_dir).metrics) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory):
     """An uninterrupted job beside one whose rank 1 alone gets SIGTERM, which is then rerun."""
     base = tmp_path_factory.mktemp("agree")
-    reference = TwoProcessJob(base / "reference", "run")
-    interrupted = TwoProcessJob(base / "interrupted", "first")
-    interrupted.wait_for_step(4)
-    interrupted.processes[1].send_signal(signal.SIGTERM)
-    first_codes = interrupted.finish()
-    first_outputs = [interrupted.output(r) for r in range(2)]
+    reference = start_pair(base / "reference", "run")
+    interrupted = start_pair(base / "interrupted", "first")
+    interrupted[0].wait_for(lambda: len(interrupted[0].losses()) >= 4, "step 4 in metrics.jsonl")
+    interrupted[1].send(signal.SIGTERM)
+    first_codes = finish_pair(interrupted)
+    first_outputs = [process.output for process in interrupted]
     checkpoints = base / "interrupted" / "checkpoints"
     first_checkpoints = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-    reference_codes = reference.finish()
-    resumed = TwoProcessJob(base / "interrupted", "resumed")
-    resumed_codes = resumed.finish()
+    reference_codes = finish_pair(reference)
+    resumed = start_pair(base / "interrupted", "resumed")
+    resumed_codes = finish_pair(resumed)
     return {
         "base": base,
         "first_codes": first_codes,
@@ -126,7 +85,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
         "first_checkpoints": first_checkpoints,
         "reference_codes": reference_codes,
         "resumed_codes": resumed_codes,
-        "resumed_outputs": [resumed.output(r) for r in range(2)],
+        "resumed_outputs": [process.output for process in resumed],
     }
 
 
@@ -156,16 +115,13 @@ def test_rerun_after_sigterm_to_one_process_matches_an_uninterrupted_run_bitwise
 
 @pytest.mark.slow
 def test_an_error_in_one_process_ends_both_at_once_with_its_exit_code(tmp_path):
-    job = TwoProcessJob(
-        tmp_path / "run", "nan", {"MSJAX_FAULT": "nan@step=3,rank=1"}
-    )  # rank 1 alone reads a NaN loss
-    deadline = time.monotonic() + TIMEOUT_S
-    while job.processes[1].poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # rank 1 alone reads a NaN loss
+    job = start_pair(tmp_path / "run", "nan", MSJAX_FAULT="nan@step=3,rank=1")
+    wait_until(lambda: not job[1].running(), "rank 1 ended")
     rank1_left = time.monotonic()
-    codes = job.finish(timeout_s=60)
+    codes = finish_pair(job, timeout_s=60)
     both_left_s = time.monotonic() - rank1_left
-    outputs = job.output(0) + job.output(1)
+    outputs = job[0].output + job[1].output
     assert codes == [exit_codes.NONFINITE_LOSS] * 2, outputs[-5000:]
     assert both_left_s < 15, outputs[-3000:]
-    assert "process 1 ended the job with exit code 3" in job.output(0)
+    assert "process 1 ended the job with exit code 3" in job[0].output

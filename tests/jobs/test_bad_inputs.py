@@ -15,8 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from harness import job_env
 
 # (command, arguments, what the one line must say); {tmp} is the test's folder.
 CASES: list[tuple[str, list[str], str]] = [
@@ -283,13 +282,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
             (tmp / name / "model.safetensors.index.json").write_text(json.dumps(index))
     os.mkfifo(tmp / "hf_fifo" / "weights.safetensors")
     (tmp / "link_out").symlink_to(tmp / "no_export_here")
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "HOME": str(tmp / "home"),
-        "MSJAX_CACHE_DIR": str(tmp / "cache"),
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = job_env(HOME=str(tmp / "home"), MSJAX_CACHE_DIR=str(tmp / "cache"), JAX_PLATFORMS="cpu")
     return tmp, env
 
 

@@ -5,32 +5,19 @@ tests/jobs/test_shrink.py follows the job on without it)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from harness import LaunchJob, launch_command, run_to_end
 from small_runs import QUICK_RUN
 
 from msjax.run_dir import RunDir
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=2",
-        "--devices-per-proc=1",
-        "--fault=crash@step=2,rank=1,times=2",
-        "--",
+    overrides = [
         *QUICK_RUN,
         "train.eval_every=0",
         "train.steps=6",
@@ -42,10 +29,9 @@ def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_pa
         "resilience.stop_grace_s=2",
         "resilience.restart_backoff_s=0.1",
         "resilience.max_faults_per_slot=2",
-        f"run.dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    flags = ["--fault=crash@step=2,rank=1,times=2"]
+    done = run_to_end(launch_command(run_dir, overrides, nprocs=2, launch_flags=flags))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reason = (
         "slot 1 is marked bad: the named cause of 2 faults in a row (incidents 1, 2: crash, "
@@ -82,15 +68,7 @@ def test_a_crash_looping_slot_passes_its_self_check_but_not_its_training_probe_a
     self-check for re-admission passes (a crash does not show in it), but its training probe
     crashes at the same step: it stays out, its time out doubled, and is never re-admitted."""
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=2",
-        "--devices-per-proc=1",
-        "--spares=1",
-        "--fault=crash@step=2,rank=1,times=99",
-        "--",
+    overrides = [
         *QUICK_RUN,
         "train.eval_every=0",
         "train.steps=100000",  # trains on until the probe's verdict, then SIGTERM
@@ -103,24 +81,21 @@ def test_a_crash_looping_slot_passes_its_self_check_but_not_its_training_probe_a
         "resilience.restart_backoff_s=0.1",
         "resilience.max_faults_per_slot=2",
         "resilience.readmit_after_s=1",
-        f"run.dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    log_path = tmp_path / "launch.log"
     verdicts = ("failed its training probe for re-admission", "re-admitted")
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    job = LaunchJob.start(
+        run_dir,
+        overrides,
+        nprocs=2,
+        launch_flags=["--spares=1", "--fault=crash@step=2,rank=1,times=99"],
+        log_path=tmp_path / "launch.log",
+    )
     try:
-        deadline = time.monotonic() + 600
-        while not any(v in log_path.read_text() for v in verdicts) and process.poll() is None:
-            assert time.monotonic() < deadline, "no re-admission verdict in 600 s"
-            time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=120)
+        job.wait_for(lambda: any(job.printed(v) for v in verdicts), "a re-admission verdict")
+        ended = job.stop(signal.SIGTERM)
     finally:
-        if process.poll() is None:
-            process.kill()
-    output = log_path.read_text()
+        job.kill()
+    code, output = ended.exit_code, ended.output
     assert code == 143, output[-3000:]
     assert "spare slot 2 takes rank 1, the mesh is unchanged" in output
     assert "re-admitted" not in output, output[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -16,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from harness import REPO, job_env
 
-REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 # imported by the scripts, not run
 HELPER_MODULES = {
@@ -294,11 +293,11 @@ def test_benchmark_smoke_form_runs_and_prints_its_measurements(
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in smoke.args]
     # as a user's machine runs them: without conftest.py's compilation cache for the tests' jobs
     # (recovery.py's job without caches would load from it)
-    env = {name: value for name, value in os.environ.items() if not name.startswith(JAX_CACHE)}
+    env = {name: value for name, value in job_env().items() if not name.startswith(JAX_CACHE)}
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / smoke.script), *args],
         cwd=REPO,
-        env={**env, "PYTHONPATH": str(REPO)},
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

@@ -7,22 +7,20 @@ unmarked, and train.sbatch's decision requeues the job without node-b alone."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from harness import REPO, LaunchJob, free_port, kill_all
 from slurm_step import SLURM_STEP_ENV
-from test_corruption_guard import FLIP_STEP, JOB_TIMEOUT_S, free_port, train_args
+from test_corruption_guard import FLIP_STEP, JOB_TIMEOUT_S, train_args
 
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "launch" / "slurm" / "train.sbatch"
 NODES = ("node-a", "node-b")
 NODE_GPUS = ("4,5", "6,7")  # CUDA_VISIBLE_DEVICES as Slurm gives each node
@@ -41,13 +39,10 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
     run_dir, cache = base / "run", base / "compile_cache"
     coordinator = f"127.0.0.1:{free_port()}"
     secret = secrets.token_hex(32)  # one for the job, as train.sbatch exports it
-    processes, logs = [], []
+    nodes: list[LaunchJob] = []
     try:
         for node_rank, (node, gpus) in enumerate(zip(NODES, NODE_GPUS, strict=True)):
             env = {
-                **os.environ,
-                "PYTHONPATH": str(REPO),
-                "PYTHONUNBUFFERED": "1",
                 **SLURM_STEP_ENV,
                 "SLURM_NTASKS": "2",
                 "SLURM_PROCID": str(node_rank),
@@ -55,31 +50,25 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodes]:
                 "CUDA_VISIBLE_DEVICES": gpus,
                 "MSJAX_JOB_SECRET": secret,
             }
-            command = [
-                sys.executable,
-                "-m",
-                "msjax.launch",
+            flags = [
                 "--nnodes=2",
                 f"--node-rank={node_rank}",
                 f"--coordinator={coordinator}",
-                "--nprocs=1",
-                "--devices-per-proc=1",
                 f"--fault=bitflip@step={FLIP_STEP},rank=1,times=99",
-                "--",
-                *train_args(run_dir, cache),
             ]
-            logs.append(base / f"{node}.log")
-            with logs[-1].open("w") as log:
-                processes.append(
-                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            nodes.append(
+                LaunchJob.start(
+                    run_dir,
+                    train_args(cache),
+                    launch_flags=flags,
+                    log_path=base / f"{node}.log",
+                    env=env,
                 )
-        codes = [process.wait(timeout=JOB_TIMEOUT_S) for process in processes]
-        yield TwoNodes(run_dir, codes, [log.read_text() for log in logs])
+            )
+        ended = [node.finish(JOB_TIMEOUT_S) for node in nodes]
+        yield TwoNodes(run_dir, [node.exit_code for node in ended], [n.output for n in ended])
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        kill_all(nodes)
 
 
 def bad_nodes_of(srun_output: str, tmp_path: Path) -> subprocess.CompletedProcess:

@@ -4,34 +4,24 @@ whose checkpoints all fail stops (exit 2) instead of starting again from step 0.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import launch_command, run_to_end, train_command
 from test_checkpoint_integrity import garble, largest_array_file
 
 from msjax.checkpoint.manager import committed_steps
 from msjax.observe.metrics import read_metrics
 from tests.small_runs import QUICK_RUN
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def train_command(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable, "-m", "msjax.train", *QUICK_RUN, "mesh.data=2", "mesh.fsdp=1",
-        "mesh.tensor=1", "train.eval_every=0", "checkpoint.every_steps=2",
-        "checkpoint.max_to_keep=1", f"run.dir={run_dir}", *overrides,
-    ]  # fmt: skip
-
 
 def run_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "2"}
-    return subprocess.run(
-        train_command(run_dir, *overrides), capture_output=True, text=True, env=env, timeout=300
-    )
+    command = train_command(run_dir, [
+        *QUICK_RUN, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.eval_every=0",
+        "checkpoint.every_steps=2", "checkpoint.max_to_keep=1", *overrides,
+    ])  # fmt: skip
+    return run_to_end(command, JAX_NUM_CPU_DEVICES="2")
 
 
 def test_when_no_checkpoint_restores_the_run_stops_instead_of_starting_from_step_0(tmp_path):
@@ -66,14 +56,11 @@ def test_when_no_checkpoint_restores_the_run_stops_instead_of_starting_from_step
 
 
 def launch_job(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2", "--",
+    overrides = [
         *QUICK_RUN, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1", f"train.steps={steps}",
         "train.eval_every=0", "checkpoint.every_steps=2", "resilience.max_restarts=0",
-        f"run.dir={run_dir}",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    return run_to_end(launch_command(run_dir, overrides, nprocs=2, devices_per_proc=2))
 
 
 @pytest.mark.slow

@@ -65,20 +65,20 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory, start_run) -> KilledRu
         )
 
     run = start_run(run_dir, overrides)
-    run.wait_until(lambda: newest() >= 4 and save_under_way(), "4 saves and one under way")
+    run.wait_for(lambda: newest() >= 4 and save_under_way(), "4 saves and one under way")
     run.stop(signal.SIGKILL)
     after_kill = [(newest(), unfinished_on_disk(checkpoints))]
 
     run = start_run(run_dir, overrides)
     resumed_at = after_kill[0][0]
-    run.wait_until(lambda: newest() >= resumed_at + 2, "2 saves after resuming")
+    run.wait_for(lambda: newest() >= resumed_at + 2, "2 saves after resuming")
     run.stop(signal.SIGKILL)
     outputs = [run.output]
     after_kill.append((newest(), unfinished_on_disk(checkpoints)))
 
     final_steps = after_kill[1][0] + 2
     run = start_run(run_dir, [*overrides, f"train.steps={final_steps}"])
-    final_exit_code = run.finish()
+    final_exit_code = run.finish().exit_code
     outputs.append(run.output)
     return KilledRuns(
         checkpoints=checkpoints,

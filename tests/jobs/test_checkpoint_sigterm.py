@@ -4,11 +4,8 @@ checkpoint restored by a real two-process `jax.distributed` job (tests/multiproc
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,15 +15,14 @@ import pytest
 from checkpoint_fault_helpers import (
     COMMIT_MARKER,
     NO_PERIODIC_SAVES,
-    REPO,
     SMALL_RUN,
-    START_TIMEOUT_S,
     records_so_far,
     step_records,
     steps_after_last_resume,
     stopped_step,
 )
 from checkpoint_fault_helpers import start_run as start_run  # a fixture, re-exported for pytest
+from harness import REPO, Job, free_port, job_env, kill_all
 
 from msjax.observe.metrics import read_metrics
 
@@ -58,30 +54,30 @@ def sigterm_runs(tmp_path_factory: pytest.TempPathFactory, start_run) -> Sigterm
     first = start_run(run_dir, overrides)
     straight = start_run(straight_dir, overrides)
 
-    first.wait_until(lambda: len(records_so_far(run_dir)) >= 5, "5 step records")
-    first_exit_code = first.stop(signal.SIGTERM)
+    first.wait_for(lambda: len(records_so_far(run_dir)) >= 5, "5 step records")
+    first_exit_code = first.stop(signal.SIGTERM).exit_code
     stopped_at = stopped_step(first.output)
 
     # B only has to get a few steps past where the rerun will stop; pause it there so that it
     # does not take the CPUs from the rerun
     reference_steps = stopped_at + 8
-    straight.wait_until(
+    straight.wait_for(
         lambda: len(records_so_far(straight_dir)) >= reference_steps, "the reference steps"
     )
-    straight.process.send_signal(signal.SIGSTOP)
+    straight.send(signal.SIGSTOP)
 
     resumed = start_run(run_dir, overrides)
-    resumed.wait_until(
+    resumed.wait_for(
         lambda: len(steps_after_last_resume(records_so_far(run_dir))) >= 3, "3 resumed steps"
     )
-    resumed_exit_code = resumed.stop(signal.SIGTERM)
+    resumed_exit_code = resumed.stop(signal.SIGTERM).exit_code
     resumed_stopped_at = stopped_step(resumed.output)
 
-    straight.process.send_signal(signal.SIGCONT)
-    straight.wait_until(
+    straight.send(signal.SIGCONT)
+    straight.wait_for(
         lambda: len(records_so_far(straight_dir)) >= resumed_stopped_at, "the reference steps"
     )
-    straight.kill_if_running()
+    straight.kill()
     return SigtermRuns(
         run_dir=run_dir,
         first_exit_code=first_exit_code,
@@ -177,51 +173,31 @@ class TwoProcessRestore:
 @pytest.fixture(scope="module")
 def two_process_restore(sigterm_runs, tmp_path_factory) -> TwoProcessRestore:
     """The 1-process, 8-device checkpoint of the SIGTERM run restored by a 2-process job."""
-    import portpicker
-
     checkpoints = sigterm_runs.run_dir / "checkpoints"
     step = sigterm_runs.stopped_at
     out = tmp_path_factory.mktemp("two_processes")
-    port = portpicker.pick_unused_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "4"}
     command = [
         sys.executable,
         str(REPO / "tests" / "multiprocess_restore.py"),
         "--num-processes=2",
         "--local-devices=4",
-        f"--port={port}",
+        f"--port={free_port()}",
         f"--checkpoints={checkpoints}",
         f"--step={step}",
         *(f"--mesh={mesh}" for mesh in TWO_PROCESS_MESHES),
         f"--out={out}",
         f"--save-to={out / 'checkpoints'}",
     ]
-    logs = [out / f"process{i}.log" for i in range(2)]
-    processes = []
-    for i, log_path in enumerate(logs):
-        with log_path.open("w") as log:
-            processes.append(
-                subprocess.Popen(
-                    [*command, f"--process-id={i}"],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=out,
-                )
-            )
-    deadline = time.monotonic() + START_TIMEOUT_S
+    env = job_env(JAX_NUM_CPU_DEVICES="4")
+    processes = [
+        Job([*command, f"--process-id={i}"], out, out / f"process{i}.log", env) for i in range(2)
+    ]
     try:
-        for process in processes:
-            process.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pass
+        ended = [process.finish() for process in processes]
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    log_text = "\n".join(f"--- {path.name}\n{path.read_text()}" for path in logs)
-    assert [process.returncode for process in processes] == [0, 0], log_text
+        kill_all(processes)
+    log_text = "\n".join(f"--- {p.log_path.name}\n{p.output}" for p in processes)
+    assert [process.exit_code for process in ended] == [0, 0], log_text
 
     saved_params, saved_meta = restore_in_this_process(checkpoints, step)
     gathered = {}

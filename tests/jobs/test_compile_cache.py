@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import REPO, job_env
 
 from msjax.resilience.compile_cache import (
     ENTRY_MAGIC,
@@ -22,8 +23,6 @@ from msjax.resilience.compile_cache import (
     compile_cached,
     signing_key,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class RunsCode:
@@ -112,12 +111,8 @@ def test_foreign_or_tampered_entry_is_never_unpickled(
 def run_program(folder: Path, mode: str, key_folder: Path) -> dict:
     """One process's turn at tests/compile_cache_program.py: JAX's persistent cache and msjax's
     entries in `folder`, which outlives the process as a user's cache outlives a run."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "MSJAX_CACHE_DIR": str(key_folder),
-        "JAX_NUM_CPU_DEVICES": "1",  # the program runs on one device
-    }
+    # the program runs on one device
+    env = job_env(MSJAX_CACHE_DIR=str(key_folder), JAX_NUM_CPU_DEVICES="1")
     done = subprocess.run(
         [sys.executable, str(REPO / "tests" / "compile_cache_program.py"), str(folder), mode],
         env=env,

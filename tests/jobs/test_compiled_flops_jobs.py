@@ -6,20 +6,16 @@ Programs compile on the eight simulated devices, cached per process with the oth
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from harness import REPO, run_to_end
 
 
 def test_the_plans_xla_check_counts_a_step_that_jaxs_persistent_cache_already_holds(tmp_path):
     """A second `msjax.plan --xla` sharing a JAX compilation cache with the first still counts
     the program (a cache hit dumps no HLO), and counts the same FLOPs."""
     env = {
-        **os.environ,
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
@@ -27,14 +23,7 @@ def test_the_plans_xla_check_counts_a_step_that_jaxs_persistent_cache_already_ho
     argv = ["--config", "configs/tiny.yaml", "--devices", "1", "--xla", "train.global_batch=8"]
     rows = []
     for _ in range(2):
-        result = subprocess.run(
-            [sys.executable, "-m", "msjax.plan", *argv],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        result = run_to_end([sys.executable, "-m", "msjax.plan", *argv], 300, REPO, **env)
         assert result.returncode == 0, result.stderr[-2000:]
         rows.append(re.findall(r"compiled/model FLOPs [\d.]+", result.stdout))
     assert rows[0] and rows[0] == rows[1]

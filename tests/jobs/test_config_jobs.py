@@ -1,16 +1,14 @@
 """Specifications of the config tree and of how `python -m msjax.train` reports user errors."""
 
 import dataclasses
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from harness import run_to_end, train_command
 from test_config import (
     DEVICES,
-    REPO_ROOT,
     assert_one_line_user_error,
     run_main,
 )
@@ -63,16 +61,7 @@ def write_bad_config_files(directory: Path) -> None:
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`python -m msjax.train args` as a real process in cwd, on 8 simulated CPU devices."""
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(DEVICES))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "msjax.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_to_end(train_command(None, args), 120, cwd, JAX_NUM_CPU_DEVICES=str(DEVICES))
 
 
 @pytest.mark.parametrize(

@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import Job, free_port, job_env, kill_all, run_to_end
 from small_runs import QUICK_RUN
 from test_bad_inputs import check_one_line
 
 from msjax.distributed import JOB_SECRET, ensure_job_secret, worker_env
 from msjax.resilience import exit_codes
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 # One worker of the job. argv: the folder holding each process's own view of two run dirs.
@@ -91,43 +91,27 @@ def write_skip_list(run_dir: Path, content: str | list[int]) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, str]]:
     """The two processes' (exit code, output)."""
-    import portpicker
-
     views = tmp_path_factory.mktemp("views")
     # as a stale mount would show them: process 1 sees another skip list than process 0
     write_skip_list(views / "rank0" / "differing", [3, 5])
     write_skip_list(views / "rank1" / "differing", [4])
     write_skip_list(views / "rank0" / "garbled", '{"skipped": [{"step": "three"}]}')
     write_skip_list(views / "rank1" / "garbled", [2])
-    port = portpicker.pick_unused_port()
+    port = free_port()
     processes = []
     for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "JAX_NUM_CPU_DEVICES": "1",
+        env = job_env(
+            JAX_NUM_CPU_DEVICES="1",
             **worker_env(f"127.0.0.1:{port}", 2, rank, 0),
-            JOB_SECRET: "the secret msjax.launch hands its workers",
-        }
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-c", WORKER, str(views)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            **{JOB_SECRET: "the secret msjax.launch hands its workers"},
         )
-    results = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            output, _ = process.communicate()
-        results.append((process.returncode, output))
-    return results
+        command = [sys.executable, "-c", WORKER, str(views)]
+        processes.append(Job(command, views, views / f"process{rank}.log", env))
+    try:
+        ended = [process.finish(TIMEOUT_S) for process in processes]
+    finally:
+        kill_all(processes)
+    return [(process.exit_code, process.output) for process in ended]
 
 
 def seen_by(job: list[tuple[int, str]], rank: int) -> dict:
@@ -190,21 +174,8 @@ def test_the_launcher_gives_each_attempt_its_own_secret_derived_from_the_jobs():
 
 
 def run(module: str, args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    environ = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": "1",
-    }
-    environ.update(env)
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=cwd,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    environ = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", **env}
+    return run_to_end([sys.executable, "-m", module, *args], TIMEOUT_S, cwd, **environ)
 
 
 def test_a_bad_coordinator_or_port_in_the_environment_is_one_line_and_exit_2(tmp_path):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
+
+from harness import job_env
 
 from msjax.distributed import coordinator_bind_address
-
-REPO = Path(__file__).resolve().parents[2]
 
 # Joins a one-process job through msjax's own path, then lists the sockets listening on the port.
 JOIN_AND_LIST = """
@@ -42,15 +40,13 @@ def test_bind_address_is_loopback_for_a_loopback_coordinator_only() -> None:
 
 def test_single_node_coordination_service_listens_on_127_0_0_1_only() -> None:
     port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": "1",
-        "MSJAX_COORDINATOR": f"127.0.0.1:{port}",
-        "MSJAX_NUM_PROCESSES": "1",
-        "MSJAX_PROCESS_ID": "0",
-    }
+    env = job_env(
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES="1",
+        MSJAX_COORDINATOR=f"127.0.0.1:{port}",
+        MSJAX_NUM_PROCESSES="1",
+        MSJAX_PROCESS_ID="0",
+    )
     env.pop("JAX_COORDINATOR_BIND_ADDRESS", None)
     result = subprocess.run(
         [sys.executable, "-c", JOIN_AND_LIST, str(port)],

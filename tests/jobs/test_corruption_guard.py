@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import Job, LaunchJob, TrainJob, distributed_env, free_port, kill_all, read_jsonl
 
 from msjax.observe.metrics import read_metrics
 from msjax.resilience import exit_codes
@@ -28,7 +26,6 @@ from msjax.resilience.replica_guard import (
 )
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = ("params/embedding", "params/layers/mlp/up", "params/layers/mlp/down", "params/norm")
 
 
@@ -199,7 +196,7 @@ COMPUTE_CHECK_EVERY = 2
 JOB_TIMEOUT_S = 900
 
 
-def train_args(run_dir: Path, cache_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
+def train_args(cache_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         "model.num_layers=2",
         "model.embed_dim=64",
@@ -216,91 +213,39 @@ def train_args(run_dir: Path, cache_dir: Path, extra: tuple[str, ...] = ()) -> l
         "mesh.data=2",
         "mesh.fsdp=1",
         "mesh.tensor=1",
-        f"run.dir={run_dir}",
         *extra,
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@dataclass
-class Job:
-    """Two `python -m msjax.train` processes of one job, one CPU device each: started by hand,
-    or supervised by `python -m msjax.launch`."""
-
-    run_dir: Path
-    processes: list[subprocess.Popen]
-    logs: list[Path]
-
-    @classmethod
-    def start(cls, run_dir: Path, cache_dir: Path, fault: str = "") -> Job:
-        port = free_port()
-        processes, logs = [], []
-        for rank in range(2):
-            env = {
-                **os.environ,
-                "PYTHONPATH": str(REPO),
+def start_by_hand(run_dir: Path, cache_dir: Path, fault: str = "") -> list[Job]:
+    """Two `python -m msjax.train` processes of one job, one CPU device each."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        TrainJob.start(
+            run_dir,
+            train_args(cache_dir),
+            log_path=run_dir.parent / f"rank{rank}.log",
+            env={
                 "JAX_NUM_CPU_DEVICES": "1",
-                "MSJAX_COORDINATOR": f"127.0.0.1:{port}",
-                "MSJAX_NUM_PROCESSES": "2",
-                "MSJAX_PROCESS_ID": str(rank),
+                **distributed_env(coordinator, 2, rank),
                 "MSJAX_FAULT": fault,
-            }
-            logs.append(run_dir.parent / f"rank{rank}.log")
-            command = [sys.executable, "-m", "msjax.train", *train_args(run_dir, cache_dir)]
-            with logs[-1].open("w") as log:
-                processes.append(
-                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-                )
-        return cls(run_dir, processes, logs)
-
-    @classmethod
-    def launch(cls, run_dir: Path, cache_dir: Path, fault: str, extra: tuple[str, ...] = ()) -> Job:
-        """Under the supervisor, with no restart: its first incident is the one to read."""
-        command = [
-            sys.executable,
-            "-m",
-            "msjax.launch",
-            "--nprocs=2",
-            "--devices-per-proc=1",
-            "--max-restarts=0",
-            f"--fault={fault}",
-            "--",
-            *train_args(run_dir, cache_dir, extra),
-        ]
-        log_path = run_dir.parent / "launch.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        with log_path.open("w") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return cls(run_dir, [process], [log_path, *(RunDir(run_dir).log(r) for r in range(2))])
-
-    def finish(self) -> Finished:
-        try:
-            codes = [process.wait(timeout=JOB_TIMEOUT_S) for process in self.processes]
-        finally:
-            for process in self.processes:
-                if process.poll() is None:
-                    process.kill()
-        run = RunDir(self.run_dir)
-        return Finished(
-            self.run_dir,
-            codes,
-            [path.read_text() if path.exists() else "" for path in self.logs],
-            read_jsonl(run.replica_mismatches),
-            read_jsonl(run.incidents_log),
+            },
         )
+        for rank in range(2)
+    ]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def launch(run_dir: Path, cache_dir: Path, fault: str, extra: tuple[str, ...] = ()) -> list[Job]:
+    """Under the supervisor, with no restart: its first incident is the one to read."""
+    flags = ["--max-restarts=0", f"--fault={fault}"]
+    args = train_args(cache_dir, extra)
+    return [LaunchJob.start(run_dir, args, nprocs=2, devices_per_proc=1, launch_flags=flags)]
 
 
 @dataclass(frozen=True)
-class Finished:
+class Outcome:
+    """How the processes of one job ended, and what it left in its run directory."""
+
     run_dir: Path
     exit_codes: list[int]
     logs: list[str]  # each worker's output (under the launcher: its own first)
@@ -312,8 +257,31 @@ class Finished:
         return [r for r in records if r["step"] == STEPS - 1][-1]["loss"]
 
 
+def finish(processes: list[Job]) -> Outcome:
+    try:
+        ended = [process.finish(JOB_TIMEOUT_S) for process in processes]
+    finally:
+        kill_all(processes)
+    run_dir = processes[0].run_dir
+    logs = [job.output for job in ended]
+    if isinstance(processes[0], LaunchJob):
+        logs += [path.read_text() if path.exists() else "" for path in worker_logs(run_dir)]
+    run = RunDir(run_dir)
+    return Outcome(
+        run_dir,
+        [job.exit_code for job in ended],
+        logs,
+        read_jsonl(run.replica_mismatches),
+        read_jsonl(run.incidents_log),
+    )
+
+
+def worker_logs(run_dir: Path) -> list[Path]:
+    return [RunDir(run_dir).log(rank) for rank in range(2)]
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finished]]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
     """The uninterrupted job first (it fills the compile cache), then the transient flip and,
     under the supervisor, the persistent one side by side."""
     cache_dir = tmp_path_factory.mktemp("compile_cache")
@@ -321,22 +289,22 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finishe
     def run_dir(name: str) -> Path:
         return tmp_path_factory.mktemp(name) / "run"
 
-    finished = {"reference": Job.start(run_dir("reference"), cache_dir).finish()}
+    finished = {"reference": finish(start_by_hand(run_dir("reference"), cache_dir))}
     flip = f"bitflip@step={FLIP_STEP},rank=1"
     # rank 0's optimizer state, after the last update: the final check and save come next
     optimizer_flip = f"opt_bitflip@step={STEPS - 1},rank=0"
     started = {
-        "transient": Job.launch(run_dir("transient"), cache_dir, f"{flip};{optimizer_flip}"),
-        "persistent": Job.launch(run_dir("persistent"), cache_dir, f"{flip},times=99"),
-        "stuck": Job.launch(run_dir("stuck"), cache_dir, f"stuck_bit@step={FLIP_STEP},rank=1"),
-        "compute": Job.launch(
+        "transient": launch(run_dir("transient"), cache_dir, f"{flip};{optimizer_flip}"),
+        "persistent": launch(run_dir("persistent"), cache_dir, f"{flip},times=99"),
+        "stuck": launch(run_dir("stuck"), cache_dir, f"stuck_bit@step={FLIP_STEP},rank=1"),
+        "compute": launch(
             run_dir("compute"),
             cache_dir,
             "corrupt_compute@rank=1",
             (f"resilience.compute_check_every={COMPUTE_CHECK_EVERY}",),
         ),
     }
-    finished.update({name: job.finish() for name, job in started.items()})
+    finished.update({name: finish(job) for name, job in started.items()})
     yield finished
 
 

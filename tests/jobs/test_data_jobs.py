@@ -1,13 +1,11 @@
 """Specifications of the data path: byte tokenizer, stdlib corpus, the global sample order of a
 weighted mixture, batches placed on devices by any process count, and validation batches."""
 
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from harness import free_port, job_env
 from test_data import (
     assert_batches_equal,
     batches_of,
@@ -62,12 +60,9 @@ print("msjax batches equal")
 
 @pytest.mark.slow
 def test_two_processes_each_read_half_the_rows_and_build_the_same_global_batch(corpus, store_dir):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     store = token_store(corpus.train_tokens, store_dir, "two-process")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "PYTHONPATH": str(root)}
+    env = job_env(JAX_NUM_CPU_DEVICES="4")
     arguments = [str(port), "PROCESS", str(store.path), str(store.num_tokens)]
     workers = [
         subprocess.Popen(

@@ -5,19 +5,14 @@ short data deadline is therefore not a hang."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from harness import launch_command, run_to_end
 from small_runs import QUICK_RUN
 from test_data_progress import MIB, text_corpus
 
 from msjax.data.token_store import open_token_store
 from msjax.run_dir import RunDir
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -26,19 +21,16 @@ def test_a_large_corpus_under_a_short_data_deadline_is_not_killed_as_a_hang(tmp_
     its progress reports come far more often than the 1 s deadline."""
     text_corpus(tmp_path / "corpus.txt", 192 * MIB)
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "msjax.launch", "--nprocs=1", "--devices-per-proc=1",
-        "--max-restarts=0", "--",
+    overrides = [
         *QUICK_RUN,
         "train.steps=2", "train.eval_every=0", "checkpoint.enabled=false",
         "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
         f"data.sources={tmp_path}/corpus.txt", "data.eval_fraction=0",
         f"data.cache_dir={tmp_path}/cache",
         "resilience.heartbeat_every_s=0.05", "resilience.data_deadline_s=1",
-        f"run.dir={run_dir}",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    flags = ["--max-restarts=0"]
+    result = run_to_end(launch_command(run_dir, overrides, launch_flags=flags))
     incidents_log = RunDir(run_dir).incidents_log
     incidents = (
         [json.loads(line) for line in incidents_log.read_text().splitlines()]

@@ -4,18 +4,17 @@ judged by the step deadline, and a hang after many fast steps by what the job ha
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import free_port, job_env, launch_command, run_to_end, wait_until
 
 from msjax.run_dir import RunDir
 from tests.small_runs import QUICK_RUN
 
-REPO = Path(__file__).resolve().parents[2]
 SAVE_EVERY = 4
 
 
@@ -23,16 +22,8 @@ def launch(
     run_dir: Path, cache_dir: Path, fault: str, overrides: list[str], max_restarts: int = 0
 ) -> list[dict]:
     """A 2-process job that ends at its first fault (or after max_restarts); its incidents."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=2",
-        "--devices-per-proc=1",
-        f"--max-restarts={max_restarts}",
-        f"--fault={fault}",
-        "--",
+    flags = [f"--max-restarts={max_restarts}", f"--fault={fault}"]
+    args = [
         *QUICK_RUN,
         "train.steps=400",
         "train.eval_every=0",
@@ -43,10 +34,9 @@ def launch(
         "resilience.heartbeat_every_s=0.05",
         "resilience.stop_grace_s=2",
         f"resilience.compile_cache_dir={cache_dir}",
-        f"run.dir={run_dir}",
         *overrides,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    done = run_to_end(launch_command(run_dir, args, nprocs=2, launch_flags=flags))
     path = RunDir(run_dir).incidents_log
     assert path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -133,10 +123,8 @@ def test_heartbeats_time_steps_and_saves_and_the_deadline_follows_them(tmp_path)
 
 def start_voters(script: str) -> list[subprocess.Popen]:
     """Two processes of one jax.distributed job on 127.0.0.1, each running script as its rank."""
-    import portpicker
-
-    port = str(portpicker.pick_unused_port())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"}
+    port = str(free_port())
+    env = job_env(JAX_NUM_CPU_DEVICES="1")
     return [
         subprocess.Popen(
             [sys.executable, "-c", script, str(rank), port],
@@ -251,16 +239,14 @@ IGNORES_SIGTERM = (
 def test_a_worker_that_does_not_stop_within_its_grace_is_named_and_killed(tmp_path, capfd):
     from msjax.launch.workers import WorkerProcess, stop_workers
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = job_env()
     obeys = WorkerProcess(
         0, [sys.executable, "-c", "import time; time.sleep(600)"], env, tmp_path / "0.log", 0, None
     )
     ignores = WorkerProcess(
         1, [sys.executable, "-c", IGNORES_SIGTERM], env, tmp_path / "1.log", 0, None
     )
-    deadline = time.monotonic() + 60
-    while "ready" not in (tmp_path / "1.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "ready" in (tmp_path / "1.log").read_text(), "rank 1 ready")
     seconds, killed = stop_workers([obeys, ignores], grace_s=1.0)
     assert killed == [1]
     assert 1.0 <= seconds < 20

@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from harness import REPO, LaunchJob, job_env, launch_command, run_to_end
 
 from msjax.resilience import exit_codes
 from msjax.resilience.health import KNOWN_ANSWER_TOLERANCE, Bounds, judge
 from msjax.resilience.self_checks import check_disk
 
-REPO = Path(__file__).resolve().parents[2]
 # data 2 x fsdp 2. The speed bound is raised: simulated CPU devices share two cores with other
 # jobs here, so one device's time is noise; test_judge_* hold the rule itself to its bound.
 TINY = [
@@ -35,9 +35,13 @@ def start_doctor(run_dir: Path, nprocs: int, devices: int, *overrides: str, faul
     command += ["--devices-per-proc", str(devices)]
     command += ["--fault", fault] if fault else []
     command += ["--", *TINY, f"run.dir={run_dir}", *overrides]
-    env = {key: value for key, value in os.environ.items() if key != "MSJAX_FAULT"}
     return subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -298,46 +302,37 @@ def test_judge_holds_each_figure_to_its_bound() -> None:
     assert "gave [4.0] on device 1 (rank 1), expected [3.0]" in found[(0, "collectives")]
 
 
-def launch_command(
-    run_dir: Path, fault: str, overrides: tuple[str, ...], flags: tuple[str, ...]
-) -> tuple[list[str], dict[str, str]]:
-    command = [sys.executable, "-m", "msjax.launch", *flags, "--devices-per-proc", "2"]
-    command += ["--fault", fault, "--", *TINY, f"run.dir={run_dir}", "train.steps=4"]
-    command += ["resilience.check_budget_s=60", "resilience.restart_backoff_s=0", *overrides]
-    env = {key: value for key, value in os.environ.items() if key != "MSJAX_FAULT"}
-    return command, env
+def job_overrides(*overrides: str) -> list[str]:
+    return [
+        *TINY, "train.steps=4", "resilience.check_budget_s=60", "resilience.restart_backoff_s=0",
+        *overrides,
+    ]  # fmt: skip
 
 
 def run_launch(
-    run_dir: Path, fault: str, *overrides: str, flags: tuple[str, ...] = ("--nprocs", "2")
+    run_dir: Path, fault: str, *overrides: str, nprocs: int = 2, spares: int = 0
 ) -> tuple[int, str]:
-    command, env = launch_command(run_dir, fault, overrides, flags)
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    flags = ["--fault", fault, *(["--spares", str(spares)] if spares else [])]
+    command = launch_command(run_dir, job_overrides(*overrides), nprocs, 2, flags)
+    result = run_to_end(command, 600, REPO)
     return result.returncode, result.stdout + result.stderr
 
 
-def launch_until(
-    run_dir: Path,
-    fault: str,
-    seen: str,
-    *overrides: str,
-    flags: tuple[str, ...] = ("--nprocs", "2"),
-) -> tuple[int, str]:
+def launch_until(run_dir: Path, fault: str, seen: str, *overrides: str) -> tuple[int, str]:
     """A launch that trains on until its output shows `seen`, then gets SIGTERM."""
-    command, env = launch_command(run_dir, fault, overrides, flags)
-    log_path = run_dir.parent / f"{run_dir.name}-launch.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    job = LaunchJob.start(
+        run_dir,
+        job_overrides(*overrides),
+        nprocs=2,
+        devices_per_proc=2,
+        launch_flags=["--fault", fault],
+    )
     try:
-        deadline = time.monotonic() + 600
-        while seen not in log_path.read_text() and process.poll() is None:
-            assert time.monotonic() < deadline, f"no {seen!r} in 600 s"
-            time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        return process.wait(timeout=120), log_path.read_text()
+        job.wait_for(lambda: job.printed(seen), f"{seen!r} in the launcher's output")
+        ended = job.stop(signal.SIGTERM)
     finally:
-        if process.poll() is None:
-            process.kill()
+        job.kill()
+    return ended.exit_code, ended.output
 
 
 @pytest.mark.slow
@@ -424,9 +419,7 @@ def test_launch_excludes_a_slot_failing_its_self_check_and_keeps_it_out_while_it
 def test_a_spare_failing_its_self_check_is_excluded_before_it_ever_waits(tmp_path):
     run_dir = tmp_path / "spare"
     # one process (data 2 on its 2 devices) and one spare, the spare's slot corrupt
-    code, output = run_launch(
-        run_dir, "corrupt_compute@rank=1", "mesh.fsdp=1", flags=("--nprocs", "1", "--spares", "1")
-    )
+    code, output = run_launch(run_dir, "corrupt_compute@rank=1", "mesh.fsdp=1", nprocs=1, spares=1)
     assert code == exit_codes.OK, output[-3000:]
     # the job's own round is the attempt's verdict; the spare was checked alone beside it
     job_round = verdict(run_dir, 0)

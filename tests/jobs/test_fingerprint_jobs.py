@@ -5,17 +5,13 @@ older formats still checked; the sealed JSON record likewise."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from harness import job_env
 from test_fingerprint import numpy_fingerprint_3
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 # Fingerprints of one array, laid out on several meshes of this many simulated devices.
 FINGERPRINTS_ON_MESHES = """
@@ -42,7 +38,7 @@ print(json.dumps(seen))
 def test_fingerprints_do_not_depend_on_the_sharding_on_1_2_or_8_devices():
     seen: dict[str, list[int]] = {"float32": [], "bfloat16": []}
     for devices in (1, 2, 8):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": str(devices)}
+        env = job_env(JAX_NUM_CPU_DEVICES=str(devices))
         result = subprocess.run(
             [sys.executable, "-c", FINGERPRINTS_ON_MESHES],
             env=env,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-from test_flops import REPO
+from harness import REPO, job_env
 
 
 def test_cli_never_loads_jax():
@@ -15,7 +14,7 @@ def test_cli_never_loads_jax():
         "assert main(['--step-time', '1', '--devices', '8', '--peak-tflops', '100']) == 0; "
         "assert 'jax' not in sys.modules"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = job_env()
     result = subprocess.run(
         [sys.executable, "-c", script],
         cwd=REPO,

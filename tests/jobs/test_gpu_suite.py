@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PARTS = [
     "versions",
     "ceilings",

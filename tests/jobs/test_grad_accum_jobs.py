@@ -3,12 +3,9 @@ compiled step gives the loss, gradients and update of one pass over it, on every
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from harness import REPO, run_to_end, train_command
 
 
 def test_grad_accum_steps_that_do_not_divide_the_replica_batch_exit_2(tmp_path: Path):
@@ -19,14 +16,7 @@ def test_grad_accum_steps_that_do_not_divide_the_replica_batch_exit_2(tmp_path: 
         "train.grad_accum_steps=0": "train.grad_accum_steps=0 must be positive",
     }
     for override, message in cases.items():
-        done = subprocess.run(
-            [sys.executable, "-m", "msjax.train", override, f"run.dir={run_dir}"],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            timeout=300,
-        )
+        done = run_to_end(train_command(run_dir, [override]), 300, REPO)
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
         assert not run_dir.exists()

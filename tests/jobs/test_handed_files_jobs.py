@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from harness import job_env, run_to_end, train_command
 from test_handed_files import TINY, tiny_params, write_hf
 from test_handed_files import saved_run as saved_run  # a fixture, re-exported for pytest
 
 from msjax.resilience import exit_codes
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_training_from_non_finite_weights_exits_2_at_once(tmp_path: Path) -> None:
@@ -41,13 +39,7 @@ def test_training_from_non_finite_weights_exits_2_at_once(tmp_path: Path) -> Non
         "train.eval_every=0",
         f"run.dir={run_dir}",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "msjax.train", *overrides],
-        env={**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_to_end(train_command(None, overrides), JAX_NUM_CPU_DEVICES="1")
     assert result.returncode == exit_codes.USER_ERROR, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if "error:" in line]
@@ -69,7 +61,7 @@ print(json.dumps([chosen and str(chosen), jax.config.jax_compilation_cache_dir])
 
 
 def probe_cache(folder: str, run_dir: Path, user_cache: Path) -> tuple[list, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MSJAX_CACHE_DIR": str(user_cache)}
+    env = job_env(MSJAX_CACHE_DIR=str(user_cache))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # conftest.py's for the tests' jobs: JAX's default
     result = subprocess.run(
         [sys.executable, "-c", CACHE_PROBE, folder, str(run_dir)],
@@ -114,10 +106,11 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(
         ["bash", "-c", limited, "bash", sys.executable, "-m", "msjax.hf", "export", saved_run, out],
         # without the tests' shared JAX compile cache, which JAX would warn it cannot write
         env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
-            | {"JAX_COMPILATION_CACHE_DIR": ""},
-            "PYTHONPATH": str(REPO),
-            "PYTHONDONTWRITEBYTECODE": "1",
+            name: value
+            for name, value in job_env(
+                JAX_COMPILATION_CACHE_DIR="", PYTHONDONTWRITEBYTECODE="1"
+            ).items()
+            if not name.startswith("JAX_PERSISTENT_CACHE")
         },
         capture_output=True,
         text=True,

@@ -5,26 +5,20 @@ update, so goodput spans both launches and never exceeds 100%."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from harness import LaunchJob, wait_until
 from small_runs import QUICK_RUN
 
 from msjax.checkpoint.commits import committed_steps
 from msjax.launch.launches import RUNNING, read_launches
 from msjax.observe.goodput import read_records
 from msjax.resilience import exit_codes
-from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 480
 STEPS = 6
 TRAIN_ARGS = [
     *QUICK_RUN,
@@ -49,26 +43,6 @@ class TwoLaunches:
     second_output: str
 
 
-def launcher(run_dir: Path, log: Path, *flags: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "msjax.launch", "--nprocs=1", "--devices-per-proc=1"]
-    command += [*flags, "--", *TRAIN_ARGS, f"run.dir={run_dir}"]
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-
-def wait_until(condition, log: Path, what: str, process: subprocess.Popen | None = None):
-    """condition()'s first true value; the test fails if `process` ends first."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        ended = process is not None and process.poll() is not None
-        assert not ended, f"{what}: the launcher ended\n{log.read_text()[-4000:]}"
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {TIMEOUT_S} s\n{log.read_text()[-4000:]}")
-
-
 def gone(pid: int) -> bool:
     """Whether the process has exited (a zombie no one reaps counts as gone)."""
     try:
@@ -82,9 +56,13 @@ def gone(pid: int) -> bool:
 def two_launches(tmp_path_factory: pytest.TempPathFactory) -> TwoLaunches:
     base = tmp_path_factory.mktemp("killed_launcher")
     run_dir = RunDir(base / "run")
-    first_log = base / "first.log"
     # rank 0 stops making progress before step 4 (once over the run): it stays there until killed
-    first = launcher(run_dir.path, first_log, "--fault=hang@step=4,rank=0")
+    first = LaunchJob.start(
+        run_dir.path,
+        TRAIN_ARGS,
+        launch_flags=["--fault=hang@step=4,rank=0"],
+        log_path=base / "first.log",
+    )
     try:
 
         def stepped_past_a_checkpoint() -> dict | None:
@@ -94,23 +72,22 @@ def two_launches(tmp_path_factory: pytest.TempPathFactory) -> TwoLaunches:
                 return launches[-1]
             return None
 
-        seen = wait_until(stepped_past_a_checkpoint, first_log, "launch 1 at step 3", first)
-        assert first.poll() is None, "launch 1 ended before its record showed it running"
-        worker = HeartbeatRecord.read(run_dir.heartbeat(0))
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        seen = first.wait_for(stepped_past_a_checkpoint, "launch 1 at step 3")
+        assert first.running(), "launch 1 ended before its record showed it running"
+        worker = first.heartbeat(0)
+        first.send(signal.SIGKILL)
+        first.process.wait()
         assert worker is not None
-        wait_until(lambda: gone(worker.pid), first_log, "launch 1's worker gone")
+        wait_until(lambda: gone(worker.pid), "launch 1's worker gone")
     finally:
         first.kill()
     committed_at_kill = committed_steps(run_dir.checkpoints)[-1]
-    second_log = base / "second.log"
-    second = launcher(run_dir.path, second_log)
+    second = LaunchJob.start(run_dir.path, TRAIN_ARGS, log_path=base / "second.log")
     try:
-        code = second.wait(timeout=TIMEOUT_S)
+        ended = second.finish()
     finally:
         second.kill()
-    return TwoLaunches(run_dir, seen, committed_at_kill, code, second_log.read_text())
+    return TwoLaunches(run_dir, seen, committed_at_kill, ended.exit_code, ended.output)
 
 
 @pytest.mark.slow

@@ -4,24 +4,18 @@ start-up that never progresses is."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from harness import Finished, LaunchJob, finish_all, free_port
 from small_runs import QUICK_RUN
 
 from msjax.resilience import exit_codes
-from msjax.resilience.heartbeat import HeartbeatRecord
-from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 480
 STEP_DEADLINE_S = 3.0
 SMALL = [
     *QUICK_RUN,
@@ -111,102 +105,79 @@ def cases(tmp: Path) -> dict[str, Case]:
     }
 
 
-def free_port() -> int:
-    import portpicker
+@dataclass(frozen=True)
+class Seen:
+    """What the test saw of a job's rank 0 heartbeat while the job ran."""
 
-    return portpicker.pick_unused_port()
-
-
-@dataclass
-class Finished:
-    code: int
-    output: str
-    incidents: list[dict]
     phases_s: dict[str, float]  # how long rank 0's heartbeat stayed in each phase, as seen
     data_progress: int  # the highest progress rank 0 reported while reading the corpus
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Finished]:
+def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Finished], dict[str, Seen]]:
     base = tmp_path_factory.mktemp("exit_codes")
-    jobs = {}
-    assert {name: case.code for name, case in cases(base).items()} == CODES
-    for name, case in cases(base).items():
-        run_dir = base / name
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        if case.fresh_token_cache:
-            env["MSJAX_CACHE_DIR"] = str(base / f"{name}-cache")
-        log = (base / f"{name}.log").open("w")
-        command = [
-            sys.executable,
-            "-m",
-            "msjax.launch",
-            "--nprocs=1",
-            "--devices-per-proc=1",
-            *case.launch_flags,
-            "--",
-            *SMALL,
-            "mesh.data=1",
-            "mesh.fsdp=1",
-            "mesh.tensor=1",
-            *case.train_args,
-            f"run.dir={run_dir}",
-        ]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        jobs[name] = (case, run_dir, process, base / f"{name}.log")
+    specs = cases(base)
+    assert {name: case.code for name, case in specs.items()} == CODES
+    jobs: dict[str, LaunchJob] = {}
+    for name, case in specs.items():
+        env = {"MSJAX_CACHE_DIR": str(base / f"{name}-cache")} if case.fresh_token_cache else {}
+        overrides = [*SMALL, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", *case.train_args]
+        jobs[name] = LaunchJob.start(
+            base / name,
+            overrides,
+            launch_flags=case.launch_flags,
+            log_path=base / f"{name}.log",
+            env=env,
+        )
 
     phases: dict[str, dict[str, list[float]]] = {name: {} for name in jobs}
     progress = dict.fromkeys(jobs, 0)
     signalled: set[str] = set()
     stopped: dict[str, tuple[int, float]] = {}  # job: its rank 0's pid, when to let it go on
-    deadline = time.monotonic() + TIMEOUT_S
+
+    def look_at_rank_0_of_each_job() -> None:
+        for name, case in specs.items():
+            job = jobs[name]
+            record = job.heartbeat(0)
+            if record is None or not job.running():
+                continue
+            now = time.monotonic()
+            seen = phases[name].setdefault(record.phase, [now, now])
+            seen[1] = now
+            if record.phase == "data":
+                progress[name] = max(progress[name], record.progress)
+            wants_signal = case.signal_when_training and name not in signalled
+            if wants_signal and record.phase == "step" and record.step >= 2:
+                job.send(case.signal_when_training)
+                signalled.add(name)
+            stops = case.stopped_in_compile_s and name not in stopped
+            if stops and record.phase == "compile":
+                os.kill(record.pid, signal.SIGSTOP)
+                stopped[name] = (record.pid, now + case.stopped_in_compile_s)
+        for name, (pid, until) in stopped.items():
+            if until and time.monotonic() >= until:
+                os.kill(pid, signal.SIGCONT)
+                stopped[name] = (pid, 0.0)  # stopped once, and let go
+
     try:
-        while any(p.poll() is None for _, _, p, _ in jobs.values()) and time.monotonic() < deadline:
-            for name, (case, run_dir, process, _) in jobs.items():
-                record = HeartbeatRecord.read(RunDir(run_dir).heartbeat(0))
-                if record is None or process.poll() is not None:
-                    continue
-                now = time.monotonic()
-                seen = phases[name].setdefault(record.phase, [now, now])
-                seen[1] = now
-                if record.phase == "data":
-                    progress[name] = max(progress[name], record.progress)
-                wants_signal = case.signal_when_training and name not in signalled
-                if wants_signal and record.phase == "step" and record.step >= 2:
-                    process.send_signal(case.signal_when_training)
-                    signalled.add(name)
-                stops = case.stopped_in_compile_s and name not in stopped
-                if stops and record.phase == "compile":
-                    os.kill(record.pid, signal.SIGSTOP)
-                    stopped[name] = (record.pid, now + case.stopped_in_compile_s)
-            for name, (pid, until) in stopped.items():
-                if until and time.monotonic() >= until:
-                    os.kill(pid, signal.SIGCONT)
-                    stopped[name] = (pid, 0.0)  # stopped once, and let go
-            time.sleep(0.02)
+        finished = finish_all(jobs, while_running=look_at_rank_0_of_each_job)
     finally:
         for pid, until in stopped.values():
             if until:
                 os.kill(pid, signal.SIGCONT)
-    results = {}
-    for name, (_, run_dir, process, log_path) in jobs.items():
-        if process.poll() is None:
-            process.kill()
-        code = process.wait()
-        incidents_path = RunDir(run_dir).incidents_log
-        incidents = (
-            [json.loads(line) for line in incidents_path.read_text().splitlines()]
-            if incidents_path.exists()
-            else []
-        )
-        results[name] = Finished(
-            code,
-            log_path.read_text(),
-            incidents,
+    seen = {
+        name: Seen(
             {phase: last - first for phase, (first, last) in phases[name].items()},
             progress[name],
         )
-    return results
+        for name in jobs
+    }
+    return finished, seen
+
+
+@pytest.fixture(scope="module")
+def finished(ran) -> dict[str, Finished]:
+    return ran[0]
 
 
 CODES = {
@@ -225,20 +196,20 @@ CODES = {
 @pytest.mark.parametrize("name", sorted(CODES))
 def test_launcher_exit_code_of_a_real_job(finished, name):
     job = finished[name]
-    assert job.code == CODES[name], job.output[-4000:]
+    assert job.exit_code == CODES[name], job.output[-4000:]
 
 
 @pytest.mark.slow
-def test_long_start_up_phases_that_progress_are_not_hangs(finished):
-    job = finished["done"]
-    assert job.incidents == [], job.output[-4000:]
-    assert job.data_progress > 0  # tokenizing reported its tokens
-    assert job.phases_s["compile"] > STEP_DEADLINE_S  # compiling outlasts the step deadline
+def test_long_start_up_phases_that_progress_are_not_hangs(ran):
+    job, seen = ran[0]["done"], ran[1]["done"]
+    assert job.incidents() == [], job.output[-4000:]
+    assert seen.data_progress > 0  # tokenizing reported its tokens
+    assert seen.phases_s["compile"] > STEP_DEADLINE_S  # compiling outlasts the step deadline
 
 
 @pytest.mark.slow
 def test_a_start_up_that_never_progresses_is_a_hang(finished):
-    (incident,) = finished["job_restart_needed"].incidents
+    (incident,) = finished["job_restart_needed"].incidents()
     assert (incident["cause"], incident["phase"]) == ("hang", "init")
     assert "deadline 8 s" in incident["detail"]
 
@@ -246,7 +217,7 @@ def test_a_start_up_that_never_progresses_is_a_hang(finished):
 @pytest.mark.slow
 def test_saves_that_keep_failing_end_the_attempt_with_their_own_exit_code(finished):
     job = finished["restarts_exhausted"]
-    (incident,) = job.incidents
+    (incident,) = job.incidents()
     assert incident["detail"] == "exit code 6 (checkpoint saves kept failing)"
     assert "checkpoint saves kept failing for checkpoint.max_unsaved_minutes=0.02" in job.output
 
@@ -254,7 +225,7 @@ def test_saves_that_keep_failing_end_the_attempt_with_their_own_exit_code(finish
 @pytest.mark.slow
 def test_a_worker_user_error_is_one_line_and_no_restart(finished):
     job = finished["user_error"]
-    (incident,) = job.incidents
+    (incident,) = job.incidents()
     assert (incident["cause"], incident["action"]) == ("user_error", "stop")
     assert "msjax.train: error: checkpoint.resume_from=" in job.output
     assert "no finished checkpoint in" in job.output
@@ -263,17 +234,17 @@ def test_a_worker_user_error_is_one_line_and_no_restart(finished):
 @pytest.mark.slow
 def test_a_full_disk_at_every_start_backs_off_then_ends_retryable_not_as_a_mistake(finished):
     job = finished["infrastructure"]
-    assert [(r["cause"], r["phase"], r["action"]) for r in job.incidents] == [
+    assert [(r["cause"], r["phase"], r["action"]) for r in job.incidents()] == [
         ("infrastructure", "compile", "restart"),
         ("infrastructure", "compile", "restart"),
         ("infrastructure", "compile", "stop"),
     ], job.output[-4000:]
-    assert job.incidents[0]["detail"].startswith("exit code 14 (a full disk"), job.incidents[0]
+    assert job.incidents()[0]["detail"].startswith("exit code 14 (a full disk"), job.incidents()[0]
     assert "msjax.train: [Errno 28] No space left on device (injected before step 0)" in job.output
     restarts = [line for line in job.output.splitlines() if "msjax.launch: restart " in line]
     assert [line.split(" in ")[1].split(" s,")[0] for line in restarts] == ["0.2", "0.3"]
     assert "2 of resilience.max_restarts=2 spent" in restarts[-1]
-    assert job.incidents[-1]["stop_reason"].startswith(
+    assert job.incidents()[-1]["stop_reason"].startswith(
         "restart budget spent (resilience.max_restarts=2: restarts after an attempt that"
     )
     assert exit_codes.INFRASTRUCTURE in exit_codes.RETRYABLE

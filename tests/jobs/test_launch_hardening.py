@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from harness import (
+    Finished,
+    LaunchJob,
+    TrainJob,
+    finish_all,
+    free_port,
+    job_env,
+    wait_until,
+    worker_pids,
+)
 from small_runs import QUICK_RUN
 
 from msjax.checkpoint.commits import committed_steps
@@ -28,8 +37,6 @@ from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
 from msjax.training.stop_signal import StopSignal
 
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 600
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 SMALL = [
     *QUICK_RUN,
@@ -57,22 +64,6 @@ def live_group_members(pgid: int) -> dict[int, str]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members[int(entry.name)] = command
     return members
-
-
-def wait_for(condition, timeout_s: float, poll_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(poll_s)
-    return condition()
-
-
-def env() -> dict[str, str]:
-    environ = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    for name in ("MSJAX_FAULT", "MSJAX_ATTEMPT", "MSJAX_COORDINATOR", "SLURM_JOB_ID"):
-        environ.pop(name, None)
-    return environ
 
 
 # --- the stop signal, in this process ----------------------------------------------------------
@@ -115,10 +106,10 @@ def test_when_an_attempt_ends_nothing_of_a_workers_group_is_left_nor_its_pipe_or
     tmp_path,
 ):
     worker = WorkerProcess(
-        0, [sys.executable, "-c", LEAVES_A_CHILD], env(), tmp_path / "rank0.log", 0, None
+        0, [sys.executable, "-c", LEAVES_A_CHILD], job_env(), tmp_path / "rank0.log", 0, None
     )
     assert worker.wait(60)
-    assert wait_for(lambda: "child started" in worker.log_path.read_text(), 30)
+    wait_until(lambda: "child started" in worker.log_path.read_text(), "the child started")
     assert len(live_group_members(worker.pid)) == 1  # the child, alive past its parent
     started = time.monotonic()
     stop_workers([worker], grace_s=5)
@@ -151,7 +142,7 @@ def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the
         WorkerProcess(
             rank,
             [sys.executable, "-c", FOLLOWS_A_PEER, str(follow_s.get(rank, 600)), str(peer_gone)],
-            env(),
+            job_env(),
             tmp_path / f"rank{rank}.log",
             0,
             None,
@@ -161,7 +152,7 @@ def test_the_worker_killed_first_is_named_though_its_peers_exits_are_seen_in_the
     attempt = Attempt.started(0, workers)
     os.kill(workers[2].pid, signal.SIGKILL)
     peer_gone.touch()
-    assert wait_for(lambda: all(w.state() in ("Z", "?") for w in workers), 60)
+    wait_until(lambda: all(w.state() in ("Z", "?") for w in workers), "all four workers ended")
     exited = [w for w in workers if w.poll() is not None]  # one poll sees all four, as _watch
     poll = Poll(attempt, exited, time.time(), time.time(), ResilienceConfig(), 10, {})
     fault = exit_fault(poll)
@@ -187,64 +178,19 @@ def test_several_nodes_take_their_run_dir_from_the_slurm_job_never_from_their_cl
 # --- real training processes -------------------------------------------------------------------
 
 
-@dataclass
-class Launch:
-    """One `python -m msjax.launch` job; its output in a log file."""
-
-    name: str
-    run_dir: Path
-    process: subprocess.Popen
-    log_path: Path
-    code: int | None = None
-
-    @property
-    def output(self) -> str:
-        return self.log_path.read_text()
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [
-            int(pid) for pids in re.findall(r"pids ([\d ]+)", self.output) for pid in pids.split()
-        ]
-
-    @property
-    def incidents(self) -> list[dict]:
-        path = RunDir(self.run_dir).incidents_log
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def start_launch(base: Path, name: str, launch_flags: list[str], train_args: list[str]) -> Launch:
-    run_dir = base / name
-    log_path = base / f"{name}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=1",
-        "--devices-per-proc=1",
-        *launch_flags,
-        "--",
-        *SMALL,
-        *train_args,
-        f"run.dir={run_dir}",
-    ]
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=base
-        )
-    return Launch(name, run_dir, process, log_path)
-
-
-def free_port() -> int:
-    import portpicker
-
-    return portpicker.pick_unused_port()
+def start_launch(
+    base: Path, name: str, launch_flags: list[str], train_args: list[str]
+) -> LaunchJob:
+    return LaunchJob.start(
+        base / name,
+        [*SMALL, *train_args],
+        launch_flags=launch_flags,
+        log_path=base / f"{name}.log",
+    )
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Launch]]:
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Finished]]:
     """Supervised jobs side by side, each run to its end."""
     base = tmp_path_factory.mktemp("hardening")
     jobs = [
@@ -279,26 +225,14 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Lau
             ["resilience.init_deadline_s=25"],
         ),
     ]
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for job in jobs:
-            try:
-                job.code = job.process.wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                job.process.kill()
-                job.code = job.process.wait()
-        yield {job.name: job for job in jobs}
-    finally:
-        for job in jobs:
-            if job.process.poll() is None:
-                job.process.kill()
+    yield finish_all({job.run_dir.name: job for job in jobs})
 
 
 @pytest.mark.slow
 def test_attempts_that_commit_no_newer_checkpoint_end_the_job_with_exit_8(launches):
     job = launches["no_progress"]
-    assert job.code == exit_codes.NO_PROGRESS, job.output[-4000:]
-    incidents = job.incidents
+    assert job.exit_code == exit_codes.NO_PROGRESS, job.output[-4000:]
+    incidents = job.incidents()
     assert [(r["cause"], r["action"]) for r in incidents] == [
         ("crash", "restart"),
         ("crash", "restart"),
@@ -313,7 +247,7 @@ def test_attempts_that_commit_no_newer_checkpoint_end_the_job_with_exit_8(launch
 @pytest.mark.slow
 def test_grain_processes_of_every_attempt_are_gone_when_it_ends(launches):
     job = launches["no_progress"]
-    pids = job.worker_pids
+    pids = worker_pids(job.output)
     assert len(pids) == 3, job.output[-4000:]
     assert {pid: live_group_members(pid) for pid in pids} == {pid: {} for pid in pids}
 
@@ -321,8 +255,8 @@ def test_grain_processes_of_every_attempt_are_gone_when_it_ends(launches):
 @pytest.mark.slow
 def test_the_same_crash_before_the_first_step_in_a_row_is_a_user_error(launches):
     job = launches["same_start_up_crash"]
-    assert job.code == exit_codes.USER_ERROR, job.output[-4000:]
-    incidents = job.incidents
+    assert job.exit_code == exit_codes.USER_ERROR, job.output[-4000:]
+    incidents = job.incidents()
     assert [(r["cause"], r["phase"], r["action"]) for r in incidents] == [
         ("crash", "compile", "restart"),
         ("crash", "compile", "restart"),
@@ -339,8 +273,8 @@ def test_a_nonfinite_loss_on_the_first_step_after_a_restart_is_exit_3_not_a_skip
     launches,
 ):
     job = launches["nonfinite_first_step"]
-    assert job.code == exit_codes.NONFINITE_LOSS, job.output[-4000:]
-    incidents = job.incidents
+    assert job.exit_code == exit_codes.NONFINITE_LOSS, job.output[-4000:]
+    incidents = job.incidents()
     assert [(r["cause"], r["step"], r["action"]) for r in incidents] == [
         ("nonfinite_loss", 2, "restart"),
         ("nonfinite_loss", 3, "stop"),
@@ -353,8 +287,8 @@ def test_a_nonfinite_loss_on_the_first_step_after_a_restart_is_exit_3_not_a_skip
 @pytest.mark.slow
 def test_a_worker_hung_in_distributed_init_dumps_its_stack_on_sigusr1(launches):
     job = launches["init_hang"]
-    assert job.code == exit_codes.JOB_RESTART_NEEDED, job.output[-4000:]
-    (incident,) = job.incidents
+    assert job.exit_code == exit_codes.JOB_RESTART_NEEDED, job.output[-4000:]
+    (incident,) = job.incidents()
     assert (incident["cause"], incident["phase"]) == ("hang", "init")
     stacks = RunDir(job.run_dir).incident(1) / "stacks-rank0.txt"
     assert stacks.exists(), job.output[-4000:]
@@ -367,25 +301,13 @@ def test_a_worker_hung_in_distributed_init_dumps_its_stack_on_sigusr1(launches):
 # --- SIGTERM to a plain training process ---------------------------------------------------------
 
 
-def start_train(run_dir: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path]:
-    log_path = run_dir.parent / f"{run_dir.name}.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "msjax.train", *SMALL, *overrides, f"run.dir={run_dir}"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**env(), "JAX_NUM_CPU_DEVICES": "1"},
-            cwd=run_dir.parent,
-            start_new_session=True,  # its group: the worker and its Grain processes
-        )
-    return process, log_path
-
-
-def steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return sum('"loss"' in line for line in path.read_text().split("\n")[:-1])
+def start_train(run_dir: Path, overrides: list[str]) -> TrainJob:
+    return TrainJob.start(
+        run_dir,
+        [*SMALL, *overrides],
+        env={"JAX_NUM_CPU_DEVICES": "1"},
+        new_session=True,  # its group: the worker and its Grain processes
+    )
 
 
 @dataclass
@@ -406,36 +328,35 @@ def signalled(tmp_path_factory: pytest.TempPathFactory) -> SignalledRuns:
     base = tmp_path_factory.mktemp("signalled")
     storm_dir, killed_dir = base / "storm", base / "killed"
     overrides = ["train.steps=2000", "checkpoint.every_steps=1000", *GRAIN_PROCESSES]
-    storm, storm_log = start_train(storm_dir, overrides)
-    killed, killed_log = start_train(killed_dir, overrides)
+    storm = start_train(storm_dir, overrides)
+    killed = start_train(killed_dir, overrides)
     try:
-        assert wait_for(lambda: steps_done(storm_dir) >= 3 or storm.poll() is not None, 400)
+        storm.wait_for(lambda: len(storm.steps()) >= 3, "the storm run's third step")
         signals = 0
-        while storm.poll() is None and "stopped by SIGTERM" not in storm_log.read_text():
-            os.killpg(storm.pid, signal.SIGTERM)
+        while storm.running() and not storm.printed("stopped by SIGTERM"):
+            storm.send_to_group(signal.SIGTERM)
             signals += 1
-            time.sleep(0.01)
-        storm_code = storm.wait(timeout=120)
-        wait_for(lambda: live_group_members(storm.pid) == {}, 10)
-        assert wait_for(lambda: steps_done(killed_dir) >= 2 or killed.poll() is not None, 400)
-        assert len(live_group_members(killed.pid)) >= 3, killed_log.read_text()[-3000:]
+            time.sleep(0.01)  # the storm's pace: a signal every 10 ms
+        storm_ended = storm.finish()
+        wait_until(lambda: live_group_members(storm.pid) == {}, "the storm run's group gone")
+        killed.wait_for(lambda: len(killed.steps()) >= 2, "the killed run's second step")
+        assert len(live_group_members(killed.pid)) >= 3, killed.output[-3000:]
         killed.kill()  # the worker alone
-        killed.wait()
-        wait_for(lambda: live_group_members(killed.pid) == {}, 10)
+        wait_until(lambda: live_group_members(killed.pid) == {}, "the killed run's group gone")
         return SignalledRuns(
-            storm_code,
-            storm_log.read_text(),
+            storm_ended.exit_code,
+            storm_ended.output,
             storm_dir,
             signals,
             live_group_members(storm.pid),
             live_group_members(killed.pid),
-            killed_log.read_text(),
+            killed.output,
         )
     finally:
-        for process in (storm, killed):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            for pid in live_group_members(process.pid):
+        for job in (storm, killed):
+            if job.running():
+                job.send_to_group(signal.SIGKILL)
+            for pid in live_group_members(job.pid):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -3,13 +3,11 @@ past that step, and every checkpoint holds finite values only."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+from harness import launch_command, run_to_end
 
 from msjax.checkpoint.manager import Checkpointer, committed_steps
 from msjax.config import CheckpointConfig, load_config
@@ -19,7 +17,6 @@ from msjax.resolve import resolve
 from msjax.step import build_program
 from tests.small_runs import QUICK_RUN
 
-REPO = Path(__file__).resolve().parents[2]
 MESH = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]  # the vocabulary split over tensor
 
 
@@ -81,14 +78,12 @@ def saved_arrays(checkpoints: Path, step: int) -> list[np.ndarray]:
 def test_an_injected_nan_gradient_rolls_back_and_no_checkpoint_holds_a_nonfinite_value(tmp_path):
     run_dir = tmp_path / "run"
     bad_step = 4
-    command = [
-        sys.executable, "-m", "msjax.launch", "--nprocs=1", "--devices-per-proc=4",
-        f"--fault=bad_token@step={bad_step},rank=0", "--",
+    overrides = [
         *QUICK_RUN, *MESH, "train.steps=8", "train.eval_every=0", "checkpoint.every_steps=2",
-        "checkpoint.max_to_keep=10", "resilience.restart_backoff_s=0.1", f"run.dir={run_dir}",
+        "checkpoint.max_to_keep=10", "resilience.restart_backoff_s=0.1",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    flags = [f"--fault=bad_token@step={bad_step},rank=0"]
+    done = run_to_end(launch_command(run_dir, overrides, devices_per_proc=4, launch_flags=flags))
     assert done.returncode == 0, done.stderr[-4000:]
     output = done.stdout + done.stderr
     assert "the loss of step 4 is nan" in output  # the NaN is computed, not read back so

@@ -12,15 +12,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from harness import REPO, Finished, LaunchJob, job_env
 
 from msjax.launch.incidents import IncidentDir
 from msjax.resilience import exit_codes
@@ -29,17 +28,14 @@ from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 12
 SAVE_EVERY = 3
 NAN_STEP = 8
 STEP_DEADLINE_S = 8.0
 STOP_GRACE_S = 2.0
-RUN_TIMEOUT_S = 420
-POLL_S = 0.02
 
 
-def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
+def train_args(cache_dir: Path) -> list[str]:
     return [
         "model.num_layers=2",
         "data.seq_len=32",
@@ -57,67 +53,20 @@ def train_args(run_dir: Path, cache_dir: Path) -> list[str]:
         f"resilience.stop_grace_s={STOP_GRACE_S}",
         "resilience.restart_backoff_s=0.1",
         f"resilience.compile_cache_dir={cache_dir}",
-        f"run.dir={run_dir}",
     ]
 
 
-class Launch:
-    """One `python -m msjax.launch --nprocs 2 --devices-per-proc 2` job; output to a log."""
-
-    def __init__(
-        self,
-        run_dir: Path,
-        cache_dir: Path,
-        launch_flags: list[str] = (),
-        overrides: list[str] = (),
-    ):
-        self.run_dir = run_dir
-        self.log_path = run_dir.parent / f"{run_dir.name}-launch.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-        command = [
-            sys.executable,
-            "-m",
-            "msjax.launch",
-            "--nprocs=2",
-            "--devices-per-proc=2",
-            *launch_flags,
-            "--",
-            *train_args(run_dir, cache_dir),
-            *overrides,
-        ]
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent
-            )
-
-    @property
-    def output(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_for(self, condition: Callable[[], Any], what: str) -> Any:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (found := condition()):
-            if self.process.poll() is not None:
-                pytest.fail(
-                    f"the job ended (exit {self.process.returncode}) before {what}:\n"
-                    + self.output[-5000:]
-                )
-            if time.monotonic() > deadline:
-                self.process.kill()
-                pytest.fail(f"no {what} within {RUN_TIMEOUT_S} s:\n{self.output[-5000:]}")
-            time.sleep(POLL_S)
-        return found
-
-    def finish(self) -> int:
-        try:
-            return self.process.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            pytest.fail(f"the job did not end within {RUN_TIMEOUT_S} s:\n{self.output[-5000:]}")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def launch(
+    run_dir: Path, cache_dir: Path, launch_flags: list[str] = (), overrides: list[str] = ()
+) -> LaunchJob:
+    """One `python -m msjax.launch --nprocs 2 --devices-per-proc 2` job."""
+    return LaunchJob.start(
+        run_dir,
+        [*train_args(cache_dir), *overrides],
+        nprocs=2,
+        devices_per_proc=2,
+        launch_flags=launch_flags,
+    )
 
 
 def checkpoint_arrays(run_dir: Path, step: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -141,20 +90,6 @@ def checkpoint_arrays(run_dir: Path, step: int) -> tuple[dict[str, np.ndarray], 
     return {leaf_name(path): np.asarray(leaf) for path, leaf in leaves}, restored.meta
 
 
-def committed_steps(run_dir: Path) -> list[int]:
-    from msjax.checkpoint.manager import committed_steps as steps
-
-    return steps(RunDir(run_dir).checkpoints)
-
-
-@dataclass(frozen=True)
-class Finished:
-    run_dir: Path
-    exit_code: int
-    output: str
-    incidents: list[dict[str, Any]]
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One compilation cache for every run of this module (restarts are meant to hit it)."""
@@ -162,7 +97,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory, cache_dir) -> Iterator[dict[str, Launch]]:
+def started(tmp_path_factory, cache_dir) -> Iterator[dict[str, LaunchJob]]:
     """The reference job and the fault-storm job, run side by side (the timing-sensitive faulty
     job runs alone afterwards)."""
     reference_dir = tmp_path_factory.mktemp("reference") / "run"
@@ -170,8 +105,8 @@ def started(tmp_path_factory, cache_dir) -> Iterator[dict[str, Launch]]:
     record_skipped_step(reference_dir, NAN_STEP, "the faulty run's rollback skips it too")
     storm = "crash@step=4,rank=1,times=5"
     jobs = {
-        "reference": Launch(reference_dir, cache_dir),
-        "storm": Launch(
+        "reference": launch(reference_dir, cache_dir),
+        "storm": launch(
             tmp_path_factory.mktemp("storm") / "run",
             cache_dir,
             ["--max-restarts=1", f"--fault={storm}"],
@@ -179,16 +114,13 @@ def started(tmp_path_factory, cache_dir) -> Iterator[dict[str, Launch]]:
     }
     yield jobs
     for job in jobs.values():
-        if job.process.poll() is None:
-            job.process.kill()
+        job.kill()
 
 
 @pytest.fixture(scope="module")
 def reference(started) -> Finished:
     """The same job, uninterrupted, told to skip the batch the faulty run's NaN makes it skip."""
-    job = started["reference"]
-    code = job.finish()
-    return Finished(job.run_dir, code, job.output, [])
+    return started["reference"].finish()
 
 
 @pytest.fixture(scope="module")
@@ -214,18 +146,15 @@ def faulty(tmp_path_factory, cache_dir, started, reference) -> Finished:
         ]
     )
     standbys = ["resilience.warm_standby_after_s=0"]
-    job = Launch(run_dir, cache_dir, [f"--fault={faults}"], standbys)
+    job = launch(run_dir, cache_dir, [f"--fault={faults}"], standbys)
     pid = job.wait_for(hanging(run_dir, rank=1, step=5), "rank 1 waiting before step 5")
-    job.wait_for(lambda: SAVE_EVERY in committed_steps(run_dir), "checkpoint 3 committed")
-    job.wait_for(lambda: "attempt 0: warm standbys start" in job.output, "standbys started")
+    job.wait_for(lambda: SAVE_EVERY in job.committed_steps(), "checkpoint 3 committed")
+    job.wait_for(lambda: job.printed("attempt 0: warm standbys start"), "standbys started")
     os.kill(pid, signal.SIGKILL)
     pid = job.wait_for(hanging(run_dir, rank=0, step=11), "rank 0 waiting before step 11")
-    job.wait_for(lambda: 3 * SAVE_EVERY in committed_steps(run_dir), "checkpoint 9 committed")
+    job.wait_for(lambda: 3 * SAVE_EVERY in job.committed_steps(), "checkpoint 9 committed")
     os.kill(pid, signal.SIGSTOP)
-    code = job.finish()
-    incidents_path = RunDir(run_dir).incidents_log
-    incidents = read_jsonl(incidents_path) if incidents_path.exists() else []
-    return Finished(run_dir, code, job.output, incidents)
+    return job.finish()
 
 
 def hanging(run_dir: Path, rank: int, step: int) -> Callable[[], int | None]:
@@ -241,27 +170,27 @@ def hanging(run_dir: Path, rank: int, step: int) -> Callable[[], int | None]:
 
 
 def incident(runs: Finished, number: int) -> dict[str, Any]:
-    assert len(runs.incidents) >= number, runs.output[-5000:]
-    return runs.incidents[number - 1]
+    assert len(runs.incidents()) >= number, runs.output[-5000:]
+    return runs.incidents()[number - 1]
 
 
 @pytest.mark.slow
 def test_uninterrupted_reference_job_finishes_with_no_incident(reference):
     assert reference.exit_code == exit_codes.OK, reference.output[-5000:]
     assert not RunDir(reference.run_dir).incidents_log.exists()
-    assert STEPS in committed_steps(reference.run_dir)
+    assert STEPS in reference.committed_steps()
 
 
 @pytest.mark.slow
 def test_job_through_four_faults_reaches_the_last_step_by_itself(faulty):
     assert faulty.exit_code == exit_codes.OK, faulty.output[-5000:]
-    assert [record["cause"] for record in faulty.incidents] == [
+    assert [record["cause"] for record in faulty.incidents()] == [
         "crash",
         "crash",
         "nonfinite_loss",
         "hang",
     ], faulty.output[-5000:]
-    assert STEPS in committed_steps(faulty.run_dir)
+    assert STEPS in faulty.committed_steps()
 
 
 @pytest.mark.slow
@@ -329,7 +258,7 @@ def test_nonfinite_loss_rolls_back_and_skips_that_steps_batch(faulty):
     )
     assert record["resumed_from_step"] == 2 * SAVE_EVERY
     assert read_skipped_steps(faulty.run_dir) == {NAN_STEP}
-    metrics = read_jsonl(RunDir(faulty.run_dir).metrics)
+    metrics = faulty.metrics()
     skipped = [m for m in metrics if m.get("event") == "skipped"]
     assert skipped  # once per attempt that passed it: the hang later replays step 8 too
     assert all(
@@ -355,7 +284,7 @@ def test_sigstopped_worker_is_a_hang_caught_by_its_heartbeat_deadline(faulty):
 
 @pytest.mark.slow
 def test_incidents_and_goodput_summary_are_in_the_run_dir(faulty):
-    for record in faulty.incidents:
+    for record in faulty.incidents():
         diagnostics = IncidentDir(faulty.run_dir / record["diagnostics"])
         heartbeats = json.loads(diagnostics.heartbeats.read_text())
         assert heartbeats["cause"] == record["cause"]
@@ -369,11 +298,10 @@ def test_incidents_and_goodput_summary_are_in_the_run_dir(faulty):
 
 @pytest.mark.slow
 def test_fault_storm_past_the_restart_budget_stops_and_keeps_the_last_good_checkpoint(started):
-    job = started["storm"]
+    job = started["storm"].finish()
     run_dir = job.run_dir
-    code = job.finish()
-    assert code == exit_codes.RESTARTS_EXHAUSTED, job.output[-5000:]
-    incidents = read_jsonl(RunDir(run_dir).incidents_log)
+    assert job.exit_code == exit_codes.RESTARTS_EXHAUSTED, job.output[-5000:]
+    incidents = job.incidents()
     # the first attempt committed a checkpoint: its restart is free; the next two committed none
     assert [(r["cause"], r["rank"], r["action"]) for r in incidents] == [
         ("crash", 1, "restart"),
@@ -389,7 +317,7 @@ def test_fault_storm_past_the_restart_budget_stops_and_keeps_the_last_good_check
     assert [(r["killed_at_once"], r["killed_after_grace"]) for r in incidents] == [([0], [])] * 3
     assert all(r["stop_s"] < STOP_GRACE_S for r in incidents), incidents
     assert reason in job.output
-    assert committed_steps(run_dir) == [SAVE_EVERY]
+    assert job.committed_steps() == [SAVE_EVERY]
     arrays, meta = checkpoint_arrays(run_dir, SAVE_EVERY)  # reads back with fingerprints intact
     assert meta["step"] == SAVE_EVERY and arrays
 
@@ -421,14 +349,13 @@ def run_sbatch_script(tmp_path: Path, srun_exit_code: int) -> tuple[int, str, st
     )
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "42",
-        "SLURM_JOB_NODELIST": "n[7-8]",
+    env = job_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_ID="42",
+        SLURM_JOB_NODELIST="n[7-8]",
         # each exit code is a job of its own: none spends another's requeue budget
-        "REQUEUE_STATE": str(tmp_path / f"requeues{srun_exit_code}"),
-    }
+        REQUEUE_STATE=str(tmp_path / f"requeues{srun_exit_code}"),
+    )
     script = REPO / "launch" / "slurm" / "train.sbatch"
     done = subprocess.run(
         ["bash", str(script), "--config", "configs/tiny.yaml"], env=env, capture_output=True

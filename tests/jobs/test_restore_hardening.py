@@ -9,10 +9,8 @@ Read errors come from real file-system paths that fail for root too: a symlink t
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import Job, distributed_env, job_env, launch_command, run_to_end, train_command
 
 from msjax.checkpoint.manager import META_FILE, Checkpointer, committed_steps
 from msjax.checkpoint.read_errors import CheckpointUnreadable, is_read_failure
@@ -31,7 +30,6 @@ from msjax.observe.metrics import read_metrics
 from msjax.resilience import exit_codes
 from tests.small_runs import QUICK_RUN
 
-REPO = Path(__file__).resolve().parents[2]
 EIO_PATH = Path("/proc/self/mem")  # read(2) at offset 0 (never mapped) fails with EIO
 EACCES_PATH = Path("/proc/sys/vm/compact_memory")  # mode 0200: open for reading is EACCES
 needs_proc_faults = pytest.mark.skipif(
@@ -173,13 +171,11 @@ def test_a_permission_error_on_an_array_file_is_not_damage_but_garbled_bytes_are
 
 
 def train(run_dir: Path, *overrides: str, devices: int = 2) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "msjax.train", *QUICK_RUN, "mesh.data=2", "mesh.fsdp=1",
-        "mesh.tensor=1", "train.eval_every=0", "checkpoint.every_steps=2",
-        "checkpoint.max_to_keep=2", f"run.dir={run_dir}", *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": str(devices)}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    command = train_command(run_dir, [
+        *QUICK_RUN, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.eval_every=0",
+        "checkpoint.every_steps=2", "checkpoint.max_to_keep=2", *overrides,
+    ])  # fmt: skip
+    return run_to_end(command, JAX_NUM_CPU_DEVICES=str(devices))
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -269,12 +265,8 @@ JOB = [
 
 
 def launch(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2", "--",
-        *JOB, f"train.steps={steps}", f"run.dir={run_dir}",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    command = launch_command(run_dir, [*JOB, f"train.steps={steps}"], nprocs=2, devices_per_proc=2)
+    return run_to_end(command)
 
 
 def can_unshare_mounts() -> bool:
@@ -286,20 +278,15 @@ def can_unshare_mounts() -> bool:
 
 def start_worker(
     rank: int, port: int, run_dir: Path, log: Path, rank_1_mount: str, mount_point: Path
-) -> subprocess.Popen:
+) -> Job:
     """One worker of a two-process job started by hand; rank 1 in a mount namespace of its own
     where `mount ... "$0"` (at mount_point) changes what that node sees."""
-    env = {
-        **os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "2",
-        "MSJAX_COORDINATOR": f"127.0.0.1:{port}", "MSJAX_NUM_PROCESSES": "2",
-        "MSJAX_PROCESS_ID": str(rank),
-    }  # fmt: skip
-    command = [sys.executable, "-m", "msjax.train", *JOB, "train.steps=6", f"run.dir={run_dir}"]
+    env = job_env(JAX_NUM_CPU_DEVICES="2", **distributed_env(f"127.0.0.1:{port}", 2, rank))
+    command = train_command(run_dir, [*JOB, "train.steps=6"])
     if rank == 1:
         script = f'{rank_1_mount} && exec "$@"'
         command = ["unshare", "-m", "sh", "-c", script, str(mount_point), *command]
-    with log.open("w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Job(command, run_dir, log, env)
 
 
 def run_job_by_hand(
@@ -311,8 +298,8 @@ def run_job_by_hand(
     workers = [
         start_worker(rank, port, run_dir, paths[rank], rank_1_mount, mount_point) for rank in (0, 1)
     ]
-    codes = [worker.wait(timeout=600) for worker in workers]
-    return codes, [path.read_text() for path in paths]
+    ended = [worker.finish() for worker in workers]
+    return [worker.exit_code for worker in ended], [worker.output for worker in ended]
 
 
 @pytest.mark.slow

@@ -14,11 +14,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from checkpoint_fault_helpers import mounted_tmpfs
+from harness import job_env, launch_command, train_command, wait_until
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
@@ -33,7 +34,6 @@ from msjax.run_dir import RunDir, plan_run_dir, save_config, write_text_atomical
 from msjax.run_lock import RunDirLock
 from msjax.train import main as train_main
 
-REPO = Path(__file__).resolve().parents[2]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 SHORT = [*QUICK_RUN, *ONE_DEVICE, "train.steps=2", "train.eval_every=0"]
 
@@ -171,7 +171,7 @@ def test_files_opened_after_the_check_do_not_follow_a_link_planted_later(
     metrics.write({"step": 0, "loss": 1.0})
     metrics.write({"step": 1, "loss": 1.0})
     metrics.close()
-    worker = WorkerProcess(0, [sys.executable, "-c", "print('hello')"], dict(os.environ),
+    worker = WorkerProcess(0, [sys.executable, "-c", "print('hello')"], job_env(),
                            run_dir.log(0), attempt=0, echo=None)  # fmt: skip
     assert worker.wait(timeout_s=60)
     worker.close()
@@ -196,7 +196,7 @@ def test_a_temporary_file_left_by_a_killed_writer_does_not_make_the_run_dir_fore
 ) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = job_env()
     for _ in range(3):  # the writer must be caught between creating and renaming its file
         writer = subprocess.Popen(
             [sys.executable, "-c", KILLED_WRITER, str(run / "config.json")], env=env
@@ -298,7 +298,7 @@ def test_a_write_past_the_file_size_limit_removes_its_temporary_file_and_is_one_
     target.parent.mkdir()
     done = subprocess.run(
         [sys.executable, "-c", LIMITED_WRITER, str(target)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=job_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -310,13 +310,11 @@ def test_a_write_past_the_file_size_limit_removes_its_temporary_file_and_is_one_
 
 
 def worker_env(tmp_path: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "MSJAX_CACHE_DIR": str(tmp_path / "cache"),  # the corpus cache is not on the small disk
-        "JAX_PLATFORMS": "cpu",
-        "JAX_NUM_CPU_DEVICES": "1",
-    }
+    return job_env(
+        MSJAX_CACHE_DIR=str(tmp_path / "cache"),  # the corpus cache is not on the small disk
+        JAX_PLATFORMS="cpu",
+        JAX_NUM_CPU_DEVICES="1",
+    )
 
 
 def warnings_per_file(output: str) -> Counter[str]:
@@ -325,13 +323,6 @@ def warnings_per_file(output: str) -> Counter[str]:
         for line in output.splitlines()
         if "msjax: warning: cannot write " in line
     )
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def read_beat(run_dir: RunDir) -> dict:
@@ -363,13 +354,15 @@ def test_training_on_a_disk_that_fills_up_goes_on_and_exits_0(
     args += ["observe.straggler_window_steps=2", "resilience.heartbeat_every_s=0.01"]
     with (tmp_path / "out.txt").open("w+") as out:
         job = subprocess.Popen(
-            [sys.executable, "-m", "msjax.train", *args],
+            train_command(None, args),
             env=worker_env(tmp_path),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
         try:
-            wait_for(lambda: metrics_lines(run_dir) >= 1 or job.poll() is not None, "step 0")
+            # polled often: the disk must fill between two steps
+            step_0 = lambda: metrics_lines(run_dir) >= 1 or job.poll() is not None  # noqa: E731
+            wait_until(step_0, "step 0", poll_s=0.005)
             job.send_signal(signal.SIGSTOP)  # the disk fills between two steps
             lines_before = metrics_lines(run_dir)
             with kept_full(small_disk):
@@ -401,12 +394,11 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
     dropped with one warning each, and the job ends as any spent restart budget does (exit 4),
     without a traceback; the worker trained on after the disk filled."""
     run_dir = RunDir(small_disk / "run")
-    launch = [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--max-restarts", "0"]
     args = [*QUICK_RUN, *ONE_DEVICE, "train.steps=1000000", "train.eval_every=0"]
     args += [f"run.dir={run_dir.path}", "checkpoint.enabled=false"]
     with (tmp_path / "out.txt").open("w+") as out:
         job = subprocess.Popen(
-            [*launch, "--", *args],
+            launch_command(None, args, devices_per_proc=None, launch_flags=["--max-restarts=0"]),
             env=worker_env(tmp_path),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -414,7 +406,8 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
         )
         try:
             stepping = lambda: read_beat(run_dir).get("phase") == "step"  # noqa: E731
-            wait_for(lambda: stepping() and read_beat(run_dir)["step"] > 0, "the first steps")
+            first_steps = lambda: stepping() and read_beat(run_dir)["step"] > 0  # noqa: E731
+            wait_until(first_steps, "the first steps", poll_s=0.005)
             with kept_full(small_disk):
                 step_at_fill = read_beat(run_dir)["step"]
                 time.sleep(3.0)  # metrics, ranks, flight, heartbeat and log writes hit it
@@ -448,7 +441,7 @@ def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
     fill(small_disk)
     args = [*SHORT, f"run.dir={run}", "resilience.compile_cache=false"]
     done = subprocess.run(
-        [sys.executable, "-m", "msjax.train", *args],
+        train_command(None, args),
         env=worker_env(tmp_path),
         capture_output=True,
         text=True,
@@ -461,7 +454,7 @@ def test_a_run_record_that_cannot_be_written_is_one_line_and_retryable(
     ), done.stderr[-3000:]
     assert not [path for path in run.rglob(".*") if "tmp" in path.name]
     launched = subprocess.run(
-        [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--", *args],
+        launch_command(None, args, devices_per_proc=None),
         env=worker_env(tmp_path),
         capture_output=True,
         text=True,
@@ -482,8 +475,8 @@ def test_only_node_0_writes_job_config_yaml(tmp_path: Path) -> None:
     args = [*QUICK_RUN, "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.steps=2"]
     args += [f"run.dir={run_dir.path}", "resilience.checkpoint_deadline_s=2"]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "msjax.launch", *node_1, "--", *args],
-        env={**worker_env(tmp_path), "PYTHONUNBUFFERED": "1"},
+        launch_command(None, args, devices_per_proc=None, launch_flags=node_1),
+        env=worker_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,16 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from harness import LaunchJob, job_env, run_to_end, wait_until
 
 from msjax.errors import MsjaxError
 from msjax.run_dir import RunDir
 from msjax.run_lock import RunDirLock
 
-REPO = Path(__file__).resolve().parents[2]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "train.global_batch=2"]
 
 
@@ -28,26 +27,24 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def environment(tmp_path: Path) -> dict[str, str]:
+    """The variables on top of job_env() for every process of these tests."""
     return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
         "MSJAX_CACHE_DIR": str(tmp_path / "cache"),
         "JAX_PLATFORMS": "cpu",
         "JAX_NUM_CPU_DEVICES": "1",
     }
 
 
-def wait_for_holder(run_dir: RunDir, pid: int, timeout_s: float = 120.0) -> None:
+def wait_for_holder(run_dir: RunDir, pid: int) -> None:
     """Until the lock file names pid as its holder."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def held_by_pid() -> bool:
         try:
-            if json.loads(run_dir.lock.read_text())["pid"] == pid:
-                return
+            return json.loads(run_dir.lock.read_text())["pid"] == pid
         except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"pid {pid} never took {run_dir.lock}")
+            return False
+
+    wait_until(held_by_pid, f"pid {pid} holding {run_dir.lock}")
 
 
 def test_lock_is_exclusive_and_released_by_its_holder(tmp_path: Path) -> None:
@@ -73,29 +70,23 @@ time.sleep(600)
 
 def refused(command: list[str], train_args: list[str], env: dict[str, str]) -> str:
     """Run a second job; assert exit 2 and one stderr line; return that line."""
-    second = subprocess.run(
-        [sys.executable, "-m", *command, *train_args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    second = run_to_end([sys.executable, "-m", *command, *train_args], 300, **env)
     assert second.returncode == 2, second.stderr
     lines = second.stderr.splitlines()
     assert len(lines) == 1, second.stderr
     return lines[0]
 
 
-def wait_until_free(run_dir: RunDir, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+def wait_until_free(run_dir: RunDir) -> None:
+    def free() -> bool:
         try:
             with RunDirLock(run_dir) as lock:
                 assert lock.held
-            return
+            return True
         except MsjaxError:
-            assert time.monotonic() < deadline, "the killed job's lock was never released"
-            time.sleep(0.2)
+            return False
+
+    wait_until(free, "the killed job's lock released")
 
 
 @pytest.mark.slow
@@ -105,7 +96,9 @@ def test_a_second_job_is_refused_writing_nothing_and_a_killed_holder_frees_the_d
     run_dir = RunDir(tmp_path / "run")
     run_dir.path.mkdir()
     env = environment(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir.path)], env=env)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir.path)], env=job_env(**env)
+    )
     try:
         wait_for_holder(run_dir, holder.pid)
         before = tree(tmp_path)
@@ -127,19 +120,20 @@ def test_the_supervisor_holds_the_lock_for_its_job_until_it_is_killed(tmp_path: 
     run_dir = RunDir(tmp_path / "run")
     env = environment(tmp_path)
     train_args = [f"run.dir={run_dir.path}", "train.steps=100000", *ONE_DEVICE]
-    first = subprocess.Popen(
-        [sys.executable, "-m", "msjax.launch", "--nprocs", "1", "--", *train_args],
+    first = LaunchJob.start(
+        run_dir.path,
+        ["train.steps=100000", *ONE_DEVICE],
+        devices_per_proc=None,
+        log_path=tmp_path / "first-launch.log",
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        new_session=True,
     )
     try:
         wait_for_holder(run_dir, first.pid)
         line = refused(["msjax.launch", "--"], train_args, env)
         assert f"is in use by another job (pid {first.pid} on" in line
-        assert first.poll() is None, "the first job must still be running"
+        assert first.running(), "the first job must still be running"
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(timeout=60)
+        first.send_to_group(signal.SIGKILL)
+        first.finish()
     wait_until_free(run_dir)

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,35 +20,22 @@ from checkpoint_fault_helpers import (
     unfinished_on_disk,
 )
 from checkpoint_fault_helpers import start_run as start_run  # a fixture, re-exported for pytest
+from harness import LaunchJob, TrainJob
 
 from msjax.config import CheckpointConfig
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
 from msjax.training.save_schedule import SaveSchedule
 
-REPO = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 600
 CHECKPOINT_DISK_MIB = (
     4  # the checkpoints' own disk: the tiny model's state (about 10 MB) never fits
 )
 
 
-def worker_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **extra}
-
-
 def run_train(run_dir: Path, overrides: list[str], **env: str) -> tuple[int, str]:
     """`python -m msjax.train`: its exit code and output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "msjax.train", *overrides, f"run.dir={run_dir}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=worker_env(**env),
-        cwd=run_dir.parent,
-        timeout=RUN_TIMEOUT_S,
-    )
-    return done.returncode, done.stdout
+    ended = TrainJob.start(run_dir, overrides, env=env).finish()
+    return ended.exit_code, ended.output
 
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -134,34 +118,30 @@ def one_rank_fails_a_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pat
     steps), then gets SIGTERM and both processes save the step they stop at."""
     run_dir = tmp_path_factory.mktemp("one_rank") / "run"
     cache_dir = tmp_path_factory.mktemp("compile_cache")
-    command = [
-        sys.executable, "-m", "msjax.launch", "--nprocs=2", "--devices-per-proc=2",
-        "--fault=save_error@step=2,rank=1", "--",
+    overrides = [
         "model.num_layers=2", "data.seq_len=32", "data.max_corpus_mib=1",
         "train.global_batch=8", "train.steps=100000", "train.eval_every=0",
         "train.peak_tflops=0.5", "checkpoint.every_steps=2", "mesh.data=2", "mesh.fsdp=2",
         "mesh.tensor=1", "resilience.max_restarts=0", f"resilience.compile_cache_dir={cache_dir}",
-        f"run.dir={run_dir}",
     ]  # fmt: skip
-    log_path = run_dir.parent / "launch.log"
-    with log_path.open("w") as log:
-        job = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(), cwd=run_dir.parent
-        )
+    job = LaunchJob.start(
+        run_dir,
+        overrides,
+        nprocs=2,
+        devices_per_proc=2,
+        launch_flags=["--fault=save_error@step=2,rank=1"],
+        log_path=run_dir.parent / "launch.log",
+    )
     checkpoints = RunDir(run_dir).checkpoints
-    deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
-        while not [step for step in committed_on_disk(checkpoints) if step > 2]:
-            if job.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        job.send_signal(signal.SIGTERM)
-        code = job.wait(timeout=RUN_TIMEOUT_S)
+        job.wait_for(
+            lambda: [step for step in committed_on_disk(checkpoints) if step > 2],
+            "a save after step 2 committed",
+        )
+        ended = job.stop(signal.SIGTERM)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    return run_dir, code, log_path.read_text()
+        job.kill()
+    return run_dir, ended.exit_code, ended.output
 
 
 @pytest.mark.slow
@@ -235,11 +215,9 @@ def test_a_failed_save_due_by_the_clock_is_retried_on_the_back_off_not_at_every_
         "checkpoint.every_minutes=0.02",
         "observe.flight_recorder_events=4096",
     ]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MSJAX_FAULT", "save_error@step=1,rank=0,times=3")
-        run = start_run(run_dir, overrides)
-    run.wait_until(lambda: committed_on_disk(RunDir(run_dir).checkpoints), "a committed save")
-    code = run.stop(signal.SIGTERM)
+    run = start_run(run_dir, overrides, MSJAX_FAULT="save_error@step=1,rank=0,times=3")
+    run.wait_for(lambda: committed_on_disk(RunDir(run_dir).checkpoints), "a committed save")
+    code = run.stop(signal.SIGTERM).exit_code
     output = run.output
     assert code == exit_codes.OK, output[-4000:]  # stopped by SIGTERM, saved
     begun = [  # the saves tried in the loop (not the one SIGTERM asked for)

@@ -10,25 +10,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+from harness import Finished, LaunchJob, finish_all, job_env
 
 from msjax.config import load_config
 from msjax.errors import MsjaxError
 from msjax.launch.membership import MeshPlan, Slots, replan_mesh
-from msjax.resilience.heartbeat import HeartbeatRecord
-from msjax.run_dir import RunDir
 from tests.slurm_step import SLURM_STEP_ENV
 from tests.small_runs import QUICK_RUN
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def job(*overrides: str):
+def config_of(*overrides: str):
     return load_config(None, [*QUICK_RUN, *overrides])
 
 
@@ -36,7 +31,7 @@ def job(*overrides: str):
 
 
 def test_replan_keeps_tensor_shrinks_data_and_fsdp_and_accumulates_to_keep_the_batch():
-    config = job("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.global_batch=8")
+    config = config_of("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.global_batch=8")
     plan = replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=3)
     # 3 processes hold 6 devices, tensor 2 leaves 3 replicas, which do not divide 8: 2 do, and
     # fsdp stays the larger (memory per device); 4 rows per replica in 2 passes of 2, as before
@@ -51,12 +46,12 @@ def test_replan_keeps_tensor_shrinks_data_and_fsdp_and_accumulates_to_keep_the_b
 
 
 def test_replan_uses_every_healthy_process_when_the_batch_allows():
-    config = job("mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "train.global_batch=12")
+    config = config_of("mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "train.global_batch=12")
     plan = replan_mesh(config, devices_per_proc=1, job_processes=4, healthy_processes=3)
     # 3 rows per replica and pass before; 4 rows per replica now, in 2 passes of at most 3
     assert (plan.data, plan.fsdp, plan.processes, plan.grad_accum_steps) == (3, 1, 3, 2)
     # 12 rows over 4 replicas in 3 passes: 1 row per pass; on 3 replicas 4 passes keep that
-    config = job(
+    config = config_of(
         "mesh.data=4",
         "mesh.fsdp=1",
         "mesh.tensor=1",
@@ -68,13 +63,13 @@ def test_replan_uses_every_healthy_process_when_the_batch_allows():
 
 
 def test_replan_with_every_process_healthy_is_the_jobs_own_mesh_with_its_minus_one_filled():
-    config = job("mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=1", "train.grad_accum_steps=2")
+    config = config_of("mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=1", "train.grad_accum_steps=2")
     plan = replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=4)
     assert plan == MeshPlan(data=4, fsdp=2, pipe=1, tensor=1, grad_accum_steps=2, processes=4)
 
 
 def test_replan_keeps_the_pipeline_and_its_microbatches_dividing_each_pass():
-    config = job(
+    config = config_of(
         "mesh.data=2",
         "mesh.fsdp=1",
         "mesh.pipe=2",
@@ -95,7 +90,7 @@ def test_replan_keeps_the_pipeline_and_its_microbatches_dividing_each_pass():
 
 
 def test_replan_refuses_in_one_line_where_no_mesh_fits_the_healthy_processes():
-    config = job("mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4")
+    config = config_of("mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4")
     with pytest.raises(MsjaxError) as refused:
         replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=1)
     message = str(refused.value)
@@ -147,10 +142,9 @@ SPARE_NODE_ENV = {
     **SLURM_STEP_ENV,
     "CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in range(20, 30)),
 }
-RUN_TIMEOUT_S = 900
 
 
-def job_args(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
+def job_args(cache_dir: Path, *overrides: str) -> list[str]:
     return [
         *QUICK_RUN,
         f"train.steps={STEPS}",
@@ -165,111 +159,58 @@ def job_args(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
         f"resilience.max_faults_per_slot={FAULTS_PER_SLOT}",
         "resilience.readmit_after_s=0",
         f"resilience.compile_cache_dir={cache_dir}",
-        f"run.dir={run_dir}",
         *overrides,
     ]
 
 
-class Job:
-    """One `python -m msjax.launch` job in the background, its output in a file. With
-    `held_until`, its rank 0 is SIGSTOPped once it compiles in attempt AFTER_EXCLUSION, and let
-    go on once held_until(job) holds."""
+class HeldInCompile:
+    """A job's rank 0 SIGSTOPped once it compiles in attempt AFTER_EXCLUSION, and let go on once
+    until(job) holds (held once at most)."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        nprocs: int,
-        flags: list[str],
-        args: list[str],
-        held_until: Callable[[Job], bool] | None = None,
-        node_env: dict[str, str] | None = None,
-    ):
-        self.run_dir = run_dir
-        self.held_until = held_until
+    def __init__(self, job: LaunchJob, until: Callable[[LaunchJob], bool]):
+        self.job = job
+        self.until: Callable[[LaunchJob], bool] | None = until
         self.held_pid: int | None = None
-        self.log_path = run_dir.parent / f"{run_dir.name}-launch.log"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(node_env or {})}
-        command = [
-            sys.executable,
-            "-m",
-            "msjax.launch",
-            f"--nprocs={nprocs}",
-            "--devices-per-proc=2",
-            *flags,
-            "--",
-            *args,
-        ]
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir.parent
-            )
 
-    def hold(self) -> None:
-        """Stop rank 0 in its compile after the exclusion, or let it go on once it may."""
-        if self.held_until is None:
+    def poll(self) -> None:
+        if self.until is None:
             return
-        if self.held_until(self):
+        if self.until(self.job):
             if self.held_pid is not None:
                 os.kill(self.held_pid, signal.SIGCONT)
-            self.held_until = None  # held once at most
+            self.until = None
             return
         if self.held_pid is not None:
             return
-        record = HeartbeatRecord.read(RunDir(self.run_dir).heartbeat(0))
+        record = self.job.heartbeat(0)
         if record is not None and (record.attempt, record.phase) == (AFTER_EXCLUSION, "compile"):
             os.kill(record.pid, signal.SIGSTOP)
             self.held_pid = record.pid
 
-    def finish(self) -> Finished:
-        try:
-            code = self.process.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = None
-        output = self.log_path.read_text()
-        assert code is not None, f"{self.run_dir} did not end in {RUN_TIMEOUT_S} s:\n{output}"
-        return Finished(self.run_dir, code, output)
+    def release(self) -> None:
+        if self.until is not None and self.held_pid is not None:
+            os.kill(self.held_pid, signal.SIGCONT)
 
 
-@dataclass(frozen=True)
-class Finished:
-    run_dir: Path
-    exit_code: int
-    output: str
-
-    def jsonl(self, name: str) -> list[dict[str, Any]]:
-        path = self.run_dir / name
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def losses(self) -> dict[int, float]:
-        """Each step's loss as last logged (the attempt that went on from it)."""
-        records = self.jsonl("metrics.jsonl")
-        return {record["step"]: record["loss"] for record in records if "loss" in record}
-
-
-def run_jobs(jobs: dict[str, Job]) -> dict[str, Finished]:
+def run_jobs(jobs: dict[str, LaunchJob], holds: list[HeldInCompile] = ()) -> dict[str, Finished]:
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while time.monotonic() < deadline and any(j.process.poll() is None for j in jobs.values()):
-            for job in jobs.values():
-                job.hold()
-            time.sleep(0.02)
-        return {name: job.finish() for name, job in jobs.items()}
+        return finish_all(jobs, while_running=lambda: [hold.poll() for hold in holds])
     finally:
-        for job in jobs.values():
-            if job.held_until is not None and job.held_pid is not None:
-                os.kill(job.held_pid, signal.SIGCONT)
-            if job.process.poll() is None:
-                job.process.kill()
+        for hold in holds:
+            hold.release()
 
 
-def readmitted(job: Job) -> bool:
-    return "slot 3 re-admitted" in job.log_path.read_text()
+def job(run_dir: Path, nprocs: int, flags: list[str], args: list[str], **env: str) -> LaunchJob:
+    return LaunchJob.start(
+        run_dir, args, nprocs=nprocs, devices_per_proc=2, launch_flags=flags, env=env
+    )
 
 
-def readmitted_as_a_waiting_spare(job: Job) -> bool:
+def readmitted(job: LaunchJob) -> bool:
+    return job.printed("slot 3 re-admitted")
+
+
+def readmitted_as_a_waiting_spare(job: LaunchJob) -> bool:
     waiting = job.run_dir / "logs" / "spare-slot3.log"
     return readmitted(job) and waiting.exists() and "imports done" in waiting.read_text()
 
@@ -284,39 +225,35 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
     }
     finished = run_jobs(
         {
-            "reference": Job(folder["ref"], 4, [], job_args(folder["ref"], cache)),
-            "shrink": Job(
-                folder["shrink"],
-                4,
-                [f"--fault={BAD_SLOT_FAULT}"],
-                job_args(folder["shrink"], cache),
-            ),
+            "reference": job(folder["ref"], 4, [], job_args(cache)),
+            "shrink": job(folder["shrink"], 4, [f"--fault={BAD_SLOT_FAULT}"], job_args(cache)),
         }
     )
     restored = finished["shrink"].jsonl("incidents.jsonl")[-1]["resumed_from_step"]
     from_checkpoint = tmp_path_factory.mktemp("from_checkpoint") / "run"
     resume = f"checkpoint.resume_from={folder['shrink'] / 'checkpoints' / str(restored)}"
-    shrunk_args = job_args(from_checkpoint, cache, *SHRUNK_MESH, resume)
-    finished |= run_jobs(
-        {
-            "from_checkpoint": Job(from_checkpoint, 2, [], shrunk_args),
-            "spare": Job(
-                folder["spare"],
-                4,
-                ["--spares=1", f"--fault={HEALED_SLOT_FAULT}"],
-                job_args(folder["spare"], cache, "resilience.readmit_after_s=1"),
-                held_until=readmitted_as_a_waiting_spare,
-                node_env=SPARE_NODE_ENV,
-            ),
-            "regrow": Job(
-                folder["regrow"],
-                4,
-                [f"--fault={HEALED_SLOT_FAULT}"],
-                job_args(folder["regrow"], cache, "resilience.readmit_after_s=1"),
-                held_until=readmitted,
-            ),
-        }
-    )
+    shrunk_args = job_args(cache, *SHRUNK_MESH, resume)
+    started = {
+        "from_checkpoint": job(from_checkpoint, 2, [], shrunk_args),
+        "spare": job(
+            folder["spare"],
+            4,
+            ["--spares=1", f"--fault={HEALED_SLOT_FAULT}"],
+            job_args(cache, "resilience.readmit_after_s=1"),
+            **SPARE_NODE_ENV,
+        ),
+        "regrow": job(
+            folder["regrow"],
+            4,
+            [f"--fault={HEALED_SLOT_FAULT}"],
+            job_args(cache, "resilience.readmit_after_s=1"),
+        ),
+    }
+    holds = [
+        HeldInCompile(started["spare"], readmitted_as_a_waiting_spare),
+        HeldInCompile(started["regrow"], readmitted),
+    ]
+    finished |= run_jobs(started, holds)
     return finished
 
 
@@ -431,7 +368,7 @@ def test_a_waiting_process_imports_everything_and_starts_no_jax_backend():
         "from jax._src import xla_bridge\n"
         "print('backends started:', xla_bridge.backends_are_initialized())\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = job_env()
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
@@ -441,7 +378,7 @@ def test_a_waiting_process_imports_everything_and_starts_no_jax_backend():
 
 @pytest.mark.slow
 def test_spare_waits_bounded_and_leaves_when_its_supervisor_is_gone(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = job_env()
     spare = [sys.executable, "-m", "msjax.launch.spare", str(tmp_path)]
     # never handed a rank, it leaves after --max-wait-s with nothing written
     waited = subprocess.run(

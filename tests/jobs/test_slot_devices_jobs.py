@@ -6,36 +6,20 @@ tests/jobs/test_shrink.py and tests/jobs/test_blame.py)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
+from harness import distributed_env, free_port, job_env, launch_command, run_to_end
 from slurm_step import SLURM_STEP_ENV
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def handed_to_jax(extra_env: dict[str, str]) -> list[str]:
     """The last lines of a one-process jax.distributed job in a Slurm job step's environment
     (the variables JAX's Slurm detection reads): what the worker printed and what JAX's
     jax_cuda_visible_devices holds after msjax.distributed.initialize_distributed."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        **SLURM_STEP_ENV,
-        "MSJAX_COORDINATOR": f"127.0.0.1:{free_port()}",
-        "MSJAX_NUM_PROCESSES": "1",
-        "MSJAX_PROCESS_ID": "0",
-        **extra_env,
-    }
+    env = job_env(
+        **SLURM_STEP_ENV, **distributed_env(f"127.0.0.1:{free_port()}", 1, 0), **extra_env
+    )
     program = (
         "import jax\n"
         "from msjax.distributed import JobEnv, initialize_distributed\n"
@@ -60,18 +44,8 @@ def test_a_worker_under_slurm_hands_jax_its_slots_devices_not_the_gpu_of_its_loc
 
 def test_slots_that_need_more_gpus_than_the_node_was_given_are_refused_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=2",
-        "--devices-per-proc=2",
-        "--",
-        "train.steps=1",
-        f"run.dir={run_dir}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "0,1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    command = launch_command(run_dir, ["train.steps=1"], nprocs=2, devices_per_proc=2)
+    done = run_to_end(command, 300, CUDA_VISIBLE_DEVICES="0,1")
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stderr.splitlines() == [
         "msjax.launch: error: 2 slot(s) x 2 GPU(s) each need 4 GPUs; this node has 2 "

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import REPO
 from small_runs import QUICK_RUN
 
 from msjax.launch.launches import read_launches
 from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "launch" / "slurm" / "local-cluster.sh"
 SBATCH_SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
 DEADLINE_S = 540

@@ -6,33 +6,22 @@ and the log that holds its traceback."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from harness import launch_command, run_to_end
 from small_runs import QUICK_RUN
 
 from msjax.resilience import exit_codes
 from msjax.resilience.crash_records import read_crashes
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 RAISE_STEP = 3
 
 
 @pytest.fixture(scope="module")
 def repeated_failure(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("software_fault") / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "msjax.launch",
-        "--nprocs=1",
-        "--devices-per-proc=1",
-        f"--fault=raise@step={RAISE_STEP},rank=0",
-        "--",
+    overrides = [
         *QUICK_RUN,
         "train.eval_every=0",
         "train.steps=6",
@@ -43,10 +32,9 @@ def repeated_failure(tmp_path_factory):
         "resilience.heartbeat_every_s=0.05",
         "resilience.restart_backoff_s=0.1",
         "resilience.max_faults_per_slot=2",  # before: the second crash marked the only slot bad
-        f"run.dir={run_dir}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    flags = [f"--fault=raise@step={RAISE_STEP},rank=0"]
+    done = run_to_end(launch_command(run_dir, overrides, launch_flags=flags))
     return done, RunDir(run_dir)
 
 

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import job_env
 
 from msjax.launch.workers import WorkerProcess
 from msjax.parallel.agreement import JOB_SECRET
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 SLOT = 5
 WAIT_S = 300.0  # a bound for a loaded machine; the test waits on the spare's own lines
 
@@ -40,7 +40,7 @@ def test_a_spare_takes_its_rank_from_the_supervisors_pipe_never_from_a_planted_f
     planted.parent.mkdir(parents=True)
     planted.symlink_to(forged)
     secret = os.urandom(16).hex()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = job_env()
     command = [sys.executable, "-m", "msjax.launch.spare", str(run.path), str(SLOT)]
     spare = WorkerProcess(-1, command, env, run.spare_log(SLOT), 0, echo=None)
     try:

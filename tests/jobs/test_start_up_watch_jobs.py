@@ -3,12 +3,12 @@ abandoned token-store writes, the save retry pause and the bound on unsaved time
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from harness import job_env
 
 from msjax.data.token_store import (
     TokenStoreWriter,
@@ -24,7 +24,7 @@ def test_a_killed_writers_temporary_file_is_removed_and_a_live_ones_kept(tmp_pat
         "w = TokenStoreWriter(Path(sys.argv[1]), 'uint16'); w.append(np.arange(10));"
         "w._file.flush(); import os; os._exit(0)"  # dies before commit, like a killed worker
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = job_env()
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "train.bin")], check=True, env=env)
     (abandoned,) = tmp_path.iterdir()
     with TokenStoreWriter(tmp_path / "train.bin", "uint16") as live:

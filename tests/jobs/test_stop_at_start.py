@@ -5,21 +5,16 @@ process before it has saved."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from harness import TrainJob, distributed_env, free_port, kill_all, wait_until
 from small_runs import QUICK_RUN
 
 from msjax.checkpoint.commits import committed_steps
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 400  # far more than the run takes before it sees the signal
 JOB = [
     *QUICK_RUN,
@@ -32,43 +27,33 @@ JOB = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_sigterm_while_starting_up_saves_after_the_first_step_on_every_process(tmp_path: Path):
     run_dir, port = tmp_path / "run", free_port()
-    logs = [tmp_path / f"worker{rank}.log" for rank in (0, 1)]
-    workers = []
-    for rank, log in enumerate(logs):
-        env = {
-            **os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-            "JAX_NUM_CPU_DEVICES": "1", "MSJAX_COORDINATOR": f"127.0.0.1:{port}",
-            "MSJAX_NUM_PROCESSES": "2", "MSJAX_PROCESS_ID": str(rank),
-        }  # fmt: skip
-        env.pop("MSJAX_FAULT", None)
-        with log.open("w") as out:
-            command = [sys.executable, "-m", "msjax.train", *JOB, f"run.dir={run_dir}"]
-            workers.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+    workers = [
+        TrainJob.start(
+            run_dir,
+            JOB,
+            log_path=tmp_path / f"worker{rank}.log",
+            env={"JAX_NUM_CPU_DEVICES": "1", **distributed_env(f"127.0.0.1:{port}", 2, rank)},
+        )
+        for rank in (0, 1)
+    ]
     try:
         # process 0 prints its mesh once the job is joined (JAX's preemption service, when on,
         # has its SIGTERM handler in place by then) and before the first step is compiled
-        deadline = time.monotonic() + 300
-        while "run dir" not in logs[0].read_text() and time.monotonic() < deadline:
-            assert all(worker.poll() is None for worker in workers), logs[0].read_text()
-            time.sleep(0.05)
-        assert "compiled the train step" not in logs[0].read_text()
+        def joined() -> bool:
+            assert all(worker.running() for worker in workers), workers[0].output
+            return workers[0].printed("run dir")
+
+        wait_until(joined, "process 0's mesh line")
+        assert "compiled the train step" not in workers[0].output
         for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        codes = [worker.wait(timeout=300) for worker in workers]
+            worker.send(signal.SIGTERM)
+        codes = [worker.finish().exit_code for worker in workers]
     finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-    outputs = [log.read_text() for log in logs]
+        kill_all(workers)
+    outputs = [worker.output for worker in workers]
     assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     match = re.search(r"stopped by SIGTERM after step (\d+)", outputs[0])
     assert match, outputs[0][-3000:]

@@ -5,24 +5,20 @@ outside (SIGSTOP/SIGCONT duty cycle) and hung (SIGSTOP)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from harness import TrainJob, distributed_env, free_port, kill_all, wait_until
 
 from msjax.observe.flight_recorder import FlightRecorder, diagnose
 from msjax.observe.rank_timing import describe_place
 from msjax.observe.stragglers import StragglerDetector, score_window
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 STEP_S = 0.1
 
 
@@ -149,29 +145,22 @@ JOB_ARGS = [
 ]
 
 
-def start_job(run_dir: Path, steps: int, fault: str = "") -> list[subprocess.Popen]:
+def start_job(run_dir: Path, steps: int, fault: str = "") -> list[TrainJob]:
     """A real 4-process jax.distributed job of msjax.train, one CPU device per process."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    workers = []
-    for rank in range(4):
-        env = {
-            **os.environ,
-            "JAX_NUM_CPU_DEVICES": "1",
-            "MSJAX_COORDINATOR": f"127.0.0.1:{port}",
-            "MSJAX_NUM_PROCESSES": "4",
-            "MSJAX_PROCESS_ID": str(rank),
-            "PYTHONPATH": str(REPO),
-        }
-        env.pop("MSJAX_FAULT", None)
-        if fault:
-            env["MSJAX_FAULT"] = fault
-        command = [sys.executable, "-m", "msjax.train", *JOB_ARGS]
-        command += [f"train.steps={steps}", f"run.dir={run_dir}"]
-        log = (run_dir.parent / f"{run_dir.name}-rank{rank}.log").open("w")
-        workers.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return workers
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        TrainJob.start(
+            run_dir,
+            [*JOB_ARGS, f"train.steps={steps}"],
+            log_path=run_dir.parent / f"{run_dir.name}-rank{rank}.log",
+            env={
+                "JAX_NUM_CPU_DEVICES": "1",
+                **distributed_env(coordinator, 4, rank),
+                **({"MSJAX_FAULT": fault} if fault else {}),
+            },
+        )
+        for rank in range(4)
+    ]
 
 
 def read_ranks(run_dir: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
@@ -193,16 +182,6 @@ def flight_step(run_dir: Path, rank: int) -> int:
     return max(steps, default=-1)
 
 
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 SLOW_RANK, SLOW_FROM = 2, 200
 SLOWED_STEPS = SLOW_FROM + 60  # room past the 30 steps it must be named within, on a loaded machine
 
@@ -215,7 +194,10 @@ def slowed_job(tmp_path_factory) -> Path:
     workers = start_job(
         run_dir, SLOWED_STEPS, f"slow@step={SLOW_FROM},rank={SLOW_RANK},percent=100"
     )
-    codes = [worker.wait(timeout=600) for worker in workers]
+    try:
+        codes = [worker.finish().exit_code for worker in workers]
+    finally:
+        kill_all(workers)
     assert codes == [0, 0, 0, 0], (run_dir.parent / f"{run_dir.name}-rank0.log").read_text()[-3000:]
     return run_dir
 
@@ -280,8 +262,8 @@ def test_a_rank_slowed_from_outside_is_named_and_a_sigstopped_rank_is_named_by_t
     run_dir = tmp_path / "run"
     workers = start_job(run_dir, 100_000)
     try:
-        wait_until(lambda: flight_step(run_dir, 0) >= 10, 300, "step 10")
-        wait_until(lambda: RunDir(run_dir).ranks.exists() and read_ranks(run_dir)[1], 60, "timing")
+        workers[0].wait_for(lambda: flight_step(run_dir, 0) >= 10, "step 10")
+        wait_until(lambda: RunDir(run_dir).ranks.exists() and read_ranks(run_dir)[1], "timing")
         step_times = [record["step_time_s"] for record in read_ranks(run_dir)[1]]  # per rank
         step_s = float(np.median(step_times))
         # stopped 80 ms at a time, and let run for at most half a step in between: every step
@@ -291,9 +273,9 @@ def test_a_rank_slowed_from_outside_is_named_and_a_sigstopped_rank_is_named_by_t
         deadline = time.monotonic() + 60
         named = []
         while time.monotonic() < deadline and not named:
-            workers[duty_rank].send_signal(signal.SIGSTOP)
+            workers[duty_rank].send(signal.SIGSTOP)
             time.sleep(0.08)
-            workers[duty_rank].send_signal(signal.SIGCONT)
+            workers[duty_rank].send(signal.SIGCONT)
             time.sleep(running_s)
             if RunDir(run_dir).ranks.exists():
                 named = read_ranks(run_dir)[2]
@@ -302,13 +284,18 @@ def test_a_rank_slowed_from_outside_is_named_and_a_sigstopped_rank_is_named_by_t
         assert named[0]["mesh"] == {"data": [0], "fsdp": [1], "pipe": [0], "tensor": [0]}
 
         hung_rank = 3
-        workers[hung_rank].send_signal(signal.SIGSTOP)
-        time.sleep(4.0)  # the others block in the next collective; their recorders keep dumping
+        workers[hung_rank].send(signal.SIGSTOP)
+        # the others block in the next collective; their recorders keep dumping until the
+        # flight records show a rank gone silent
+        wait_until(
+            lambda: "silent" in getattr(diagnose(run_dir), "summary", ""),
+            "a rank gone silent in the flight records",
+        )
         verdict = diagnose(run_dir)
         assert verdict is not None and verdict.rank == hung_rank, verdict
         assert "silent" in verdict.summary
     finally:
         for worker in workers:
-            worker.send_signal(signal.SIGCONT)
-            worker.kill()
-            worker.wait()
+            if worker.running():
+                worker.send(signal.SIGCONT)
+        kill_all(workers)

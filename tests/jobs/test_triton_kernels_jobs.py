@@ -11,18 +11,14 @@ kernel never writes reads 0, not what an earlier computation (the reference, say
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from harness import REPO, job_env
 from test_config import SMALL_RUN, assert_one_line_user_error
 from test_config_jobs import run_cli
 from test_triton_kernels import cpu_only
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 # A fresh interpreter (pytest's own may hold anything) that records every attempt to import
 # triton or jax_triton, failed ones too: import msjax, its models, ops, kernel context and
@@ -70,11 +66,10 @@ print(json.dumps({"before": before, "refused": refused, "after": asked}))
 
 @pytest.fixture(scope="module")
 def import_probe() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env = job_env(JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_PROBE],
-        cwd=REPO_ROOT,
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

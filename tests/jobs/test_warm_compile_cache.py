@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import job_env
 from small_runs import QUICK_RUN
 
 from msjax.run_dir import RunDir
 
-REPO = Path(__file__).resolve().parents[2]
 SECOND_PYTHON = os.environ.get("MSJAX_SECOND_PYTHON")
 PYTHONS = [
     pytest.param(sys.executable, id="this-python"),
@@ -52,12 +52,7 @@ def launch(python: str, run_dir: Path, user_cache: Path, *launcher_args: str):
         f"run.dir={run_dir}",
     ]
     # this test's own user cache folder: the first run warms it, whatever the session compiled
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "MSJAX_CACHE_DIR": str(user_cache),
-    }
+    env = job_env(MSJAX_CACHE_DIR=str(user_cache))
     for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_NUM_CPU_DEVICES"):
         env.pop(name, None)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

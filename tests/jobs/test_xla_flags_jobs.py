@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
+from harness import REPO, job_env
 
 # a newer jax installed beside the tests' own, to check its spellings (skipped when absent)
 NEWER_JAXLIB_PYTHON = os.environ.get("MSJAX_NEWER_JAXLIB_PYTHON", "")
@@ -45,12 +43,7 @@ def test_apply_before_the_backend_starts_sets_known_flags_only(tmp_path: Path) -
         "import jax; jax.numpy.ones(2).block_until_ready(); "  # XLA parses the flags: no abort
         "print(json.dumps(r.record()))"
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false",
-    }
+    env = job_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=false")
     output = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
