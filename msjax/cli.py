@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from msjax.errors import MsjaxError
 
@@ -20,3 +21,12 @@ def user_error(prog: str, error: MsjaxError) -> int:
     message = " ".join(str(error).split())
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A launcher's own arguments and, after the first `--`, the trainer's (none without one)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from msjax.cli import ArgumentParser, user_error
+from msjax.cli import ArgumentParser, split_at_double_dash, user_error
 from msjax.errors import MsjaxError
 from msjax.launch.devices import devices_per_slot, node_gpus
 from msjax.launch.incidents import Incident, IncidentLog
@@ -61,11 +61,7 @@ def _record_incident(run_dir: RunDir, health: HealthRound) -> None:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[Any, list[str]]:
-    argv = list(argv)
-    train_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, train_args = argv[:split], argv[split + 1 :]
+    argv, train_args = split_at_double_dash(argv)
     parser = ArgumentParser(
         prog="python -m msjax.doctor",
         description="Self-check the job's processes and devices: a known-answer compute test "

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from msjax.cli import ArgumentParser
+from msjax.cli import ArgumentParser, split_at_double_dash
 from msjax.config import Config, load_config
 from msjax.distributed import parse_host_port, parse_port
 from msjax.errors import MsjaxError
@@ -22,11 +22,7 @@ COORDINATOR_PORT = "MSJAX_COORDINATOR_PORT"  # --cluster slurm: the first node's
 
 
 def parse_args(argv: Sequence[str]) -> tuple[object, list[str]]:
-    argv = list(argv)
-    train_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, train_args = argv[:split], argv[split + 1 :]
+    argv, train_args = split_at_double_dash(argv)
     parser = ArgumentParser(
         prog="python -m msjax.launch",
         description="Run msjax.train as a multi-process job under a supervisor that restarts it "
