@@ -393,9 +393,12 @@ def test_spare_waits_bounded_and_leaves_when_its_supervisor_is_gone(tmp_path):
     assert "slot 0 ready in" in waited.stdout and "slot 0 not needed; leaving" in waited.stdout
     assert list(tmp_path.iterdir()) == []
     # its supervisor killed, it leaves at once (it had no deadline of its own)
-    log = tmp_path / "spare1.log"
+    # its stdin a pipe only the supervisor holds, as msjax.launch's spares have (a command put
+    # in the background would read /dev/null, the end of its input, at once)
+    log, pipe = tmp_path / "spare1.log", tmp_path / "assignments"
+    supervise = f"mkfifo {pipe}; {' '.join(spare)} 1 < {pipe} > {log} 2>&1 & exec 3> {pipe}; "
     supervisor = Job(
-        ["bash", "-c", f"{' '.join(spare)} 1 > {log} 2>&1 & echo $!; sleep 600"],
+        ["bash", "-c", supervise + "echo $!; sleep 600 3>&-"],
         tmp_path,
         tmp_path / "supervisor.log",
         env,
