@@ -1,6 +1,7 @@
 """Jobs for the job tests: `python -m msjax.train` and `python -m msjax.launch` started in the
-background with one child environment, waited on by events read from their own records (output,
-RUN_DIR's jsonl files, heartbeats, committed checkpoints), signalled, and finished.
+background with one child environment, and launch/slurm/train.sbatch submitted to a Slurm cluster,
+waited on by events read from their own records (output, RUN_DIR's jsonl files, heartbeats,
+committed checkpoints, Slurm's job state), signalled, and finished.
 
 No wait here is a sleep for a fixed time: a wait polls for its event and fails the test, naming
 the event, only past a safety timeout far longer than any machine should need.
@@ -16,11 +17,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from msjax.launch.launches import read_launches
 from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.run_dir import RunDir
 
@@ -104,7 +107,8 @@ class RunRecords:
         return read_jsonl(RunDir(self.run_dir).metrics)
 
     def launches(self) -> list[dict[str, Any]]:
-        return read_jsonl(RunDir(self.run_dir).launches)
+        """The launcher's sessions, oldest first, each as its last record (msjax's own reader)."""
+        return read_launches(RunDir(self.run_dir))
 
     def firings(self) -> list[dict[str, Any]]:
         """The injected faults that fired (RUN_DIR/faults.jsonl)."""
@@ -136,7 +140,55 @@ class Finished(RunRecords):
     output: str
 
 
-class Job(RunRecords):
+class WatchedJob(RunRecords):
+    """What every background job gives its waits: whether it still runs, how it ended, its
+    output, a way to end it; and wait_for, the one wait on an event of its records."""
+
+    poll_s = POLL_S  # how often a wait looks at the job's records and its state
+
+    @property
+    def output(self) -> str:
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def ended_as(self) -> str:
+        """How the job ended, in a few words for a failure message."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def printed(self, text: str) -> bool:
+        """An event: `text` is in the job's output."""
+        return text in self.output
+
+    def wait_for(self, event: Callable[[], T], what: str, timeout_s: float = SAFETY_TIMEOUT_S) -> T:
+        """Poll event() until it gives something true, and return that. Fails the test, naming
+        `what` and with the tail of the job's output, if the job ends first or past the safety
+        timeout (then the job is ended too)."""
+        deadline = time.monotonic() + timeout_s
+        while not (found := event()):
+            if not self.running():
+                found = event()  # what the job wrote just before it ended
+                if found:
+                    return found
+                pytest.fail(
+                    f"{what}: never came; the job ended ({self.ended_as()}) first:\n"
+                    + self.output[-OUTPUT_TAIL_CHARS:]
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(
+                    f"{what}: never came within {timeout_s:.0f} s:\n"
+                    + self.output[-OUTPUT_TAIL_CHARS:]
+                )
+            time.sleep(self.poll_s)
+        return found
+
+
+class Job(WatchedJob):
     """One process started in the background, its stdout and stderr in a log file."""
 
     def __init__(
@@ -169,37 +221,14 @@ class Job(RunRecords):
     def output(self) -> str:
         return self.log_path.read_text()
 
-    def printed(self, text: str) -> bool:
-        """An event: `text` is in the job's output."""
-        return text in self.output
-
     def worker_pids(self) -> list[int]:
         return worker_pids(self.output)
 
     def running(self) -> bool:
         return self.process.poll() is None
 
-    def wait_for(self, event: Callable[[], T], what: str, timeout_s: float = SAFETY_TIMEOUT_S) -> T:
-        """Poll event() until it gives something true, and return that. Fails the test, naming
-        `what`, if the job ends first or past the safety timeout."""
-        deadline = time.monotonic() + timeout_s
-        while not (found := event()):
-            if not self.running():
-                found = event()  # what the job wrote just before it ended
-                if found:
-                    return found
-                pytest.fail(
-                    f"{what}: never came; the job ended (exit {self.process.returncode}) first:\n"
-                    + self.output[-OUTPUT_TAIL_CHARS:]
-                )
-            if time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(
-                    f"{what}: never came within {timeout_s:.0f} s:\n"
-                    + self.output[-OUTPUT_TAIL_CHARS:]
-                )
-            time.sleep(POLL_S)
-        return found
+    def ended_as(self) -> str:
+        return f"exit {self.process.returncode}"
 
     def finish(self, timeout_s: float = SAFETY_TIMEOUT_S) -> Finished:
         """Wait for the job's end; its exit code and output."""
@@ -315,6 +344,114 @@ class LaunchJob(Job):
         return cls(command, run_dir, log_path, job_env(**(env or {})), new_session)
 
 
+SBATCH_SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
+SLURM_END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def sbatch_command(
+    name: str,
+    base: Path,
+    overrides: Iterable[str],
+    launch_flags: Iterable[str] = (),
+    sbatch_flags: Iterable[str] = (),
+) -> list[str]:
+    """`sbatch --parsable --job-name=NAME --chdir=BASE --output=BASE/NAME.out SBATCH_FLAGS
+    train.sbatch LAUNCH_FLAGS -- OVERRIDES run.dir=BASE/NAME`: launch_flags are msjax.launch's
+    options on every node, overrides the trainer's, sbatch_flags Slurm's (--time, --signal...)."""
+    return [
+        "sbatch",
+        "--parsable",
+        f"--job-name={name}",
+        f"--chdir={base}",
+        f"--output={base / f'{name}.out'}",
+        *sbatch_flags,
+        str(SBATCH_SCRIPT),
+        *launch_flags,
+        "--",
+        *overrides,
+        f"run.dir={base / name}",
+    ]
+
+
+class SlurmJob(WatchedJob):
+    """One sbatch submission of launch/slurm/train.sbatch (see sbatch_command): its output file,
+    its run directory BASE/NAME, and Slurm's record of it (`scontrol show job`), kept in `final`
+    once it ends (a requeued job has not ended)."""
+
+    poll_s = 0.1  # each look at its state asks the Slurm controller
+
+    def __init__(self, name: str, job_id: str, base: Path, env: dict[str, str]):
+        self.name = name
+        self.job_id = job_id
+        self.output_path = base / f"{name}.out"
+        self.run_dir = base / name
+        self.env = env
+        self.submitted_unix_s = time.time()
+        self.final: dict[str, str] = {}
+
+    @classmethod
+    def submit(
+        cls,
+        name: str,
+        base: Path,
+        overrides: Iterable[str],
+        *,
+        launch_flags: Iterable[str] = (),
+        sbatch_flags: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> SlurmJob:
+        """env: variables on top of job_env() (SLURM_CONF names the cluster)."""
+        env = job_env(**(env or {}))
+        command = sbatch_command(name, base, overrides, launch_flags, sbatch_flags)
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"sbatch refused job {name} (exit {done.returncode}): {done.stderr}")
+        return cls(name, done.stdout.strip().split(";")[0], base, env)
+
+    def show(self) -> dict[str, str]:
+        """Slurm's record of the job now (`scontrol -o show job`), field by field."""
+        done = subprocess.run(
+            ["scontrol", "-o", "show", "job", self.job_id],
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
+        return dict(token.split("=", 1) for token in done.stdout.split() if "=" in token)
+
+    def running(self) -> bool:
+        """Whether the job has not ended yet (pending, running or requeued)."""
+        if not self.final:
+            state = self.show()
+            if state.get("JobState") in SLURM_END_STATES:
+                self.final = state
+        return not self.final
+
+    def ended_as(self) -> str:
+        return f"{self.final.get('JobState')}, exit code {self.final.get('ExitCode')}"
+
+    @property
+    def output(self) -> str:
+        return self.output_path.read_text() if self.output_path.exists() else ""
+
+    @property
+    def wall_s(self) -> float:
+        """From its submission to its end, as Slurm recorded the end (to the second)."""
+        ended = datetime.fromisoformat(self.final["EndTime"]).timestamp()
+        return ended - self.submitted_unix_s
+
+    def finish(self, timeout_s: float = SAFETY_TIMEOUT_S) -> dict[str, str]:
+        """Wait for the job's end; Slurm's record of it."""
+        return self.wait_for(lambda: not self.running() and self.final, "the job's end", timeout_s)
+
+    def signal(self, *flags: str) -> None:
+        """scancel FLAGS JOB_ID (e.g. --signal=TERM: preempt it)."""
+        subprocess.run(["scancel", *flags, self.job_id], env=self.env, check=True)
+
+    def kill(self) -> None:
+        """Cancel the job, whatever its state."""
+        subprocess.run(["scancel", self.job_id], env=self.env, capture_output=True)
+
+
 def finish_all(
     jobs: dict[str, Job],
     while_running: Callable[[], None] = lambda: None,
@@ -336,6 +473,6 @@ def finish_all(
             job.kill()
 
 
-def kill_all(jobs: Iterable[Job]) -> None:
+def kill_all(jobs: Iterable[WatchedJob]) -> None:
     for job in jobs:
         job.kill()

@@ -16,7 +16,7 @@ from test_checkpoint import straight_run as straight_run  # a fixture, re-export
 from msjax.checkpoint.manager import committed_steps
 
 HELD_SAVE_SCRIPT = """
-import json, os, sys, time
+import json, os, sys
 from pathlib import Path
 import jax.numpy as jnp
 from msjax.checkpoint.commits import committed_steps, uncommitted_entries
@@ -30,8 +30,13 @@ checkpointer.save(1, state, {})
 checkpointer.wait()
 checkpointer.hold_write(2)
 checkpointer.save(2, state, {})
-time.sleep(3.0)  # far longer than the write of 1 took
+# how long it may take: two whole saves of the same state, started after it, each committed
+witness = Checkpointer(Path(sys.argv[2]), CheckpointConfig())
+for step in (1, 2):
+    witness.save(step, state, {})
+    witness.wait()
 found = [committed_steps(directory), uncommitted_entries(directory), checkpointer.save_in_flight()]
+found.append(committed_steps(witness.directory))
 print(json.dumps(found), flush=True)
 os._exit(0)  # as the injected crash in a save does; the held write would never end
 """
@@ -41,16 +46,17 @@ def test_a_held_save_stays_unfinished_however_long_its_process_lives(tmp_path: P
     """What makes an injected crash_in_save land mid-write on any machine: the held save does
     not commit while the process goes on, and the process dies with it unfinished."""
     done = subprocess.run(
-        [sys.executable, "-c", HELD_SAVE_SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", HELD_SAVE_SCRIPT, str(tmp_path / "held"), str(tmp_path / "witness")],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    committed, unfinished, in_flight = json.loads(done.stdout.splitlines()[-1])
-    assert committed == [1] and in_flight, done.stdout  # 2 still being written after 3 s
+    committed, unfinished, in_flight, witnessed = json.loads(done.stdout.splitlines()[-1])
+    assert witnessed == [1, 2], done.stdout  # two saves of the same state, begun later, committed
+    assert committed == [1] and in_flight, done.stdout  # while 2 is still being written
     assert [name.split(".")[0] for name in unfinished] == ["2"], unfinished
-    assert committed_steps(tmp_path) == [1]  # and never finished once its process was gone
+    assert committed_steps(tmp_path / "held") == [1]  # and never finished once its process was gone
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_fault_helpers import mounted_tmpfs
-from harness import job_env, launch_command, train_command, wait_until
+from harness import LaunchJob, job_env, launch_command, train_command, wait_until
 from small_runs import QUICK_RUN
 
 from msjax.config import load_config
@@ -334,6 +334,15 @@ def read_beat(run_dir: RunDir) -> dict:
     return {}
 
 
+def hit_the_full_disk_and_trained_on(output: str, run_dir: RunDir, step_at_fill: int) -> bool:
+    """Whether the worker's metrics and heartbeat writes hit the full disk (a warning each in the
+    output) and its heartbeat has since shown a step after step_at_fill."""
+    warned = set(warnings_per_file(output))
+    if not {str(run_dir.metrics), str(run_dir.heartbeat(0))} <= warned:
+        return False
+    return read_beat(run_dir).get("step", -1) > step_at_fill
+
+
 def metrics_lines(run_dir: RunDir) -> int:
     try:
         return run_dir.metrics.read_text().count("\n")
@@ -395,30 +404,34 @@ def test_the_supervisor_on_a_full_disk_records_its_incident_as_it_can_and_keeps_
     without a traceback; the worker trained on after the disk filled."""
     run_dir = RunDir(small_disk / "run")
     args = [*QUICK_RUN, *ONE_DEVICE, "train.steps=1000000", "train.eval_every=0"]
-    args += [f"run.dir={run_dir.path}", "checkpoint.enabled=false"]
-    with (tmp_path / "out.txt").open("w+") as out:
-        job = subprocess.Popen(
-            launch_command(None, args, devices_per_proc=None, launch_flags=["--max-restarts=0"]),
-            env=worker_env(tmp_path),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            stepping = lambda: read_beat(run_dir).get("phase") == "step"  # noqa: E731
-            first_steps = lambda: stepping() and read_beat(run_dir)["step"] > 0  # noqa: E731
-            wait_until(first_steps, "the first steps", poll_s=0.005)
-            with kept_full(small_disk):
-                step_at_fill = read_beat(run_dir)["step"]
-                time.sleep(3.0)  # metrics, ranks, flight, heartbeat and log writes hit it
-                beat = read_beat(run_dir)
-                os.kill(beat["pid"], signal.SIGKILL)
-                code = job.wait(timeout=300)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pid, signal.SIGKILL)
-        out.seek(0)
-        output = out.read()
+    args += ["checkpoint.enabled=false"]
+    job = LaunchJob.start(
+        run_dir.path,
+        args,
+        devices_per_proc=None,
+        launch_flags=["--max-restarts=0"],
+        log_path=tmp_path / "out.txt",  # not on the small disk
+        env=worker_env(tmp_path),
+        new_session=True,
+    )
+    try:
+        stepping = lambda: read_beat(run_dir).get("phase") == "step"  # noqa: E731
+        first_steps = lambda: stepping() and read_beat(run_dir)["step"] > 0  # noqa: E731
+        wait_until(first_steps, "the first steps", poll_s=0.005)
+        with kept_full(small_disk):
+            step_at_fill = read_beat(run_dir)["step"]
+            job.wait_for(
+                lambda: hit_the_full_disk_and_trained_on(job.output, run_dir, step_at_fill),
+                "the worker's warnings for its metrics and heartbeat, and a step after them",
+            )
+            beat = read_beat(run_dir)
+            os.kill(beat["pid"], signal.SIGKILL)
+            code = job.finish(timeout_s=300).exit_code
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            job.send_to_group(signal.SIGKILL)
+        job.kill()
+    output = job.output
     assert code == 4, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert beat["step"] > step_at_fill  # training went on after the disk filled

@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import Finished, LaunchJob, finish_all, job_env
+from harness import Finished, Job, LaunchJob, finish_all, job_env, wait_until
 
 from msjax.config import load_config
 from msjax.errors import MsjaxError
@@ -350,6 +349,12 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     assert [losses[s] for s in range(STEPS)] == [expected[s] for s in range(STEPS)]  # bitwise
 
 
+def first_number(output: str) -> int | None:
+    """The number on output's first line, once that line is whole."""
+    first, newline, _ = output.partition("\n")
+    return int(first) if newline else None
+
+
 def _gone(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -388,26 +393,23 @@ def test_spare_waits_bounded_and_leaves_when_its_supervisor_is_gone(tmp_path):
     assert "slot 0 ready in" in waited.stdout and "slot 0 not needed; leaving" in waited.stdout
     assert list(tmp_path.iterdir()) == []
     # its supervisor killed, it leaves at once (it had no deadline of its own)
-    log = tmp_path / "spare1.log"
-    supervisor = subprocess.Popen(
-        ["bash", "-c", f"{' '.join(spare)} 1 > {log} 2>&1 & echo $!; sleep 600"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
+    # its stdin a pipe only the supervisor holds, as msjax.launch's spares have (a command put
+    # in the background would read /dev/null, the end of its input, at once)
+    log, pipe = tmp_path / "spare1.log", tmp_path / "assignments"
+    supervise = f"mkfifo {pipe}; {' '.join(spare)} 1 < {pipe} > {log} 2>&1 & exec 3> {pipe}; "
+    supervisor = Job(
+        ["bash", "-c", supervise + "echo $!; sleep 600 3>&-"],
+        tmp_path,
+        tmp_path / "supervisor.log",
+        env,
     )
-    assert supervisor.stdout is not None
-    pid = int(supervisor.stdout.readline())
+    pid = supervisor.wait_for(lambda: first_number(supervisor.output), "the spare's pid")
     try:
-        deadline = time.monotonic() + 300
-        while not log.exists() or "waiting for a rank" not in log.read_text():
-            assert time.monotonic() < deadline and not _gone(pid), "the spare did not get ready"
-            time.sleep(0.1)
+        ready = lambda: log.exists() and "waiting for a rank" in log.read_text()  # noqa: E731
+        supervisor.wait_for(lambda: ready() or _gone(pid), "the spare's 'waiting for a rank'")
+        assert not _gone(pid), "the spare did not get ready"
         supervisor.kill()
-        supervisor.wait()
-        deadline = time.monotonic() + 10
-        while not _gone(pid):
-            assert time.monotonic() < deadline, f"the spare {pid} outlived its supervisor"
-            time.sleep(0.05)
+        wait_until(lambda: _gone(pid), f"the spare {pid} leaving once its supervisor is gone")
     finally:
         supervisor.kill()
         if not _gone(pid):

@@ -17,24 +17,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO
+from harness import (
+    REPO,
+    SBATCH_SCRIPT,
+    LaunchJob,
+    SlurmJob,
+    free_port,
+    kill_all,
+    read_jsonl,
+    run_to_end,
+)
 from small_runs import QUICK_RUN
 
-from msjax.launch.launches import read_launches
 from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.run_dir import RunDir
 
 CLUSTER = REPO / "launch" / "slurm" / "local-cluster.sh"
-SBATCH_SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
-DEADLINE_S = 540
-POLL_S = 0.1
 STEPS = 120
 SAVE_EVERY = 40
 PREEMPT_AT = 10  # steps into the first run
@@ -43,10 +48,11 @@ KILL_AFTER = 10  # steps past the resumed step of the second run
 # signals up to 30 s early): here 60-90 s into the job, past its start-up
 TIME_LIMIT_MIN = 3
 TIME_LIMIT_SIGNAL_S = 60
-END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+ONE_DEVICE_PER_NODE = ["--devices-per-proc", "1"]  # msjax.launch's options on each node
 
 
-def train_args(run_dir: Path, cache_dir: Path, steps: int = STEPS) -> list[str]:
+def train_args(cache_dir: Path, steps: int = STEPS) -> list[str]:
+    """The trainer's arguments of every job here (the harness adds run.dir)."""
     return [
         *QUICK_RUN,
         "train.eval_every=0",
@@ -60,7 +66,6 @@ def train_args(run_dir: Path, cache_dir: Path, steps: int = STEPS) -> list[str]:
         "resilience.stop_grace_s=5",
         "resilience.restart_backoff_s=0.1",
         f"resilience.compile_cache_dir={cache_dir}",
-        f"run.dir={run_dir}",
     ]
 
 
@@ -72,8 +77,8 @@ def require_slurm(reason: str) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The environment for Slurm commands: the cluster in MSJAX_SLURM_DIR if it is up, else a
-    private one started (and stopped) here."""
+    """The variables that point Slurm commands at the cluster: the one in MSJAX_SLURM_DIR if it
+    is up, else a private one started (and stopped) here."""
     missing = [
         tool for tool in ("sbatch", "slurmctld", "slurmd", "munged") if not shutil.which(tool)
     ]
@@ -90,100 +95,11 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         up = subprocess.run([CLUSTER, "up", str(cluster_dir)], capture_output=True, text=True)
         if up.returncode != 0:
             require_slurm(f"the local Slurm cluster did not start: {up.stderr.strip()[-500:]}")
-    env = {
-        **os.environ,
-        "SLURM_CONF": str(cluster_dir / "slurm.conf"),
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        "MSJAX_PYTHON": sys.executable,
-    }
     try:
-        yield env
+        yield {"SLURM_CONF": str(cluster_dir / "slurm.conf"), "MSJAX_PYTHON": sys.executable}
     finally:
         if started:
             subprocess.run([CLUSTER, "down", str(cluster_dir)], capture_output=True)
-
-
-@dataclass
-class Job:
-    """One sbatch submission of launch/slurm/train.sbatch; its output is in `output_path`."""
-
-    name: str
-    job_id: str
-    output_path: Path
-    run_dir: Path
-    env: dict[str, str]
-    submitted_s: float = field(default_factory=time.monotonic)
-    ended_s: float | None = None
-    final: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def submit(
-        cls,
-        name: str,
-        base: Path,
-        env: dict[str, str],
-        script_args: list[str],
-        sbatch_flags: list[str] = (),
-    ) -> Job:
-        output = base / f"{name}.out"
-        done = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                f"--job-name={name}",
-                f"--chdir={base}",
-                f"--output={output}",
-                *sbatch_flags,
-                str(SBATCH_SCRIPT),
-                *script_args,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return cls(name, done.stdout.strip().split(";")[0], output, base / name, env)
-
-    def show(self) -> dict[str, str]:
-        done = subprocess.run(
-            ["scontrol", "-o", "show", "job", self.job_id],
-            env=self.env,
-            capture_output=True,
-            text=True,
-        )
-        return dict(token.split("=", 1) for token in done.stdout.split() if "=" in token)
-
-    def poll(self) -> bool:
-        """Whether the job has ended (its final state is kept in `final`)."""
-        if self.ended_s is None:
-            state = self.show()
-            if state.get("JobState") in END_STATES:
-                self.ended_s = time.monotonic()
-                self.final = state
-        return self.ended_s is not None
-
-    @property
-    def output(self) -> str:
-        return self.output_path.read_text() if self.output_path.exists() else ""
-
-    def signal(self, *flags: str) -> None:
-        subprocess.run(["scancel", *flags, self.job_id], env=self.env, check=True)
-
-    def cancel(self) -> None:
-        subprocess.run(["scancel", self.job_id], env=self.env, capture_output=True)
-
-    def heartbeat(self, rank: int) -> HeartbeatRecord | None:
-        return HeartbeatRecord.read(RunDir(self.run_dir).heartbeat(rank))
-
-    def launches(self) -> list[dict[str, Any]]:
-        return read_launches(RunDir(self.run_dir))
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -195,12 +111,35 @@ def losses(run_dir: Path) -> dict[int, float]:
     }
 
 
-def training(job: Job, rank: int, past_step: int, not_pid: int | None = None) -> int | None:
+def training(job: SlurmJob, rank: int, past_step: int, not_pid: int | None = None) -> int | None:
     """The pid of rank's worker once it trains past `past_step` (a worker other than not_pid)."""
     record = job.heartbeat(rank)
     if record is None or record.phase != "step" or record.step < past_step:
         return None
     return None if record.pid == not_pid else record.pid
+
+
+def trained_past_its_start(
+    job: SlurmJob, rank: int, steps: int, not_pid: int | None
+) -> HeartbeatRecord | None:
+    """rank's heartbeat once a worker other than not_pid trains `steps` past its resumed step."""
+    record = job.heartbeat(rank)
+    if record is None or record.pid == not_pid or record.phase != "step":
+        return None
+    if record.start_step is None or record.step < record.start_step + steps:
+        return None
+    return record
+
+
+def training_in_second_run(job: SlurmJob, rank: int) -> HeartbeatRecord | None:
+    """rank's heartbeat once the job's second run (its first requeue) trains."""
+    launches = job.launches()
+    if len(launches) < 2:
+        return None  # the first run still trains or saves (its record is kept current)
+    record = job.heartbeat(rank)
+    if record is None or record.phase != "step":
+        return None
+    return record if record.unix_s >= launches[1]["started_unix_s"] else None
 
 
 @dataclass
@@ -213,7 +152,7 @@ class Timeline:
 
 @dataclass
 class Runs:
-    jobs: dict[str, Job]
+    jobs: dict[str, SlurmJob]
     hand: Path
     hand_codes: list[int]
     hand_output: str
@@ -222,61 +161,40 @@ class Runs:
     bad_node_file: Path  # names the node the bad-node job's fault stayed with
 
 
-def drive_faults(job: Job, timeline: Timeline) -> Callable[[], None]:
+def preempt_then_kill_a_worker(job: SlurmJob, timeline: Timeline) -> None:
     """Preempt the first run once it trains past PREEMPT_AT; in the requeued run, SIGKILL rank
-    1's worker KILL_AFTER steps past its resumed step; then let the job finish."""
-
-    def step() -> None:
-        events = timeline.events
-        if "preempted" not in events:
-            pid = training(job, 0, PREEMPT_AT)
-            if pid is not None:
-                timeline.facts["first_pids"] = (
-                    pid,
-                    job.heartbeat(1).pid if job.heartbeat(1) else None,
-                )
-                events["preempted"] = time.time()
-                job.signal("--signal=TERM")
-        elif "killed" not in events:
-            first_rank1 = timeline.facts["first_pids"][1]
-            record = job.heartbeat(1)
-            if record is None or record.pid == first_rank1 or record.phase != "step":
-                return
-            if record.start_step is None or record.step < record.start_step + KILL_AFTER:
-                return
-            events["killed"] = time.time()
-            timeline.facts["killed_at_step"] = record.step
-            os.kill(record.pid, signal.SIGKILL)
-
-    return step
+    1's worker KILL_AFTER steps past its resumed step; the job then goes on to its end."""
+    first_rank0 = job.wait_for(
+        lambda: training(job, 0, PREEMPT_AT), f"rank 0 of the first run training past {PREEMPT_AT}"
+    )
+    rank1 = job.heartbeat(1)
+    timeline.facts["first_pids"] = (first_rank0, rank1.pid if rank1 else None)
+    timeline.events["preempted"] = time.time()
+    job.signal("--signal=TERM")
+    record = job.wait_for(
+        lambda: trained_past_its_start(job, 1, KILL_AFTER, timeline.facts["first_pids"][1]),
+        f"a new rank 1 worker training {KILL_AFTER} steps past its resumed step",
+    )
+    timeline.events["killed"] = time.time()
+    timeline.facts["killed_at_step"] = record.step
+    os.kill(record.pid, signal.SIGKILL)
 
 
-def drive_time_limit(job: Job, timeline: Timeline) -> Callable[[], None]:
+def cancel_once_requeued_after_its_time_limit(job: SlurmJob, timeline: Timeline) -> None:
     """Once the run after the time limit's requeue trains, cancel the job (it would train on)."""
-
-    def step() -> None:
-        if "cancelled" in timeline.events:
-            return
-        launches = job.launches()
-        if len(launches) < 2:
-            return  # the first run still trains or saves (its record is kept current)
-        record = job.heartbeat(0)
-        if record is None or record.phase != "step":
-            return
-        if record.unix_s < launches[1]["started_unix_s"]:
-            return  # still the first run's
-        timeline.facts["resumed_from_step"] = record.start_step
-        timeline.events["cancelled"] = time.time()
-        job.cancel()
-
-    return step
+    record = job.wait_for(
+        lambda: training_in_second_run(job, 0), "the run after the time limit's requeue training"
+    )
+    timeline.facts["resumed_from_step"] = record.start_step
+    timeline.events["cancelled"] = time.time()
+    job.kill()
 
 
 BAD_NODE_STEPS = 40
 BAD_NODE_CRASH_AT = 3
 
 
-def submit_bad_node_job(base: Path, env: dict[str, str], cache: Path) -> tuple[Job, Path]:
+def submit_bad_node_job(base: Path, env: dict[str, str], cache: Path) -> tuple[SlurmJob, Path]:
     """A 2-node job whose first node rank 1 crashes at every start, whatever rank it runs
     then (a requeue may place it first): the fault stays with that node (a broken machine),
     through MSJAX_PYTHON, a wrapper that sets MSJAX_FAULT there. Returns the job and the file
@@ -295,112 +213,83 @@ def submit_bad_node_job(base: Path, env: dict[str, str], cache: Path) -> tuple[J
         f'exec {sys.executable} "$@"\n'
     )
     wrapper.chmod(0o755)
-    args = [
-        "--devices-per-proc",
-        "1",
-        "--",
-        *train_args(base / "bad_node", cache, steps=BAD_NODE_STEPS),
-        "resilience.max_faults_per_slot=2",
+    job = SlurmJob.submit(
+        "bad_node",
+        base,
+        [*train_args(cache, steps=BAD_NODE_STEPS), "resilience.max_faults_per_slot=2"],
+        launch_flags=ONE_DEVICE_PER_NODE,
+        env={**env, "MSJAX_PYTHON": str(wrapper)},
+    )
+    return job, bad_file
+
+
+def submit_jobs(base: Path, env: dict[str, str], cache: Path) -> dict[str, SlurmJob]:
+    """The clean, faults, user-error and time-limit jobs, submitted side by side."""
+
+    def submit(name: str, overrides: list[str], sbatch_flags: list[str] = ()) -> SlurmJob:
+        return SlurmJob.submit(
+            name,
+            base,
+            overrides,
+            launch_flags=ONE_DEVICE_PER_NODE,
+            sbatch_flags=sbatch_flags,
+            env=env,
+        )
+
+    return {
+        "clean": submit("clean", train_args(cache)),
+        "faults": submit("faults", train_args(cache)),
+        # a config mistake: every node's launcher exits 2 before starting a worker
+        "user_error": submit("user_error", [*train_args(cache), "train.steps=-3"]),
+        "time_limit": submit(
+            "time_limit",
+            [*train_args(cache, steps=1_000_000), "checkpoint.every_steps=1000000"],
+            [f"--time={TIME_LIMIT_MIN}", f"--signal=TERM@{TIME_LIMIT_SIGNAL_S}"],
+        ),
+    }
+
+
+def launch_by_hand(hand: Path, cache: Path) -> list[LaunchJob]:
+    """The same job as "clean" launched by hand, without Slurm: msjax.launch on each node."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        LaunchJob.start(
+            hand,
+            train_args(cache),
+            launch_flags=["--nnodes=2", f"--node-rank={node_rank}", f"--coordinator={coordinator}"],
+            log_path=hand.parent / f"hand-{node_rank}.log",
+        )
+        for node_rank in (0, 1)
     ]
-    return Job.submit("bad_node", base, {**env, "MSJAX_PYTHON": str(wrapper)}, args), bad_file
-
-
-def free_port() -> int:
-    import portpicker
-
-    return portpicker.pick_unused_port()
 
 
 @pytest.fixture(scope="module")
 def runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     base = tmp_path_factory.mktemp("slurm-jobs")
     cache = base / "compile-cache"
-    launcher = ["--devices-per-proc", "1", "--"]
-    jobs: dict[str, Job] = {}
-    hand_processes: list[subprocess.Popen] = []
-    started_s = time.monotonic()
+    jobs: dict[str, SlurmJob] = {}
+    by_hand: list[LaunchJob] = []
     try:
-        jobs["clean"] = Job.submit(
-            "clean", base, slurm_env, [*launcher, *train_args(base / "clean", cache)]
-        )
-        jobs["faults"] = Job.submit(
-            "faults", base, slurm_env, [*launcher, *train_args(base / "faults", cache)]
-        )
-        # a config mistake: every node's launcher exits 2 before starting a worker
-        jobs["user_error"] = Job.submit(
-            "user_error",
-            base,
-            slurm_env,
-            [*launcher, *train_args(base / "user_error", cache), "train.steps=-3"],
-        )
-        jobs["time_limit"] = Job.submit(
-            "time_limit",
-            base,
-            slurm_env,
-            [
-                *launcher,
-                *train_args(base / "time_limit", cache, steps=1_000_000),
-                "checkpoint.every_steps=1000000",
-            ],
-            [f"--time={TIME_LIMIT_MIN}", f"--signal=TERM@{TIME_LIMIT_SIGNAL_S}"],
-        )
+        jobs |= submit_jobs(base, slurm_env, cache)
         jobs["bad_node"], bad_node_file = submit_bad_node_job(base, slurm_env, cache)
-        # the same job as "clean" launched by hand, without Slurm
-        hand = base / "hand"
-        coordinator = f"127.0.0.1:{free_port()}"
-        hand_log = base / "hand.log"
-        with hand_log.open("w") as log:
-            for node_rank in (0, 1):
-                hand_processes.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "msjax.launch",
-                            "--nnodes=2",
-                            f"--node-rank={node_rank}",
-                            f"--coordinator={coordinator}",
-                            "--nprocs=1",
-                            "--devices-per-proc=1",
-                            "--",
-                            *train_args(hand, cache),
-                        ],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=slurm_env,
-                    )
-                )
+        by_hand += launch_by_hand(base / "hand", cache)
         timelines = {"faults": Timeline(), "time_limit": Timeline()}
-        drivers = [
-            drive_faults(jobs["faults"], timelines["faults"]),
-            drive_time_limit(jobs["time_limit"], timelines["time_limit"]),
-        ]
-        deadline = time.monotonic() + DEADLINE_S
-        while not all([job.poll() for job in jobs.values()]) or any(
-            p.poll() is None for p in hand_processes
-        ):
-            if time.monotonic() > deadline:
-                pending = [name for name, job in jobs.items() if job.ended_s is None]
-                pytest.fail(f"jobs {pending} did not end within {DEADLINE_S} s")
-            for drive in drivers:
-                drive()
-            time.sleep(POLL_S)
+        preempt_then_kill_a_worker(jobs["faults"], timelines["faults"])
+        cancel_once_requeued_after_its_time_limit(jobs["time_limit"], timelines["time_limit"])
+        for job in jobs.values():
+            job.finish()
+        hand_finished = [launcher.finish() for launcher in by_hand]
         yield Runs(
             jobs=jobs,
-            hand=hand,
-            hand_codes=[p.returncode for p in hand_processes],
-            hand_output=hand_log.read_text(),
+            hand=base / "hand",
+            hand_codes=[finished.exit_code for finished in hand_finished],
+            hand_output="".join(finished.output for finished in hand_finished),
             timelines=timelines,
-            wall_s={name: job.ended_s - started_s for name, job in jobs.items()},
+            wall_s={name: job.wall_s for name, job in jobs.items()},
             bad_node_file=bad_node_file,
         )
     finally:
-        for job in jobs.values():
-            job.cancel()
-        for process in hand_processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        kill_all([*jobs.values(), *by_hand])
 
 
 @pytest.mark.slow
@@ -491,12 +380,7 @@ def test_one_record_across_requeues(runs):
     assert requeues[0]["scheduler_s"] == pytest.approx(gaps[0], abs=0.01)
     assert requeues[0]["restart_s"] > requeues[0]["scheduler_s"]
     assert any(i["cause"] == "crash" and i["rank"] == 1 for i in incidents)
-    report = subprocess.run(
-        [sys.executable, "-m", "msjax.report", str(job.run_dir)],
-        capture_output=True,
-        text=True,
-        env=job.env,
-    )
+    report = run_to_end([sys.executable, "-m", "msjax.report", str(job.run_dir)])
     assert report.returncode == 0, report.stderr
     assert "launches: 3" in report.stdout
     for launch in launches:
