@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,14 +136,10 @@ def test_peak_of_an_unknown_accelerator_asks_for_train_peak_tflops():
     assert peak_tflops_per_device(device, override=123.0) == 123.0
 
 
-def test_cpu_peak_measurement_is_positive_finite_and_quick():
-    import jax
-
-    jax.devices("cpu")  # start the backend outside the timed part
-    start = time.perf_counter()
+def test_cpu_peak_is_measured_once_positive_and_finite():
     tflops = measure_cpu_peak_tflops()
-    assert time.perf_counter() - start < 5.0
     assert math.isfinite(tflops) and tflops > 0
+    assert measure_cpu_peak_tflops() is tflops  # every later step's MFU reads the one measurement
 
 
 def test_cpu_peak_is_the_measured_machine_peak_shared_by_the_cpu_devices():
