@@ -89,6 +89,13 @@ def mesh_device_count(mesh: MeshConfig, unknown: int = 1) -> int:
     return math.prod(unknown if size == -1 else size for size in mesh.axis_sizes().values())
 
 
+def fixed_mesh_device_count(mesh: MeshConfig) -> int | None:
+    """The devices a mesh config asks for; None when an axis is -1 (the devices decide it)."""
+    if -1 in mesh.axis_sizes().values():
+        return None
+    return mesh_device_count(mesh)
+
+
 def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     """Mesh axis sizes with -1 filled in; ConfigError if they cannot cover device_count exactly."""
     sizes = mesh.axis_sizes()

@@ -425,9 +425,10 @@ def check_output_dirs(config: Config) -> None:
     """Every directory the run will write (run dir, corpus cache, compile cache) can be written."""
     from msjax.data.sources import resolve_cache_dir
 
+    cache_dir = resolve_cache_dir(config.data)  # found before the checks, which all write
     check_writable_dir(Path(config.run.dir or "."), "run.dir")
     cache_key = "data.cache_dir" if config.data.cache_dir else "MSJAX_CACHE_DIR (or ~/.cache/msjax)"
-    check_writable_dir(resolve_cache_dir(config.data), cache_key)
+    check_writable_dir(cache_dir, cache_key)
     compile_cache = config.resilience.compile_cache_dir
     if config.resilience.compile_cache and compile_cache:
         check_writable_dir(Path(compile_cache), "resilience.compile_cache_dir")

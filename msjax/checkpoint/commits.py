@@ -22,6 +22,15 @@ def committed_steps(directory: Path) -> list[int]:
     )
 
 
+def newest_committed_step(directory: Path) -> int | None:
+    """The newest committed step in directory; None when none is (or none is readable)."""
+    try:
+        steps = committed_steps(directory)
+    except OSError:
+        return None
+    return steps[-1] if steps else None
+
+
 def uncommitted_entries(directory: Path) -> list[str]:
     """Names of step directories that were started but never finalized."""
     if not directory.is_dir():

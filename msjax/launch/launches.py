@@ -9,7 +9,6 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from msjax.checkpoint.commits import committed_steps
 from msjax.launch.attempt import Attempt
 from msjax.launch.incidents import Incident
 from msjax.observe.goodput import read_records
@@ -42,15 +41,6 @@ def read_launches(run_dir: RunDir) -> list[dict[str, Any]]:
         if "started_unix_s" in record and isinstance(record.get("launch"), int):
             last[record["launch"]] = record
     return [last[number] for number in sorted(last)]
-
-
-def newest_committed(run_dir: RunDir) -> int | None:
-    """The step of the run's newest committed checkpoint; None when none is (or none readable)."""
-    try:
-        steps = committed_steps(run_dir.checkpoints)
-    except OSError:
-        return None
-    return steps[-1] if steps else None
 
 
 def attempt_record(attempt: Attempt) -> dict[str, Any]:

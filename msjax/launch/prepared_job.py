@@ -14,11 +14,12 @@ from msjax.config import Config
 from msjax.data.sources import check_sources
 from msjax.distributed import ensure_job_secret
 from msjax.errors import MsjaxError
-from msjax.launch.devices import devices_per_slot, node_gpus
-from msjax.launch.job_options import LaunchOptions, default_devices_per_proc, job_config
+from msjax.launch.devices import default_devices_per_proc, devices_per_slot, node_gpus
+from msjax.launch.job_options import LaunchOptions, job_config
 from msjax.launch.layout import JobLayout
 from msjax.launch.supervisor import Supervisor
 from msjax.llama_config import model_from_init
+from msjax.resolve import fixed_mesh_device_count
 from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
 from msjax.run_lock import RunDirLock
 from msjax.writable import WriteFailed
@@ -64,7 +65,8 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
     config = job_config(options.train_args, options.max_restarts, options.nnodes)
     devices = options.devices_per_proc
     if devices is None:
-        devices = default_devices_per_proc(config, options.nprocs * options.nnodes)
+        mesh_devices = fixed_mesh_device_count(config.mesh)
+        devices = default_devices_per_proc(mesh_devices, options.nprocs * options.nnodes)
     elif devices < 1:
         raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
     devices = devices_per_slot(options.nprocs + options.spares, devices, node_gpus())
