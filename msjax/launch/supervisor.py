@@ -6,7 +6,7 @@ states and the moves between them are one table (supervisor_states.py); an attem
 watched in attempt_runner.py, what counts as a fault is in fault_detection.py, what is done about
 it in after_fault.py and policy.py, which slots run the job and on which mesh in
 job_membership.py, what an incident records in incidents.py, the launch's record in
-launch_record.py.
+launches.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from msjax.launch.attempt_runner import AttemptRunner
 from msjax.launch.fault_detection import DetectedFault, start_up_failure, timings_of
 from msjax.launch.incidents import IncidentLog
 from msjax.launch.job_membership import JobMembership
-from msjax.launch.launch_record import LaunchRecord
-from msjax.launch.launches import RUNNING
+from msjax.launch.launches import RUNNING, LaunchRecord
 from msjax.launch.layout import JobLayout
 from msjax.launch.policy import Action, FaultHistory
 from msjax.launch.slots import node_name
