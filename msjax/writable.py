@@ -126,6 +126,18 @@ def write_text_atomically(path: Path, text: str, durable: bool = True) -> None:
         raise WriteFailed(error.errno, f"cannot write {path}: {error.strerror}") from None
 
 
+def write_private_file(text: str, prefix: str, suffix: str, what: str) -> Path:
+    """A new temporary file of this machine, readable by its owner alone, holding text; a
+    failure raises WriteFailed (one line naming `what`)."""
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+    except OSError as error:
+        raise WriteFailed(error.errno, f"cannot write {what}: {error}") from None
+    return Path(name)
+
+
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 

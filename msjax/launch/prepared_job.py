@@ -4,13 +4,10 @@ checked, locked and created, the workers' config written, and its supervisor bui
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from msjax.config import Config
 from msjax.data.sources import check_sources
 from msjax.distributed import ensure_job_secret
 from msjax.errors import MsjaxError
@@ -22,7 +19,7 @@ from msjax.llama_config import model_from_init
 from msjax.resolve import fixed_mesh_device_count
 from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
 from msjax.run_lock import RunDirLock
-from msjax.writable import WriteFailed
+from msjax.writable import WriteFailed, write_private_file
 
 
 @dataclass
@@ -87,7 +84,9 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
         worker_config = plan.run_dir.job_config
         write_text_atomically(worker_config, config.to_yaml())
     else:
-        worker_config = job.node_config = node_local_job_config(config)
+        worker_config = job.node_config = write_private_file(
+            config.to_yaml(), "msjax-job-config-", ".yaml", "the workers' config"
+        )
     if not ensure_job_secret(options.nnodes):
         print(
             "msjax.launch: warning: MSJAX_JOB_SECRET is not set, so this multi-node job's "
@@ -102,14 +101,3 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
     return Supervisor(
         config, plan.path, worker_args, layout, faults=options.fault, spares=options.spares
     )
-
-
-def node_local_job_config(config: Config) -> Path:
-    """The workers' config on a node other than node 0: a private temporary file of this node."""
-    try:
-        descriptor, name = tempfile.mkstemp(prefix="msjax-job-config-", suffix=".yaml")
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.write(config.to_yaml())
-    except OSError as error:
-        raise WriteFailed(error.errno, f"cannot write the workers' config: {error}") from None
-    return Path(name)
