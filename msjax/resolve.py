@@ -150,9 +150,13 @@ def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
 
 
+def resolve_for_devices(config: Config, device_count: int, backend: str) -> Config:
+    """What resolution needs the devices for: the mesh filled in and checked, kernels chosen."""
+    config = check_device_count(config, device_count)
+    return dataclasses.replace(config, model=resolve_model(config.model, backend))
+
+
 def resolve(config: Config, device_count: int, backend: str) -> Config:
     """The run's resolved config: mesh filled in and checked, kernels chosen, run.dir set."""
     config = model_from_init(config)  # model.init_from: filled from, or checked against, it
-    config = check_device_count(config, device_count)
-    config = dataclasses.replace(config, model=resolve_model(config.model, backend))
-    return resolve_run_dir(config)
+    return resolve_run_dir(resolve_for_devices(config, device_count, backend))

@@ -37,7 +37,7 @@ from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
 from msjax.resilience.worker import StepHooks, WorkerResilience
-from msjax.resolve import mesh_device_count, resolve, resolve_run_dir
+from msjax.resolve import mesh_device_count, resolve_for_devices, resolve_run_dir
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
@@ -87,14 +87,16 @@ class PreparedRun:
 
 
 def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
-    """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config."""
+    """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config
+    (config comes from plan_run: its model filled from model.init_from, run.dir chosen)."""
     import jax
 
     xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
-    return resolve(config, jax.device_count(), jax.default_backend()), job, xla_flags
+    resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
+    return resolved, job, xla_flags
 
 
 def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
@@ -156,7 +158,7 @@ def prepare_run(
 
     started = time.perf_counter()
     config, plan, resume = plan_run(config)
-    config, job, xla_flags = join_job(config)  # keeps plan_run's run.dir and model
+    config, job, xla_flags = join_job(config)
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
