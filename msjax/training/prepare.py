@@ -36,7 +36,7 @@ from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
-from msjax.resilience.worker import StepHooks, WorkerResilience
+from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve_for_devices, resolve_run_dir
 from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
 from msjax.run_lock import RunDirLock
@@ -187,6 +187,8 @@ def build_run(
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
+    import jax
+
     run_dir = joined.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
@@ -196,19 +198,32 @@ def build_run(
     record_run(config, joined, data.training, mesh, message)
     state = build_state(config, mesh, data, joined, message)
     describe_data(data.training, config.train, state.start, message)
-    resilience = state.resilience
+    resilience, program = state.resilience, state.program
+    hooks = resilience.step_hooks
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
     train_step = start_and_compile(events, state, compile_cache, message)
+    # what reports each step's metrics, with what tokens/s and MFU are reckoned from
+    results = StepResults(
+        events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
+        hooks.loss,
+    )  # fmt: skip
+    validation = data.training.validation
+    steps = LoopSteps(train_step, program.eval_step, validation, program.batch_sharding, hooks)
+    saves = CheckpointSaves(
+        config, state.checkpointer, state.start, events, message,
+        to_canonical=program.to_canonical, corpus=data.corpus,
+        allowed_data_changes=state.allowed_data_changes,
+    )  # fmt: skip
     return PreparedRun(
         config=config,
         run_dir=run_dir,
-        program=state.program,
-        results=build_results(config, events, data, resilience.step_hooks),
-        steps=build_steps(state.program, train_step, data.training, resilience.step_hooks),
+        program=program,
+        steps=steps,
         start=state.start,
         data=data.training,
         events=events,
-        saves=build_saves(config, state, data.corpus, events, message),
+        results=results,
+        saves=saves,
         resilience=resilience,
         progress=progress,
         started=joined.started,
@@ -223,6 +238,7 @@ class RunData:
     training: TrainingData
     corpus: dict[str, Any]  # its identity, recorded in every checkpoint (msjax.data.identity)
     heartbeat: Heartbeat  # this rank's one heartbeat, from the data phase to the end of the loop
+    tokens_per_step: int  # global_batch x seq_len: what tokens/s is reckoned from
     step_flops: float  # the model FLOPs of one step on global_batch x seq_len tokens
     peak_tflops: float  # per device: with step_flops, what the MFU is reckoned from
 
@@ -247,9 +263,10 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
     with watch:
         data = build_training_data(config, message)
     corpus = data.identity()
+    tokens_per_step = config.train.global_batch * config.data.seq_len
     step_flops = flops_per_step(config)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
-    return RunData(data, corpus, heartbeat, step_flops, peak_tflops)
+    return RunData(data, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
 
 
 def record_run(
@@ -351,49 +368,6 @@ def start_and_compile(
         message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
         events.compiled(train_step)
     return train_step
-
-
-def build_results(
-    config: Config, events: EventFanOut, data: RunData, hooks: StepHooks
-) -> StepResults:
-    """The reader of each step's metrics, with what it needs to report tokens/s and MFU."""
-    import jax
-
-    tokens_per_step = config.train.global_batch * config.data.seq_len
-    return StepResults(
-        events, tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
-        hooks.loss,
-    )  # fmt: skip
-
-
-def build_saves(
-    config: Config,
-    state: RunState,
-    corpus: dict[str, Any],
-    events: EventFanOut,
-    message: Callable[[str], None],
-) -> CheckpointSaves:
-    """The run's saves: what they record beside the state, and where they are written."""
-    return CheckpointSaves(
-        config,
-        state.checkpointer,
-        state.start,
-        events,
-        message,
-        to_canonical=state.program.to_canonical,
-        corpus=corpus,
-        allowed_data_changes=state.allowed_data_changes,
-    )
-
-
-def build_steps(
-    program: TrainProgram, train_step: Any, data: TrainingData, hooks: StepHooks
-) -> LoopSteps:
-    """The loop's steps: the compiled train step, the eval step and its batches on the devices."""
-    import jax
-
-    validation = [jax.device_put(batch, program.batch_sharding) for batch in data.validation]
-    return LoopSteps(train_step, program.eval_step, validation, hooks)
 
 
 def optional_listeners(
