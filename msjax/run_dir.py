@@ -383,10 +383,6 @@ def _is_path(value: object) -> bool:
     return isinstance(value, property) and value.fget.__annotations__.get("return") == "Path"
 
 
-def write_json(path: Path, value: Any, indent: int = 2) -> None:
-    write_text_atomically(path, json.dumps(value, indent=indent) + "\n")
-
-
 def save_config(config: Config, run_dir: RunDir) -> None:
     """The resolved config, as YAML for people and JSON for tools; the JSON first, as config.yaml
     counts as msjax's only with a config.json beside it that says the same."""

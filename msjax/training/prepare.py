@@ -38,7 +38,7 @@ from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve_for_devices, resolve_run_dir
-from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
+from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config
 from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
 from msjax.training.checkpoints import (
@@ -50,6 +50,7 @@ from msjax.training.checkpoints import (
 )
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
 from msjax.training.steps import LoopSteps
+from msjax.writable import write_json
 
 
 @dataclass
@@ -107,7 +108,8 @@ def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
     model filled from model.init_from: all of resolution that decides whether a run dir holds
     this run (the mesh and the kernels may change on resume, and need the devices).
     """
-    config = model_from_init(resolve_run_dir(config))
+    config = resolve_run_dir(config)
+    config = model_from_init(config)
     plan = plan_run_dir(config)
     return config, plan, resume_source(config, plan)
 
