@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from msjax import __version__
-from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored
+from msjax.checkpoint.commits import DAMAGED_DIR
+from msjax.checkpoint.manager import Checkpointer, Restored
 from msjax.config import Config, config_from_dict
 from msjax.data.identity import corpus_changes
 from msjax.errors import MsjaxError
@@ -49,7 +50,7 @@ def restore_or_init(
     state: from model.init_from, or initialized; never a new state where checkpoints exist but
     none restores (refuse_silent_restart).
 
-    resume: checkpoint.resume_from as msjax.training.prepare.resume_source parsed it, or None
+    resume: checkpoint.resume_from as msjax.checkpoint.commits.resume_source parsed it, or None
     where it does not apply.
     """
     import jax

@@ -13,17 +13,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.checkpoint.manager import (
-    Checkpointer,
-    committed_steps,
-    damaged_entries,
-    parse_resume_source,
-)
+from msjax.checkpoint.commits import resume_source
+from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
-from msjax.errors import MsjaxError
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
@@ -111,27 +106,8 @@ def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
     config = resolve_run_dir(config)
     config = model_from_init(config)
     plan = plan_run_dir(config)
-    return config, plan, resume_source(config, plan)
-
-
-def resume_source(config: Config, plan: RunDirPlan) -> ResumeSource | None:
-    """checkpoint.resume_from, parsed and checked (a finished checkpoint, of STEP if named); None
-    where it does not apply: unset, or the run dir continues a run whose own checkpoints/ holds
-    a committed step or damaged ones (it saved before: reruns and restarts resume from there)."""
-    source = config.checkpoint.resume_from
     own = plan.run_dir.checkpoints
-    if not source or (plan.continues_run and (committed_steps(own) or damaged_entries(own))):
-        return None
-    directory, step = parse_resume_source(source)
-    steps = committed_steps(directory)
-    if not steps or (step is not None and step not in steps):
-        wanted = f"of step {step} " if step is not None else ""
-        finished = ", ".join(map(str, steps[-5:])) or "none"
-        raise MsjaxError(
-            f"checkpoint.resume_from={source}: no finished checkpoint {wanted}in {directory} "
-            f"(finished steps: {finished})"
-        )
-    return directory, step
+    return config, plan, resume_source(config.checkpoint.resume_from, own, plan.continues_run)
 
 
 @dataclass(frozen=True)
