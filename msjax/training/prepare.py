@@ -173,7 +173,7 @@ def build_run(
     mesh = build_mesh(config.mesh)
     message = progress.message
     data = build_data(config, joined, message)
-    record_run(config, joined, data.training, mesh, message)
+    record_run(config, joined, data.facts, mesh, message)
     state = build_state(config, mesh, data, joined, message)
     describe_data(data.training, config.train, state.start, message)
     resilience, program = state.resilience, state.program
@@ -214,6 +214,7 @@ class RunData:
     a step does on it."""
 
     training: TrainingData
+    facts: dict[str, Any]  # what each source holds, for the run record (data_facts.json)
     corpus: dict[str, Any]  # its identity, recorded in every checkpoint (msjax.data.identity)
     heartbeat: Heartbeat  # this rank's one heartbeat, from the data phase to the end of the loop
     tokens_per_step: int  # global_batch x seq_len: what tokens/s is reckoned from
@@ -240,17 +241,17 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
         watch = write_progress(lambda tokens: heartbeat.beat("data", progress=tokens))
     with watch:
         data = build_training_data(config, message)
-    corpus = data.identity()
+    facts, corpus = data.facts(), data.identity()
     tokens_per_step = config.train.global_batch * config.data.seq_len
     step_flops = flops_per_step(config)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
-    return RunData(data, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
+    return RunData(data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
 
 
 def record_run(
     config: Config,
     joined: JoinedJob,
-    data: TrainingData,
+    data_facts: dict[str, Any],
     mesh: Any,
     message: Callable[[str], None],
 ) -> None:
@@ -261,7 +262,7 @@ def record_run(
         check_tensorboard_installed()
     if jax.process_index() == 0:
         lock = joined.lock if not joined.job.launched else None
-        write_run_record(joined.plan, config, data, message, lock)
+        write_run_record(joined.plan, config, data_facts, message, lock)
         write_json(joined.run_dir.xla_flags, joined.xla_flags.record())
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     message(
@@ -366,7 +367,7 @@ def optional_listeners(
 def write_run_record(
     plan: RunDirPlan,
     config: Config,
-    data: TrainingData,
+    data_facts: dict[str, Any],
     message: Callable[[str], None],
     lock: RunDirLock | None,
 ) -> None:
@@ -379,7 +380,7 @@ def write_run_record(
     if aside is not None:
         message(f"run.overwrite=true: the earlier run in {plan.path} moved to {aside}")
     save_config(config, plan.run_dir)
-    write_json(plan.run_dir.data_facts, data.facts())
+    write_json(plan.run_dir.data_facts, data_facts)
 
 
 def describe_data(
