@@ -151,9 +151,9 @@ def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
 
 
 def resolve_for_devices(config: Config, device_count: int, backend: str) -> Config:
-    """What resolution needs the devices for: the mesh filled in and checked, kernels chosen."""
-    config = check_device_count(config, device_count)
-    return dataclasses.replace(config, model=resolve_model(config.model, backend))
+    """What resolution needs the devices for: kernels chosen, the mesh filled in and checked."""
+    config = dataclasses.replace(config, model=resolve_model(config.model, backend))
+    return check_device_count(config, device_count)
 
 
 def resolve(config: Config, device_count: int, backend: str) -> Config:
