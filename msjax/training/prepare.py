@@ -223,8 +223,8 @@ class RunData:
 
 
 def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]) -> RunData:
-    """This rank's heartbeat, the corpus read (or tokenized) and identified, the FLOPs of a step
-    on it, and the devices' peak TFLOP/s (measured on CPU, where no table holds it)."""
+    """This rank's heartbeat, the FLOPs of a step and the devices' peak TFLOP/s (measured on
+    CPU, where no table holds it), then the corpus read (or tokenized) and identified."""
     import jax
 
     heartbeat = Heartbeat(
@@ -239,12 +239,12 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
     if joined.job.launched:
         heartbeat.beat("data")
         watch = write_progress(lambda tokens: heartbeat.beat("data", progress=tokens))
-    with watch:
-        data = build_training_data(config, message)
-    facts, corpus = data.facts(), data.identity()
     tokens_per_step = config.train.global_batch * config.data.seq_len
     step_flops = flops_per_step(config)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+    with watch:
+        data = build_training_data(config, message)
+    facts, corpus = data.facts(), data.identity()
     return RunData(data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
 
 
