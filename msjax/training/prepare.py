@@ -17,6 +17,7 @@ from msjax.checkpoint.commits import resume_source
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
+from msjax.data.identity import allowed_corpus_changes
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
 from msjax.llama_config import model_from_init
@@ -40,7 +41,6 @@ from msjax.training.checkpoints import (
     CheckpointSaves,
     ResumeSource,
     StartingPoint,
-    check_same_corpus,
     restore_or_init,
 )
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
@@ -301,7 +301,13 @@ def build_state(
     abstract_state = program.abstract_state()
     resilience.beat("restore")
     start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
-    allowed_data_changes = check_same_corpus(config, start, data.corpus, message)
+    allowed_data_changes: list[dict[str, Any]] = []
+    if start.restored is not None:  # on the checkpoint's corpus, unless data.allow_changed
+        restored = start.restored
+        allowed_data_changes = allowed_corpus_changes(
+            restored.meta.get("data", {}), data.corpus, config.data.allow_changed, start.step,
+            restored.path, message,
+        )  # fmt: skip
     return RunState(checkpointer, resilience, program, abstract_state, start, allowed_data_changes)
 
 
