@@ -181,6 +181,24 @@ def _report_replaced(report: Report, path: Path, replaced: int) -> None:
     report(f"{path}: replaced {replaced} undecodable byte sequences with U+FFFD")
 
 
+def _file_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of path's content, remembered by (path, size, mtime, inode) to skip re-reading."""
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
+    memo = cache_dir / "file_sha256" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            report_progress(len(chunk))
+    write_atomically(memo, digest.hexdigest().encode())
+    return digest.hexdigest()
+
+
 # --- the stdlib source -------------------------------------------------------------------------
 
 
@@ -224,24 +242,6 @@ def _stdlib_source(
 
     stored = cached_stores("stdlib", key, facts, documents, tokenizer, cache_dir, report)
     return SourceStreams("stdlib", *stored)
-
-
-def _file_sha256(path: Path, cache_dir: Path) -> str:
-    """sha256 of path's content, remembered by (path, size, mtime, inode) to skip re-reading."""
-    stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
-    memo = cache_dir / "file_sha256" / hashlib.sha256(identity.encode()).hexdigest()[:32]
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        pass
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            report_progress(len(chunk))
-    write_atomically(memo, digest.hexdigest().encode())
-    return digest.hexdigest()
 
 
 # --- pre-tokenized sources: read in place ------------------------------------------------------
