@@ -16,9 +16,9 @@ from typing import Any
 
 from msjax.cli import ArgumentParser, split_at_double_dash, user_error
 from msjax.errors import MsjaxError
-from msjax.launch.devices import devices_per_slot, node_gpus
+from msjax.launch.devices import default_devices_per_proc, devices_per_slot, node_gpus
 from msjax.launch.incidents import Incident, IncidentLog
-from msjax.launch.job_options import default_devices_per_proc, job_config
+from msjax.launch.job_options import job_config
 from msjax.launch.self_check_rounds import (
     HealthRound,
     detail,
@@ -29,7 +29,7 @@ from msjax.launch.workers import free_port
 from msjax.resilience import exit_codes
 from msjax.resilience.fault_kinds import SELF_CHECK_FAILED
 from msjax.resilience.faults import parse_faults
-from msjax.resolve import check_device_count
+from msjax.resolve import check_device_count, fixed_mesh_device_count
 from msjax.run_dir import RunDir
 
 
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = job_config(train_args, None)
         devices = args.devices_per_proc
         if devices is None:
-            devices = default_devices_per_proc(config, args.nprocs)
+            devices = default_devices_per_proc(fixed_mesh_device_count(config.mesh), args.nprocs)
         elif devices < 1:
             raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
         devices = devices_per_slot(args.nprocs, devices, node_gpus())

@@ -89,6 +89,13 @@ def mesh_device_count(mesh: MeshConfig, unknown: int = 1) -> int:
     return math.prod(unknown if size == -1 else size for size in mesh.axis_sizes().values())
 
 
+def fixed_mesh_device_count(mesh: MeshConfig) -> int | None:
+    """The devices a mesh config asks for; None when an axis is -1 (the devices decide it)."""
+    if -1 in mesh.axis_sizes().values():
+        return None
+    return mesh_device_count(mesh)
+
+
 def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     """Mesh axis sizes with -1 filled in; ConfigError if they cannot cover device_count exactly."""
     sizes = mesh.axis_sizes()
@@ -143,9 +150,13 @@ def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(path)))
 
 
+def resolve_for_devices(config: Config, device_count: int, backend: str) -> Config:
+    """What resolution needs the devices for: kernels chosen, the mesh filled in and checked."""
+    config = dataclasses.replace(config, model=resolve_model(config.model, backend))
+    return check_device_count(config, device_count)
+
+
 def resolve(config: Config, device_count: int, backend: str) -> Config:
     """The run's resolved config: mesh filled in and checked, kernels chosen, run.dir set."""
     config = model_from_init(config)  # model.init_from: filled from, or checked against, it
-    config = check_device_count(config, device_count)
-    config = dataclasses.replace(config, model=resolve_model(config.model, backend))
-    return resolve_run_dir(config)
+    return resolve_run_dir(resolve_for_devices(config, device_count, backend))

@@ -383,10 +383,6 @@ def _is_path(value: object) -> bool:
     return isinstance(value, property) and value.fget.__annotations__.get("return") == "Path"
 
 
-def write_json(path: Path, value: Any, indent: int = 2) -> None:
-    write_text_atomically(path, json.dumps(value, indent=indent) + "\n")
-
-
 def save_config(config: Config, run_dir: RunDir) -> None:
     """The resolved config, as YAML for people and JSON for tools; the JSON first, as config.yaml
     counts as msjax's only with a config.json beside it that says the same."""
@@ -425,9 +421,10 @@ def check_output_dirs(config: Config) -> None:
     """Every directory the run will write (run dir, corpus cache, compile cache) can be written."""
     from msjax.data.sources import resolve_cache_dir
 
+    cache_dir = resolve_cache_dir(config.data)  # found before the checks, which all write
     check_writable_dir(Path(config.run.dir or "."), "run.dir")
     cache_key = "data.cache_dir" if config.data.cache_dir else "MSJAX_CACHE_DIR (or ~/.cache/msjax)"
-    check_writable_dir(resolve_cache_dir(config.data), cache_key)
+    check_writable_dir(cache_dir, cache_key)
     compile_cache = config.resilience.compile_cache_dir
     if config.resilience.compile_cache and compile_cache:
         check_writable_dir(Path(compile_cache), "resilience.compile_cache_dir")

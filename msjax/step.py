@@ -460,10 +460,10 @@ class TrainProgram:
 
 def build_program(config: Config, mesh: Mesh) -> TrainProgram:
     """Shardings for state and batches, the optimizer, and the jitted train and eval steps."""
-    rules = logical_axis_rules(config)
     layout = state_layout(config.model, config.optim, config.train.steps)
-    state_shardings = state_shardings_of(layout, mesh, rules)
     schedule = learning_rate_schedule(config.optim, config.train.steps)
+    rules = logical_axis_rules(config)
+    state_shardings = state_shardings_of(layout, mesh, rules)
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules["batch"], None))
     return TrainProgram(
         config=config,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
@@ -124,6 +125,23 @@ def write_text_atomically(path: Path, text: str, durable: bool = True) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise WriteFailed(error.errno, f"cannot write {path}: {error.strerror}") from None
+
+
+def write_json(path: Path, value: Any, indent: int = 2) -> None:
+    """value as indented JSON and a newline, written atomically (write_text_atomically)."""
+    write_text_atomically(path, json.dumps(value, indent=indent) + "\n")
+
+
+def write_private_file(text: str, prefix: str, suffix: str, what: str) -> Path:
+    """A new temporary file of this machine, readable by its owner alone, holding text; a
+    failure raises WriteFailed (one line naming `what`)."""
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+    except OSError as error:
+        raise WriteFailed(error.errno, f"cannot write {what}: {error}") from None
+    return Path(name)
 
 
 _warned: set[str] = set()

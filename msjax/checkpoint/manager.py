@@ -25,7 +25,9 @@ import orbax.checkpoint as ocp
 
 from msjax.checkpoint.commits import (
     COMMIT_MARKER,
+    DAMAGED_DIR,
     committed_steps,
+    damaged_entries,
     uncommitted_entries,
 )
 from msjax.checkpoint.fingerprint import (
@@ -54,11 +56,9 @@ from msjax.checkpoint.restore_reads import (
 from msjax.config import CheckpointConfig
 from msjax.errors import MsjaxError
 from msjax.parallel.agreement import ProcessVote, agree_any, agree_max
-from msjax.run_dir import RunDir
 
 # 2: odd fingerprint weights (msjax.checkpoint.fingerprint) and a sealed record; 1 still restores
 FORMAT_VERSION = 2
-DAMAGED_DIR = "damaged"  # checkpoints/damaged/STEP: found damaged on restore, kept for a look
 
 
 @dataclass(frozen=True)
@@ -77,26 +77,6 @@ class Restored:
     state: Any
     meta: dict[str, Any]
     path: Path
-
-
-def parse_resume_source(source: str) -> tuple[Path, int | None]:
-    """`PATH` or `PATH/STEP`, where PATH is a run dir or its checkpoints dir."""
-    path = Path(source)
-    step = None
-    if path.name.isdigit() and not RunDir(path).checkpoints.is_dir():
-        path, step = path.parent, int(path.name)
-    checkpoints = RunDir(path).checkpoints
-    if checkpoints.is_dir():
-        path = checkpoints
-    if not path.is_dir():
-        raise MsjaxError(f"checkpoint.resume_from={source}: no checkpoint directory at {path}")
-    return path, step
-
-
-def damaged_entries(directory: Path) -> list[str]:
-    """Names under DIRECTORY/damaged/: steps found damaged by earlier restores."""
-    damaged = directory / DAMAGED_DIR
-    return sorted(entry.name for entry in damaged.iterdir()) if damaged.is_dir() else []
 
 
 class Checkpointer:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msjax.checkpoint.manager import Checkpointer, committed_steps, parse_resume_source
+from msjax.checkpoint.commits import committed_steps, parse_resume_source
+from msjax.checkpoint.manager import Checkpointer
 from msjax.config import CheckpointConfig, Config, config_from_dict
 from msjax.errors import MsjaxError
 

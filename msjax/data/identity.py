@@ -7,10 +7,12 @@ the identity it reads with the one its checkpoint was trained on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from msjax.data.sources import SourceStreams
+from msjax.errors import MsjaxError
 
 
 def corpus_identity(tokenizer_name: str, sources: list[SourceStreams]) -> dict[str, Any]:
@@ -65,6 +67,38 @@ def corpus_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if len(changes) == found_before and before.get("token_store") != after.get("token_store"):
             changes.append(f"source {path}: its token store key changed")
     return changes
+
+
+def allowed_corpus_changes(
+    saved_data: dict[str, Any],
+    corpus: dict[str, Any],
+    allow_changed: bool,
+    step: int,
+    checkpoint: Path,
+    message: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Refuse to resume from checkpoint (saved_data: what it records of its data) on another
+    corpus than its own, unless data.allow_changed=true (allow_changed).
+
+    Returns the allowed changes to record in later checkpoints (earlier ones carried along).
+    """
+    earlier = list(saved_data.get("allowed_changes", []))
+    saved = saved_data.get("corpus")
+    if saved is None:
+        return earlier  # saved before checkpoints recorded their corpus
+    changes = corpus_changes(saved, corpus)
+    if not changes:
+        return earlier
+    what = f"the corpus differs from the one checkpoint {checkpoint} was trained on: " + "; ".join(
+        changes
+    )
+    if not allow_changed:
+        raise MsjaxError(
+            f"{what}; resume with that data, or pass data.allow_changed=true to go on with this "
+            "one (recorded in every later checkpoint)"
+        )
+    message(f"warning: {what}; going on (data.allow_changed=true, recorded in the checkpoints)")
+    return [*earlier, {"at_step": step, "changes": changes}]
 
 
 def _short(value: str) -> str:

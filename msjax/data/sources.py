@@ -1,7 +1,9 @@
 """Corpus sources to token streams: stdlib, text files (tokenized once, cached), token files.
 
 Each `data.sources` entry becomes a `SourceStreams` of train and eval `TokenStore` pieces, every
-document's tokens followed by EOS. Packing the streams into sequences is `pipeline.py`'s job.
+document's tokens followed by EOS. A text or stdlib source says what its cache key and documents
+are; `token_store.cached_stores` keeps them tokenized. Packing the streams into sequences is
+`pipeline.py`'s job.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import os
 import sys
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,31 +24,21 @@ import numpy as np
 from msjax.config import DataConfig, SourceConfig
 from msjax.data.progress import report_progress
 from msjax.data.stdlib_corpus import is_eval_document, select_stdlib_documents
-from msjax.data.text_files import TextPieces, decode_utf8, text_documents
+from msjax.data.text_files import decode_utf8, text_documents
 from msjax.data.token_store import (
+    Document,
+    Report,
     TokenStore,
-    TokenStoreWriter,
-    open_token_file,
-    open_token_store,
-    remove_abandoned_writes,
+    cached_stores,
     write_atomically,
 )
-from msjax.data.tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_spec, token_dtype
+from msjax.data.tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_spec
 from msjax.errors import MsjaxError
 
-# Bump when what a cached store holds for the same inputs changes (document rule, EOS placement).
-# 2: documents over TOKENIZE_PIECE_CHARS are tokenized in pieces that end at line ends.
-FORMAT_VERSION = 2
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 TOKEN_SUFFIXES = (".bin", ".npy")
 _SCAN_CHUNK_TOKENS = 2**24  # vocabulary check of token files: 32-64 MiB of memmap at a time
 _HASH_CHUNK_BYTES = 2**20
-# A long document (a large .txt is one) is tokenized in pieces, each reported as progress, so
-# one file is never minutes without a heartbeat; pieces end after a newline where there is one.
-TOKENIZE_PIECE_CHARS = 2**20
-
-Report = Callable[[str], None]
-Document = tuple[bool, str | bytes | TextPieces, int]  # held out, its text, sequences replaced
 
 
 @dataclass(frozen=True)
@@ -161,7 +153,6 @@ def _text_source(
 ) -> SourceStreams:
     hashes = [(relative, _file_sha256(path, cache_dir)) for path, relative in files]
     key = {
-        "format": FORMAT_VERSION,
         "kind": "text",
         "tokenizer": tokenizer.name,
         "text_field": source.text_field,
@@ -182,11 +173,30 @@ def _text_source(
                 _report_replaced(report, path, replaced_in_file)
 
     facts = {"kind": "text", "num_files": len(files), "files": files_facts}
-    return _cached_streams(source.path, key, facts, documents, tokenizer, cache_dir, report)
+    stored = cached_stores(source.path, key, facts, documents, tokenizer, cache_dir, report)
+    return SourceStreams(source.path, *stored)
 
 
 def _report_replaced(report: Report, path: Path, replaced: int) -> None:
     report(f"{path}: replaced {replaced} undecodable byte sequences with U+FFFD")
+
+
+def _file_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of path's content, remembered by (path, size, mtime, inode) to skip re-reading."""
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
+    memo = cache_dir / "file_sha256" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            report_progress(len(chunk))
+    write_atomically(memo, digest.hexdigest().encode())
+    return digest.hexdigest()
 
 
 # --- the stdlib source -------------------------------------------------------------------------
@@ -200,7 +210,6 @@ def _stdlib_source(
     for relative, size_bytes in selected:
         listing.append((relative, size_bytes, (root / relative).stat().st_mtime_ns))
     key = {
-        "format": FORMAT_VERSION,
         "kind": "stdlib",
         "tokenizer": tokenizer.name,
         "root": str(root),
@@ -231,129 +240,48 @@ def _stdlib_source(
                 _report_replaced(report, root / relative, replaced)
             yield held_out, text, replaced
 
-    return _cached_streams("stdlib", key, facts, documents, tokenizer, cache_dir, report)
-
-
-# --- the cache shared by text and stdlib sources -----------------------------------------------
-
-
-def _cached_streams(
-    label: str,
-    key: dict[str, Any],
-    facts: dict[str, Any],
-    documents: Callable[[], Iterator[Document]],
-    tokenizer: Tokenizer,
-    cache_dir: Path,
-    report: Report,
-) -> SourceStreams:
-    """The cached stores for key, or documents() tokenized into them on a miss.
-
-    documents() yields (held out, text, undecodable sequences replaced in it) per document.
-    """
-    key_digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    store_dir = cache_dir / "tokens" / key_digest[:32]
-    train_path, eval_path = store_dir / "train.bin", store_dir / "eval.bin"
-    train_found, eval_found = open_token_store(train_path), open_token_store(eval_path)
-    if train_found is not None and eval_found is not None:
-        (train, built_facts), (evaluation, _) = train_found, eval_found
-        cache = "hit"
-    else:
-        for abandoned in remove_abandoned_writes(store_dir):
-            report(f"{label}: removed {abandoned}, left by a writer that was stopped")
-        train, evaluation, built_facts = _build_stores(
-            label, facts, documents, tokenizer, train_path, eval_path
-        )
-        cache = "built"
-        report(
-            f"{label}: tokenized {built_facts['documents']} documents into "
-            f"{built_facts['train_tokens']} train and {built_facts['eval_tokens']} eval tokens "
-            f"in {store_dir}"
-        )
-    return SourceStreams(
-        label=label,
-        train=(train,),
-        eval=(evaluation,) if evaluation.num_tokens else (),
-        facts={**built_facts, "cache": cache, "store": str(store_dir)},
-    )
-
-
-def _build_stores(
-    label: str,
-    facts: dict[str, Any],
-    documents: Callable[[], Iterator[Document]],
-    tokenizer: Tokenizer,
-    train_path: Path,
-    eval_path: Path,
-) -> tuple[TokenStore, TokenStore, dict[str, Any]]:
-    dtype = token_dtype(tokenizer.vocab_size)
-    eos = np.array([tokenizer.eos_id], dtype=dtype)
-    counts = {"train": 0, "eval": 0}
-    replaced = 0
-    with TokenStoreWriter(train_path, dtype) as train, TokenStoreWriter(eval_path, dtype) as held:
-        for held_out, text, replaced_in_text in documents():
-            replaced += replaced_in_text
-            writer = held if held_out else train
-            for piece in document_pieces(text, TOKENIZE_PIECE_CHARS):
-                writer.append(tokenizer.encode(piece))
-            writer.append(eos)
-            counts["eval" if held_out else "train"] += 1
-        if not counts["eval"] and not counts["train"]:
-            raise MsjaxError(f"data source {label}: every document's text is empty")
-        if not counts["train"]:
-            raise MsjaxError(
-                f"data source {label}: all {counts['eval']} documents are held out for eval; "
-                "add documents or lower data.eval_fraction"
-            )
-        built_facts = {
-            **facts,
-            "documents": counts["train"] + counts["eval"],
-            "eval_documents": counts["eval"],
-            "train_tokens": train.num_tokens,
-            "eval_tokens": held.num_tokens,
-            "replaced_undecodable": replaced,
-            "tokenizer": tokenizer.name,
-        }
-        # Eval first: the train sidecar, written last, is what marks the pair complete.
-        evaluation_store = held.commit({"split": "eval"})
-        train_store = train.commit(built_facts)
-    return train_store, evaluation_store, built_facts
-
-
-def document_pieces(text: str | bytes | TextPieces, piece_chars: int) -> Iterator[str | bytes]:
-    """text in consecutive pieces of about piece_chars, each ending after a newline where the
-    piece holds one (a cut inside a line would change a subword tokenizer's tokens there); a .txt
-    file's text comes in such pieces already."""
-    if isinstance(text, tuple):
-        yield from text
-        return
-    newline = "\n" if isinstance(text, str) else b"\n"
-    start = 0
-    while len(text) - start > piece_chars:
-        end = text.rfind(newline, start, start + piece_chars) + 1 or start + piece_chars
-        yield text[start:end]
-        start = end
-    yield text[start:]
-
-
-def _file_sha256(path: Path, cache_dir: Path) -> str:
-    """sha256 of path's content, remembered by (path, size, mtime, inode) to skip re-reading."""
-    stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
-    memo = cache_dir / "file_sha256" / hashlib.sha256(identity.encode()).hexdigest()[:32]
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        pass
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            report_progress(len(chunk))
-    write_atomically(memo, digest.hexdigest().encode())
-    return digest.hexdigest()
+    stored = cached_stores("stdlib", key, facts, documents, tokenizer, cache_dir, report)
+    return SourceStreams("stdlib", *stored)
 
 
 # --- pre-tokenized sources: read in place ------------------------------------------------------
+
+
+def open_token_file(path: Path, bin_dtype: str) -> TokenStore:
+    """The whole token array of a .bin (dtype from the config) or .npy (dtype from its header)."""
+    size_bytes = path.stat().st_size
+    if size_bytes == 0:
+        raise MsjaxError(f"{path}: empty file; a token file needs at least one token")
+    if path.name.lower().endswith(".bin"):
+        itemsize = np.dtype(bin_dtype).itemsize
+        if size_bytes % itemsize:
+            raise MsjaxError(
+                f"{path}: {size_bytes} bytes is not a whole number of {bin_dtype} tokens; "
+                "set token_dtype of this data source to the dtype the file was written with"
+            )
+        return TokenStore(path, bin_dtype, 0, size_bytes // itemsize)
+    with path.open("rb") as file:
+        try:
+            version = np.lib.format.read_magic(file)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+            else:  # 3.0 only differs for structured dtypes with non-ASCII field names
+                raise ValueError(f"npy format {version}")
+        except ValueError:
+            raise MsjaxError(f"{path}: not a readable .npy file") from None
+        header_bytes = file.tell()
+    if len(shape) != 1 or dtype.str not in ("<u2", "<u4"):
+        raise MsjaxError(
+            f"{path}: holds a {dtype} array of shape {shape}; token .npy files must hold a "
+            "1-D little-endian uint16 or uint32 array"
+        )
+    if shape[0] == 0:
+        raise MsjaxError(f"{path}: holds no tokens; a token file needs at least one")
+    if header_bytes + shape[0] * dtype.itemsize > size_bytes:
+        raise MsjaxError(f"{path}: truncated; its header promises {shape[0]} tokens")
+    return TokenStore(path, dtype.name, 0, shape[0], header_bytes)
 
 
 def _token_file_source(

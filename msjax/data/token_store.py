@@ -1,17 +1,20 @@
 """Token arrays on disk: a `TokenStore` reads a range of a flat file through a memmap.
 
 Stores are written atomically (`TokenStoreWriter`; a JSON sidecar marks them complete) and found
-again (`open_token_store`); `open_token_file` reads a user's .bin or .npy in place. Writers report
-the tokens they write (msjax/data/progress.py); `remove_abandoned_writes` clears a killed writer's.
+again (`open_token_store`); `cached_stores` keeps a source's documents tokenized once, as a train
+and an eval store found again by the source's key. Writers report the tokens they write
+(msjax/data/progress.py); `remove_abandoned_writes` clears a killed writer's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,20 @@ import numpy as np
 
 from msjax.data.progress import report_progress
 from msjax.data.progress import write_progress as write_progress  # where callers found it
+from msjax.data.text_files import TextPieces
+from msjax.data.tokenizer import Tokenizer, token_dtype
 from msjax.errors import MsjaxError
 
 TOKEN_DTYPES = ("uint16", "uint32")
+# Bump when what a cached store holds for the same inputs changes (document rule, EOS placement).
+# 2: documents over TOKENIZE_PIECE_CHARS are tokenized in pieces that end at line ends.
+FORMAT_VERSION = 2
+# A long document (a large .txt is one) is tokenized in pieces, each reported as progress, so
+# one file is never minutes without a heartbeat; pieces end after a newline where there is one.
+TOKENIZE_PIECE_CHARS = 2**20
+
+Report = Callable[[str], None]
+Document = tuple[bool, str | bytes | TextPieces, int]  # held out, its text, sequences replaced
 
 
 def _writer_prefix(path: Path) -> str:
@@ -173,43 +187,6 @@ def open_token_store(path: Path) -> tuple[TokenStore, dict[str, Any]] | None:
     return TokenStore(path, dtype, 0, num_tokens), sidecar.get("metadata", {})
 
 
-def open_token_file(path: Path, bin_dtype: str) -> TokenStore:
-    """The whole token array of a .bin (dtype from the config) or .npy (dtype from its header)."""
-    size_bytes = path.stat().st_size
-    if size_bytes == 0:
-        raise MsjaxError(f"{path}: empty file; a token file needs at least one token")
-    if path.name.lower().endswith(".bin"):
-        itemsize = np.dtype(bin_dtype).itemsize
-        if size_bytes % itemsize:
-            raise MsjaxError(
-                f"{path}: {size_bytes} bytes is not a whole number of {bin_dtype} tokens; "
-                "set token_dtype of this data source to the dtype the file was written with"
-            )
-        return TokenStore(path, bin_dtype, 0, size_bytes // itemsize)
-    with path.open("rb") as file:
-        try:
-            version = np.lib.format.read_magic(file)
-            if version == (1, 0):
-                shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-            elif version == (2, 0):
-                shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-            else:  # 3.0 only differs for structured dtypes with non-ASCII field names
-                raise ValueError(f"npy format {version}")
-        except ValueError:
-            raise MsjaxError(f"{path}: not a readable .npy file") from None
-        header_bytes = file.tell()
-    if len(shape) != 1 or dtype.str not in ("<u2", "<u4"):
-        raise MsjaxError(
-            f"{path}: holds a {dtype} array of shape {shape}; token .npy files must hold a "
-            "1-D little-endian uint16 or uint32 array"
-        )
-    if shape[0] == 0:
-        raise MsjaxError(f"{path}: holds no tokens; a token file needs at least one")
-    if header_bytes + shape[0] * dtype.itemsize > size_bytes:
-        raise MsjaxError(f"{path}: truncated; its header promises {shape[0]} tokens")
-    return TokenStore(path, dtype.name, 0, shape[0], header_bytes)
-
-
 def write_atomically(path: Path, content: bytes) -> None:
     """Write content to path via a temp file in the same directory, fsync and rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -235,3 +212,103 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+# --- the tokenize-once cache of text and stdlib sources -----------------------------------------
+
+
+def cached_stores(
+    label: str,
+    key: dict[str, Any],
+    facts: dict[str, Any],
+    documents: Callable[[], Iterator[Document]],
+    tokenizer: Tokenizer,
+    cache_dir: Path,
+    report: Report,
+) -> tuple[tuple[TokenStore, ...], tuple[TokenStore, ...], dict[str, Any]]:
+    """The train and eval pieces (eval empty when no document is held out) and facts of the
+    cached stores for key (a source's inputs; FORMAT_VERSION is added here), or documents()
+    tokenized into them on a miss.
+
+    documents() yields (held out, text, undecodable sequences replaced in it) per document.
+    """
+    key = {**key, "format": FORMAT_VERSION}
+    key_digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    store_dir = cache_dir / "tokens" / key_digest[:32]
+    train_path, eval_path = store_dir / "train.bin", store_dir / "eval.bin"
+    train_found, eval_found = open_token_store(train_path), open_token_store(eval_path)
+    if train_found is not None and eval_found is not None:
+        (train, built_facts), (evaluation, _) = train_found, eval_found
+        cache = "hit"
+    else:
+        for abandoned in remove_abandoned_writes(store_dir):
+            report(f"{label}: removed {abandoned}, left by a writer that was stopped")
+        train, evaluation, built_facts = _build_stores(
+            label, facts, documents, tokenizer, train_path, eval_path
+        )
+        cache = "built"
+        report(
+            f"{label}: tokenized {built_facts['documents']} documents into "
+            f"{built_facts['train_tokens']} train and {built_facts['eval_tokens']} eval tokens "
+            f"in {store_dir}"
+        )
+    evaluation_pieces = (evaluation,) if evaluation.num_tokens else ()
+    return (train,), evaluation_pieces, {**built_facts, "cache": cache, "store": str(store_dir)}
+
+
+def _build_stores(
+    label: str,
+    facts: dict[str, Any],
+    documents: Callable[[], Iterator[Document]],
+    tokenizer: Tokenizer,
+    train_path: Path,
+    eval_path: Path,
+) -> tuple[TokenStore, TokenStore, dict[str, Any]]:
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    counts = {"train": 0, "eval": 0}
+    replaced = 0
+    with TokenStoreWriter(train_path, dtype) as train, TokenStoreWriter(eval_path, dtype) as held:
+        for held_out, text, replaced_in_text in documents():
+            replaced += replaced_in_text
+            writer = held if held_out else train
+            for piece in document_pieces(text, TOKENIZE_PIECE_CHARS):
+                writer.append(tokenizer.encode(piece))
+            writer.append(eos)
+            counts["eval" if held_out else "train"] += 1
+        if not counts["eval"] and not counts["train"]:
+            raise MsjaxError(f"data source {label}: every document's text is empty")
+        if not counts["train"]:
+            raise MsjaxError(
+                f"data source {label}: all {counts['eval']} documents are held out for eval; "
+                "add documents or lower data.eval_fraction"
+            )
+        built_facts = {
+            **facts,
+            "documents": counts["train"] + counts["eval"],
+            "eval_documents": counts["eval"],
+            "train_tokens": train.num_tokens,
+            "eval_tokens": held.num_tokens,
+            "replaced_undecodable": replaced,
+            "tokenizer": tokenizer.name,
+        }
+        # Eval first: the train sidecar, written last, is what marks the pair complete.
+        evaluation_store = held.commit({"split": "eval"})
+        train_store = train.commit(built_facts)
+    return train_store, evaluation_store, built_facts
+
+
+def document_pieces(text: str | bytes | TextPieces, piece_chars: int) -> Iterator[str | bytes]:
+    """text in consecutive pieces of about piece_chars, each ending after a newline where the
+    piece holds one (a cut inside a line would change a subword tokenizer's tokens there); a .txt
+    file's text comes in such pieces already."""
+    if isinstance(text, tuple):
+        yield from text
+        return
+    newline = "\n" if isinstance(text, str) else b"\n"
+    start = 0
+    while len(text) - start > piece_chars:
+        end = text.rfind(newline, start, start + piece_chars) + 1 or start + piece_chars
+        yield text[start:end]
+        start = end
+    yield text[start:]

@@ -43,7 +43,7 @@ class AfterFault:
     incidents: IncidentLog
     membership: JobMembership
     node: str  # this node's name (slot faults name it)
-    launch_id: str  # groups this launch's slot faults (launch_record.launch_id)
+    launch_id: str  # groups this launch's slot faults (launches.launch_id)
     say: Callable[[str], None]
 
     @property

@@ -68,6 +68,19 @@ def slot_devices(slot: int, devices_per_proc: int | None) -> dict[str, str]:
     return slot_device_env(slot, devices_per_proc, node_gpus())
 
 
+def default_devices_per_proc(mesh_devices: int | None, num_processes: int) -> int | None:
+    """--devices-per-proc when not given: the mesh's devices shared out over the job's
+    processes; None when the mesh leaves its size to the devices (an axis of -1)."""
+    if mesh_devices is None:
+        return None
+    if mesh_devices % num_processes:
+        raise MsjaxError(
+            f"the mesh's {mesh_devices} devices do not split over {num_processes} processes; "
+            "pass --devices-per-proc"
+        )
+    return mesh_devices // num_processes
+
+
 def devices_per_slot(slots: int, devices_per_proc: int | None, gpus: NodeGpus | None) -> int | None:
     """The devices each of a node's `slots` owns (its workers and spares): --devices-per-proc
     when given, on a GPU node else the node's GPUs shared out evenly. MsjaxError when the slots

@@ -15,7 +15,7 @@ from msjax.config import Config, load_config
 from msjax.distributed import parse_host_port, parse_port
 from msjax.errors import MsjaxError
 from msjax.resilience.faults import parse_faults
-from msjax.resolve import RUNS_FOLDER, mesh_device_count, resolve_run_dir
+from msjax.resolve import RUNS_FOLDER, resolve_run_dir
 
 DEFAULT_PORT = 29500
 COORDINATOR_PORT = "MSJAX_COORDINATOR_PORT"  # --cluster slurm: the first node's port
@@ -85,18 +85,6 @@ def slurm_layout(environ: Mapping[str, str]) -> tuple[int, int, str]:
     return nnodes, node_rank, f"{host}:{port}"
 
 
-def default_devices_per_proc(config: Config, num_processes: int) -> int | None:
-    if -1 in config.mesh.axis_sizes().values():
-        return None
-    total = mesh_device_count(config.mesh)
-    if total % num_processes:
-        raise MsjaxError(
-            f"the mesh's {total} devices do not split over {num_processes} processes; "
-            "pass --devices-per-proc"
-        )
-    return total // num_processes
-
-
 def job_config(
     train_args: list[str],
     max_restarts: int | None,
@@ -135,7 +123,7 @@ class LaunchOptions:
     from Slurm under --cluster slurm."""
 
     nprocs: int
-    devices_per_proc: int | None  # as given; None: from the mesh (default_devices_per_proc)
+    devices_per_proc: int | None  # as given; None: from the mesh (devices.default_devices_per_proc)
     max_restarts: int | None
     fault: str | None
     spares: int

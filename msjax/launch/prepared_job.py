@@ -4,24 +4,22 @@ checked, locked and created, the workers' config written, and its supervisor bui
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from msjax.config import Config
 from msjax.data.sources import check_sources
 from msjax.distributed import ensure_job_secret
 from msjax.errors import MsjaxError
-from msjax.launch.devices import devices_per_slot, node_gpus
-from msjax.launch.job_options import LaunchOptions, default_devices_per_proc, job_config
+from msjax.launch.devices import default_devices_per_proc, devices_per_slot, node_gpus
+from msjax.launch.job_options import LaunchOptions, job_config
 from msjax.launch.layout import JobLayout
 from msjax.launch.supervisor import Supervisor
 from msjax.llama_config import model_from_init
+from msjax.resolve import fixed_mesh_device_count
 from msjax.run_dir import create_run_dir, plan_run_dir, write_text_atomically
 from msjax.run_lock import RunDirLock
-from msjax.writable import WriteFailed
+from msjax.writable import WriteFailed, write_private_file
 
 
 @dataclass
@@ -64,7 +62,8 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
     config = job_config(options.train_args, options.max_restarts, options.nnodes)
     devices = options.devices_per_proc
     if devices is None:
-        devices = default_devices_per_proc(config, options.nprocs * options.nnodes)
+        mesh_devices = fixed_mesh_device_count(config.mesh)
+        devices = default_devices_per_proc(mesh_devices, options.nprocs * options.nnodes)
     elif devices < 1:
         raise MsjaxError(f"--devices-per-proc={devices} must be at least 1")
     devices = devices_per_slot(options.nprocs + options.spares, devices, node_gpus())
@@ -85,7 +84,9 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
         worker_config = plan.run_dir.job_config
         write_text_atomically(worker_config, config.to_yaml())
     else:
-        worker_config = job.node_config = node_local_job_config(config)
+        worker_config = job.node_config = write_private_file(
+            config.to_yaml(), "msjax-job-config-", ".yaml", "the workers' config"
+        )
     if not ensure_job_secret(options.nnodes):
         print(
             "msjax.launch: warning: MSJAX_JOB_SECRET is not set, so this multi-node job's "
@@ -100,14 +101,3 @@ def _build(options: LaunchOptions, job: PreparedJob) -> Supervisor:
     return Supervisor(
         config, plan.path, worker_args, layout, faults=options.fault, spares=options.spares
     )
-
-
-def node_local_job_config(config: Config) -> Path:
-    """The workers' config on a node other than node 0: a private temporary file of this node."""
-    try:
-        descriptor, name = tempfile.mkstemp(prefix="msjax-job-config-", suffix=".yaml")
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.write(config.to_yaml())
-    except OSError as error:
-        raise WriteFailed(error.errno, f"cannot write the workers' config: {error}") from None
-    return Path(name)

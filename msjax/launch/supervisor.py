@@ -6,7 +6,7 @@ states and the moves between them are one table (supervisor_states.py); an attem
 watched in attempt_runner.py, what counts as a fault is in fault_detection.py, what is done about
 it in after_fault.py and policy.py, which slots run the job and on which mesh in
 job_membership.py, what an incident records in incidents.py, the launch's record in
-launch_record.py.
+launches.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
+from msjax.checkpoint.commits import newest_committed_step
 from msjax.config import Config
 from msjax.launch.after_fault import AfterFault
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
@@ -25,8 +26,7 @@ from msjax.launch.attempt_runner import AttemptRunner
 from msjax.launch.fault_detection import DetectedFault, start_up_failure, timings_of
 from msjax.launch.incidents import IncidentLog
 from msjax.launch.job_membership import JobMembership
-from msjax.launch.launch_record import LaunchRecord
-from msjax.launch.launches import RUNNING, newest_committed
+from msjax.launch.launches import RUNNING, LaunchRecord
 from msjax.launch.layout import JobLayout
 from msjax.launch.policy import Action, FaultHistory
 from msjax.launch.slots import node_name
@@ -97,7 +97,7 @@ class Supervisor:
             self.say,
         )
         self.poll_s = poll_s
-        self.committed_at_start = newest_committed(self.run_dir)
+        self.committed_at_start = newest_committed_step(self.run_dir.checkpoints)
 
     def say(self, text: str) -> None:
         self.out.write(f"msjax.launch: {text}\n")
@@ -163,7 +163,7 @@ class Supervisor:
         """The newest committed checkpoint now and at this launch's start, as the launch's last
         line but one: launch/slurm/train.sbatch spends its requeue budget only on a run of the
         job that committed no newer one."""
-        now = newest_committed(self.run_dir)
+        now = newest_committed_step(self.run_dir.checkpoints)
         self.say(
             f"checkpoints: newest committed step {'none' if now is None else now} (step "
             f"{'none' if self.committed_at_start is None else self.committed_at_start} at this "

@@ -32,19 +32,16 @@ class LoopObserver(LoopEvents):
         import jax
 
         rank = jax.process_index()
+        coordinates = mesh_coordinates(mesh, rank)  # where the timing and the records place it
         self.timing = None
         if observe.rank_timing:
             self.timing = RankTiming(
-                observe, run_dir, mesh, rank, jax.process_count(), attempt, message
+                observe, run_dir, mesh, coordinates, rank, jax.process_count(), attempt, message
             )
         self.recorder = None
         if observe.flight_recorder_events:
             self.recorder = FlightRecorder(
-                run_dir,
-                rank,
-                attempt,
-                observe.flight_recorder_events,
-                mesh_coordinates(mesh, rank),
+                run_dir, rank, attempt, observe.flight_recorder_events, coordinates
             )
         self._closed = False
 

@@ -115,11 +115,13 @@ class RankTiming:
         config: ObserveConfig,
         run_dir: Path,
         mesh: Any,
+        coordinates: dict[str, list[int]],
         process_index: int,
         process_count: int,
         attempt: int,
         message: Callable[[str], None],
     ):
+        """coordinates: this process's place in the mesh (mesh_coordinates)."""
         self.window_steps = config.straggler_window_steps
         self.rank = process_index
         self.ranks = process_count
@@ -137,7 +139,7 @@ class RankTiming:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "devices": int(sum(d.process_index == process_index for d in mesh.devices.flat)),
-            "mesh": mesh_coordinates(mesh, process_index),
+            "mesh": coordinates,
         }
         self._publish("identity", self._identity)
         self._writer = None

@@ -15,7 +15,8 @@ from typing import Any
 
 from msjax.errors import MsjaxError
 from msjax.parallel.agreement import process_vote
-from msjax.run_dir import RunDir, write_json
+from msjax.run_dir import RunDir
+from msjax.writable import write_json
 
 _ACCEPTED = 'a JSON object {"skipped": [{"step": N, ...}, ...]} with whole-number steps >= 0'
 

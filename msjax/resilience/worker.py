@@ -114,13 +114,13 @@ class WorkerResilience(LoopEvents):
         hold_save_write: Callable[[int], None],
         vocab_size: int = 0,
     ):
-        self.heartbeat = heartbeat  # the rank's one heartbeat, made when its run dir was known
-        self.heartbeat.dump_stacks_on_sigusr1(run_dir)
         self.faults = FaultInjector.from_env(run_dir, heartbeat.rank, attempt)
         # the one handle through which drills and the skip list reach the train loop
         self.step_hooks = StepHooks(self.faults, read_skipped_steps(run_dir), vocab_size)
         self.wait_for_saves = wait_for_saves
         self.hold_save_write = hold_save_write  # an injected crash_in_save holds its save
+        self.heartbeat = heartbeat  # the rank's one heartbeat, made when its run dir was known
+        self.heartbeat.dump_stacks_on_sigusr1(run_dir)
         self.heartbeat.beat("init")
 
     def beat(self, phase: Phase, step: int | None = None) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from msjax import __version__
-from msjax.checkpoint.manager import DAMAGED_DIR, Checkpointer, Restored
+from msjax.checkpoint.commits import DAMAGED_DIR
+from msjax.checkpoint.manager import Checkpointer, Restored
 from msjax.config import Config, config_from_dict
-from msjax.data.identity import corpus_changes
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_max, process_vote
@@ -49,7 +49,7 @@ def restore_or_init(
     state: from model.init_from, or initialized; never a new state where checkpoints exist but
     none restores (refuse_silent_restart).
 
-    resume: checkpoint.resume_from as msjax.training.prepare.resume_source parsed it, or None
+    resume: checkpoint.resume_from as msjax.checkpoint.commits.resume_source parsed it, or None
     where it does not apply.
     """
     import jax
@@ -161,36 +161,6 @@ def check_same_model(config: Config, restored: Restored) -> None:
             f"checkpoint {restored.path} holds another model ({'; '.join(changed)}); "
             "resume with the model config it was saved with"
         )
-
-
-def check_same_corpus(
-    config: Config, start: StartingPoint, corpus: dict[str, Any], message: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    """Refuse to resume on another corpus than the checkpoint's, unless data.allow_changed=true.
-
-    Returns the allowed changes to record in later checkpoints (earlier ones carried along).
-    """
-    if start.restored is None:
-        return []
-    saved_data = start.restored.meta.get("data", {})
-    earlier = list(saved_data.get("allowed_changes", []))
-    saved = saved_data.get("corpus")
-    if saved is None:
-        return earlier  # saved before checkpoints recorded their corpus
-    changes = corpus_changes(saved, corpus)
-    if not changes:
-        return earlier
-    what = (
-        f"the corpus differs from the one checkpoint {start.restored.path} was trained on: "
-        + "; ".join(changes)
-    )
-    if not config.data.allow_changed:
-        raise MsjaxError(
-            f"{what}; resume with that data, or pass data.allow_changed=true to go on with this "
-            "one (recorded in every later checkpoint)"
-        )
-    message(f"warning: {what}; going on (data.allow_changed=true, recorded in the checkpoints)")
-    return [*earlier, {"at_step": start.step, "changes": changes}]
 
 
 class CheckpointSaves:

@@ -13,17 +13,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from msjax.checkpoint.manager import (
-    Checkpointer,
-    committed_steps,
-    damaged_entries,
-    parse_resume_source,
-)
+from msjax.checkpoint.commits import resume_source
+from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
+from msjax.data.identity import allowed_corpus_changes
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, initialize_distributed
-from msjax.errors import MsjaxError
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
@@ -36,20 +32,20 @@ from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
 from msjax.resilience.heartbeat import Heartbeat
 from msjax.resilience.job_end import watch_for_peer_exit
-from msjax.resilience.worker import StepHooks, WorkerResilience
-from msjax.resolve import mesh_device_count, resolve, resolve_run_dir
-from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config, write_json
+from msjax.resilience.worker import WorkerResilience
+from msjax.resolve import mesh_device_count, resolve_for_devices, resolve_run_dir
+from msjax.run_dir import RunDir, RunDirPlan, create_run_dir, plan_run_dir, save_config
 from msjax.run_lock import RunDirLock
 from msjax.step import TrainProgram, build_program
 from msjax.training.checkpoints import (
     CheckpointSaves,
     ResumeSource,
     StartingPoint,
-    check_same_corpus,
     restore_or_init,
 )
 from msjax.training.reporting import MetricsLog, ProgressReport, StepResults
 from msjax.training.steps import LoopSteps
+from msjax.writable import write_json
 
 
 @dataclass
@@ -87,14 +83,16 @@ class PreparedRun:
 
 
 def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
-    """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config."""
+    """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config
+    (config comes from plan_run: its model filled from model.init_from, run.dir chosen)."""
     import jax
 
     xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
     initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
-    return resolve(config, jax.device_count(), jax.default_backend()), job, xla_flags
+    resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
+    return resolved, job, xla_flags
 
 
 def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
@@ -105,29 +103,11 @@ def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
     model filled from model.init_from: all of resolution that decides whether a run dir holds
     this run (the mesh and the kernels may change on resume, and need the devices).
     """
-    config = model_from_init(resolve_run_dir(config))
+    config = resolve_run_dir(config)
+    config = model_from_init(config)
     plan = plan_run_dir(config)
-    return config, plan, resume_source(config, plan)
-
-
-def resume_source(config: Config, plan: RunDirPlan) -> ResumeSource | None:
-    """checkpoint.resume_from, parsed and checked (a finished checkpoint, of STEP if named); None
-    where it does not apply: unset, or the run dir continues a run whose own checkpoints/ holds
-    a committed step or damaged ones (it saved before: reruns and restarts resume from there)."""
-    source = config.checkpoint.resume_from
     own = plan.run_dir.checkpoints
-    if not source or (plan.continues_run and (committed_steps(own) or damaged_entries(own))):
-        return None
-    directory, step = parse_resume_source(source)
-    steps = committed_steps(directory)
-    if not steps or (step is not None and step not in steps):
-        wanted = f"of step {step} " if step is not None else ""
-        finished = ", ".join(map(str, steps[-5:])) or "none"
-        raise MsjaxError(
-            f"checkpoint.resume_from={source}: no finished checkpoint {wanted}in {directory} "
-            f"(finished steps: {finished})"
-        )
-    return directory, step
+    return config, plan, resume_source(config.checkpoint.resume_from, own, plan.continues_run)
 
 
 @dataclass(frozen=True)
@@ -156,7 +136,7 @@ def prepare_run(
 
     started = time.perf_counter()
     config, plan, resume = plan_run(config)
-    config, job, xla_flags = join_job(config)  # keeps plan_run's run.dir and model
+    config, job, xla_flags = join_job(config)
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
@@ -185,28 +165,43 @@ def build_run(
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
+    import jax
+
     run_dir = joined.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
     mesh = build_mesh(config.mesh)
     message = progress.message
     data = build_data(config, joined, message)
-    record_run(config, joined, data.training, mesh, message)
+    record_run(config, joined, data.facts, mesh, message)
     state = build_state(config, mesh, data, joined, message)
     describe_data(data.training, config.train, state.start, message)
-    resilience = state.resilience
+    resilience, program = state.resilience, state.program
+    hooks = resilience.step_hooks
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
     train_step = start_and_compile(events, state, compile_cache, message)
+    # what reports each step's metrics, with what tokens/s and MFU are reckoned from
+    results = StepResults(
+        events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
+        hooks.loss,
+    )  # fmt: skip
+    validation = data.training.validation
+    steps = LoopSteps(train_step, program.eval_step, validation, program.batch_sharding, hooks)
+    saves = CheckpointSaves(
+        config, state.checkpointer, state.start, events, message,
+        to_canonical=program.to_canonical, corpus=data.corpus,
+        allowed_data_changes=state.allowed_data_changes,
+    )  # fmt: skip
     return PreparedRun(
         config=config,
         run_dir=run_dir,
-        program=state.program,
-        results=build_results(config, events, data, resilience.step_hooks),
-        steps=build_steps(state.program, train_step, data.training, resilience.step_hooks),
+        program=program,
+        steps=steps,
         start=state.start,
         data=data.training,
         events=events,
-        saves=build_saves(config, state, data.corpus, events, message),
+        results=results,
+        saves=saves,
         resilience=resilience,
         progress=progress,
         started=joined.started,
@@ -219,15 +214,17 @@ class RunData:
     a step does on it."""
 
     training: TrainingData
+    facts: dict[str, Any]  # what each source holds, for the run record (data_facts.json)
     corpus: dict[str, Any]  # its identity, recorded in every checkpoint (msjax.data.identity)
     heartbeat: Heartbeat  # this rank's one heartbeat, from the data phase to the end of the loop
+    tokens_per_step: int  # global_batch x seq_len: what tokens/s is reckoned from
     step_flops: float  # the model FLOPs of one step on global_batch x seq_len tokens
     peak_tflops: float  # per device: with step_flops, what the MFU is reckoned from
 
 
 def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]) -> RunData:
-    """This rank's heartbeat, the corpus read (or tokenized) and identified, the FLOPs of a step
-    on it, and the devices' peak TFLOP/s (measured on CPU, where no table holds it)."""
+    """This rank's heartbeat, the FLOPs of a step and the devices' peak TFLOP/s (measured on
+    CPU, where no table holds it), then the corpus read (or tokenized) and identified."""
     import jax
 
     heartbeat = Heartbeat(
@@ -242,18 +239,19 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
     if joined.job.launched:
         heartbeat.beat("data")
         watch = write_progress(lambda tokens: heartbeat.beat("data", progress=tokens))
-    with watch:
-        data = build_training_data(config, message)
-    corpus = data.identity()
+    tokens_per_step = config.train.global_batch * config.data.seq_len
     step_flops = flops_per_step(config)
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
-    return RunData(data, corpus, heartbeat, step_flops, peak_tflops)
+    with watch:
+        data = build_training_data(config, message)
+    facts, corpus = data.facts(), data.identity()
+    return RunData(data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
 
 
 def record_run(
     config: Config,
     joined: JoinedJob,
-    data: TrainingData,
+    data_facts: dict[str, Any],
     mesh: Any,
     message: Callable[[str], None],
 ) -> None:
@@ -264,7 +262,7 @@ def record_run(
         check_tensorboard_installed()
     if jax.process_index() == 0:
         lock = joined.lock if not joined.job.launched else None
-        write_run_record(joined.plan, config, data, message, lock)
+        write_run_record(joined.plan, config, data_facts, message, lock)
         write_json(joined.run_dir.xla_flags, joined.xla_flags.record())
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     message(
@@ -303,7 +301,13 @@ def build_state(
     abstract_state = program.abstract_state()
     resilience.beat("restore")
     start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
-    allowed_data_changes = check_same_corpus(config, start, data.corpus, message)
+    allowed_data_changes: list[dict[str, Any]] = []
+    if start.restored is not None:  # on the checkpoint's corpus, unless data.allow_changed
+        restored = start.restored
+        allowed_data_changes = allowed_corpus_changes(
+            restored.meta.get("data", {}), data.corpus, config.data.allow_changed, start.step,
+            restored.path, message,
+        )  # fmt: skip
     return RunState(checkpointer, resilience, program, abstract_state, start, allowed_data_changes)
 
 
@@ -351,49 +355,6 @@ def start_and_compile(
     return train_step
 
 
-def build_results(
-    config: Config, events: EventFanOut, data: RunData, hooks: StepHooks
-) -> StepResults:
-    """The reader of each step's metrics, with what it needs to report tokens/s and MFU."""
-    import jax
-
-    tokens_per_step = config.train.global_batch * config.data.seq_len
-    return StepResults(
-        events, tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
-        hooks.loss,
-    )  # fmt: skip
-
-
-def build_saves(
-    config: Config,
-    state: RunState,
-    corpus: dict[str, Any],
-    events: EventFanOut,
-    message: Callable[[str], None],
-) -> CheckpointSaves:
-    """The run's saves: what they record beside the state, and where they are written."""
-    return CheckpointSaves(
-        config,
-        state.checkpointer,
-        state.start,
-        events,
-        message,
-        to_canonical=state.program.to_canonical,
-        corpus=corpus,
-        allowed_data_changes=state.allowed_data_changes,
-    )
-
-
-def build_steps(
-    program: TrainProgram, train_step: Any, data: TrainingData, hooks: StepHooks
-) -> LoopSteps:
-    """The loop's steps: the compiled train step, the eval step and its batches on the devices."""
-    import jax
-
-    validation = [jax.device_put(batch, program.batch_sharding) for batch in data.validation]
-    return LoopSteps(train_step, program.eval_step, validation, hooks)
-
-
 def optional_listeners(
     observe: ObserveConfig, run_dir: RunDir, is_writer: bool
 ) -> list[LoopEvents]:
@@ -412,7 +373,7 @@ def optional_listeners(
 def write_run_record(
     plan: RunDirPlan,
     config: Config,
-    data: TrainingData,
+    data_facts: dict[str, Any],
     message: Callable[[str], None],
     lock: RunDirLock | None,
 ) -> None:
@@ -425,7 +386,7 @@ def write_run_record(
     if aside is not None:
         message(f"run.overwrite=true: the earlier run in {plan.path} moved to {aside}")
     save_config(config, plan.run_dir)
-    write_json(plan.run_dir.data_facts, data.facts())
+    write_json(plan.run_dir.data_facts, data_facts)
 
 
 def describe_data(

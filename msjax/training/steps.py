@@ -19,11 +19,16 @@ class LoopSteps:
         compiled_train_step: Any,
         eval_step: Any,
         validation: list[dict[str, Any]],
+        batch_sharding: Any,
         hooks: StepHooks,
     ):
+        """validation: the host's batches, put on the devices here as batch_sharding lays out
+        a batch."""
+        import jax
+
         self.compiled_train_step = compiled_train_step  # (state, batch) -> (state, metrics)
         self.eval_step = eval_step  # (params, batch) -> loss
-        self.validation = validation
+        self.validation = [jax.device_put(batch, batch_sharding) for batch in validation]
         self.hooks = hooks
 
     def skips(self, step: int) -> bool:

@@ -10,8 +10,9 @@ import numpy as np
 
 from msjax.config import load_config
 from msjax.data.progress import write_progress
-from msjax.data.sources import TOKENIZE_PIECE_CHARS, document_pieces, load_sources
+from msjax.data.sources import load_sources
 from msjax.data.text_files import decode_utf8
+from msjax.data.token_store import TOKENIZE_PIECE_CHARS, document_pieces
 from msjax.data.tokenizer import ByteTokenizer
 
 MIB = 2**20
