@@ -107,6 +107,8 @@ def _check_mesh(config: Config) -> None:
             raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
+    if config.model.moe.enabled and sizes["pipe"] != 1:
+        raise ConfigError("model.moe.num_experts > 0 runs without a pipeline; set mesh.pipe=1")
     check_divisible_by_mesh(config, sizes)
 
 
