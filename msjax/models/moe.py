@@ -164,20 +164,19 @@ class MoeMLP(nnx.Module):
         x = constrain(x, ("batch", "seq", "act_embed"))
         tokens = x.reshape(-1, x.shape[-1])  # [tokens, embed]
         routing, kept = self._routing(tokens)
-        k, num_experts = self.moe.experts_per_token, self.moe.num_experts
-        # dropped choices sort past every group: ragged_dot gives their rows zeros
-        sort_key = jnp.where(kept, routing.experts, num_experts).reshape(-1)  # [tokens * k]
-        order = jnp.argsort(sort_key, stable=True)
-        group_sizes = jnp.bincount(sort_key, length=num_experts + 1)[:num_experts]
-        grouped = tokens[order // k]  # [tokens * k, embed], grouped by expert
+        dropped_as = jnp.where(kept, routing.experts, self.moe.num_experts)  # [tokens, k]
+        weights = (routing.weights * kept).astype(x.dtype)
         gate, up, down = self._expert_weights(x.dtype)
-        impl = self.moe.matmul_impl
-        hidden = jax.nn.silu(ops.grouped_matmul(grouped, gate, group_sizes, impl=impl))
-        hidden = hidden * ops.grouped_matmul(grouped, up, group_sizes, impl=impl)
-        out_grouped = ops.grouped_matmul(hidden, down, group_sizes, impl=impl)
-        out = jnp.zeros_like(out_grouped).at[order].set(out_grouped)  # back in token order
-        weights = (routing.weights * kept).astype(x.dtype)  # [tokens, k]
-        combined = jnp.einsum("tke,tk->te", out.reshape(-1, k, x.shape[-1]), weights)
+        choices_shape = (*x.shape[:-1], self.moe.experts_per_token)  # [batch, seq, k]
+        combined = ops.routed_experts(
+            x,
+            dropped_as.reshape(choices_shape),
+            weights.reshape(choices_shape),
+            gate,
+            up,
+            down,
+            impl=self.moe.matmul_impl,
+        ).reshape(tokens.shape)
         combined = combined + self._shared(tokens)
         return combined.reshape(x.shape), _stats(routing, kept)
 
