@@ -50,3 +50,13 @@ def test_bad_moe_key_is_one_line_naming_it(override: str, message: str) -> None:
         load_config(None, ["model.moe.num_experts=4", override])
     assert message in str(raised.value)
     assert "\n" not in str(raised.value)
+
+
+def test_a_resume_names_a_changed_moe_key_and_lets_the_kernel_choice_change() -> None:
+    from msjax.run_dir import differences
+
+    before = load_config(None, ["model.moe.num_experts=4"])
+    more_experts = load_config(None, ["model.moe.num_experts=8"])
+    other_kernel = load_config(None, ["model.moe.num_experts=4", "model.moe.matmul_impl=pallas"])
+    assert differences(before, more_experts) == ["model.moe.num_experts: 4 -> 8"]
+    assert differences(before, other_kernel) == []
