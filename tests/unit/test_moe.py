@@ -3,6 +3,7 @@ reference, capacity drops, bias balancing, and in-process training on one device
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -138,7 +139,7 @@ def test_bias_update_moves_toward_the_under_loaded_experts():
     np.testing.assert_allclose(bias, [-0.1, 0.1, 0.0, 0.1])  # mean 4
 
 
-def moe_training_config(data: int, fsdp: int, **moe):
+def moe_training_config(data: int, fsdp: int, accum_steps: int = 1, **moe):
     model = {
         "moe": {
             "num_experts": 4,
@@ -150,12 +151,14 @@ def moe_training_config(data: int, fsdp: int, **moe):
         }
     }
     config = small_config(data=data, fsdp=fsdp, tensor=1, model=model)
+    train = dataclasses.replace(config.train, grad_accum_steps=accum_steps)
+    config = dataclasses.replace(config, train=train)
     return resolve(config, data * fsdp, jax.default_backend())
 
 
 @functools.cache
-def trained_moe(data: int, fsdp: int, **moe) -> tuple[list[dict], dict]:
-    config = moe_training_config(data, fsdp, **moe)
+def trained_moe(data: int, fsdp: int, accum_steps: int = 1, **moe) -> tuple[list[dict], dict]:
+    config = moe_training_config(data, fsdp, accum_steps, **moe)
     program = build_program(config, build_mesh(config.mesh, jax.devices()[: data * fsdp]))
     state = program.init_state()
     metrics = []
@@ -189,3 +192,15 @@ def test_bias_balancing_moves_the_routing_bias_from_the_load_in_training():
     assert np.abs(bias).max() > 0.0
     # over the run, the least loaded expert's bias rose above the most loaded one's
     assert bias.sum(axis=0)[np.argmin(load)] > bias.sum(axis=0)[np.argmax(load)]
+
+
+def test_accumulated_moe_step_equals_the_plain_step():
+    """Microbatches sum the token-weighted z-loss and the token counts to the whole batch's (the
+    load-balancing loss, a product of batch means, is each microbatch's own: weight 0 here)."""
+    plain, plain_params = trained_moe(1, 1, load_balance_loss_weight=0.0)
+    accumulated, params = trained_moe(1, 1, 2, load_balance_loss_weight=0.0)
+    for key in ("loss", "moe_aux_loss", "moe_router_z_loss", "moe_tokens_per_expert"):
+        got = [step[key] for step in accumulated]
+        np.testing.assert_allclose(got, [step[key] for step in plain], rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(plain_params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
