@@ -60,3 +60,13 @@ def test_a_resume_names_a_changed_moe_key_and_lets_the_kernel_choice_change() ->
     other_kernel = load_config(None, ["model.moe.num_experts=4", "model.moe.matmul_impl=pallas"])
     assert differences(before, more_experts) == ["model.moe.num_experts: 4 -> 8"]
     assert differences(before, other_kernel) == []
+
+
+def test_a_mixture_of_experts_has_no_llama_form_to_export() -> None:
+    from msjax.llama_config import unsupported_by_llama
+
+    model = load_config(None, ["model.moe.num_experts=4"]).model
+    assert unsupported_by_llama(model) == (
+        "model.moe.num_experts=4 (a mixture of experts) has no LlamaForCausalLM form"
+    )
+    assert unsupported_by_llama(load_config().model) is None
