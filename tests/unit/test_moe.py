@@ -3,7 +3,6 @@ reference, capacity drops, bias balancing, and in-process training on one device
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from mesh_runs import fixed_batches, small_config
+from mesh_runs import fixed_batches
 
 from msjax.config import ModelConfig, load_config
 from msjax.models.moe import (
@@ -140,19 +139,20 @@ def test_bias_update_moves_toward_the_under_loaded_experts():
 
 
 def moe_training_config(data: int, fsdp: int, accum_steps: int = 1, **moe):
-    model = {
-        "moe": {
-            "num_experts": 4,
-            "experts_per_token": 2,
-            "shared_experts": 1,
-            "first_dense_layers": 1,
-            "expert_mlp_dim": 32,
-            **moe,
-        }
-    }
-    config = small_config(data=data, fsdp=fsdp, tensor=1, model=model)
-    train = dataclasses.replace(config.train, grad_accum_steps=accum_steps)
-    config = dataclasses.replace(config, train=train)
+    """configs/tiny_moe.yaml (1 dense and 3 MoE layers of 8 experts, top-2, 1 shared) on a
+    data x fsdp mesh, with a short sequence and batch so that a step takes moments."""
+    overrides = [
+        f"mesh.data={data}",
+        f"mesh.fsdp={fsdp}",
+        "mesh.tensor=1",
+        "data.seq_len=32",
+        "train.global_batch=8",
+        f"train.grad_accum_steps={accum_steps}",
+        "optim.learning_rate=1e-2",
+        "optim.warmup_steps=2",
+        *(f"model.moe.{key}={value}" for key, value in moe.items()),
+    ]
+    config = load_config("configs/tiny_moe.yaml", overrides)
     return resolve(config, data * fsdp, jax.default_backend())
 
 
@@ -178,7 +178,7 @@ def test_tiny_moe_trains_the_same_on_one_device_and_on_data2_fsdp2():
         assert float(step["moe_aux_loss"]) > 0.0
         assert float(step["moe_load_balance_loss"]) >= 1.0 - 1e-5  # 1 when perfectly balanced
         tokens = step["moe_tokens_per_expert"]
-        assert tokens.shape == (4,) and tokens.sum() == 1 * 2 * 16 * 32  # MoE layers x k x tokens
+        assert tokens.shape == (8,) and tokens.sum() == 3 * 2 * 8 * 32  # MoE layers x k x tokens
         assert float(step["moe_max_load_imbalance"]) >= float(step["moe_mean_load_imbalance"])
     meshed_leaves, single_leaves = jax.tree.leaves(meshed_params), jax.tree.leaves(single_params)
     for got, want in zip(meshed_leaves, single_leaves, strict=True):
