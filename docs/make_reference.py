@@ -95,6 +95,8 @@ def type_text(annotation: Any) -> str:
         options = [option for option in get_args(annotation) if option is not type(None)]
         text = " or ".join(type_text(option) for option in options)
         return f"{text} or null" if len(options) < len(get_args(annotation)) else text
+    if dataclasses.is_dataclass(annotation):
+        return "section"
     if origin is tuple:
         item = get_args(annotation)[0]
         name = "source" if dataclasses.is_dataclass(item) else type_text(item)
@@ -108,6 +110,8 @@ def default_text(field: dataclasses.Field) -> str:
     value = field.default if has_default else field.default_factory()  # type: ignore[misc]
     if value is None:
         return "`null`"
+    if dataclasses.is_dataclass(value):  # a section inside a section: its own table follows
+        return "below"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, tuple):
@@ -158,6 +162,8 @@ def config_reference() -> str:
         meanings = field_comments(source, section_type.__name__)
         lines += _section_table(f"{section.name}.", section_type, meanings)
         lines.append("")
+        if section.name == "model":
+            lines += _moe_section()
         if section.name == "data":
             source_type = config.SourceConfig
             lines += [
@@ -173,17 +179,29 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
+def _moe_section() -> list[str]:
+    """The `model.moe` table, from the comments in msjax/moe_config.py."""
+    from msjax import moe_config
+
+    source = Path(moe_config.__file__).read_text(encoding="utf-8")
+    meanings = field_comments(source, "MoeConfig")
+    lines = ["### `model.moe`", "", (moe_config.MoeConfig.__doc__ or "").strip(), ""]
+    lines += _section_table("model.moe.", moe_config.MoeConfig, meanings)
+    return [*lines, ""]
+
+
 def config_keys_without_meaning() -> list[str]:
     """Keys whose field in msjax/config.py carries no comment (tests/unit/test_docs.py: none)."""
     from msjax import config
 
-    source = Path(config.__file__).read_text(encoding="utf-8")
     hints = typing.get_type_hints(config.Config)
     missing = []
     sections = [(s.name, hints[s.name]) for s in dataclasses.fields(config.Config)]
     sections.append(("data.sources[]", config.SourceConfig))
+    sections.append(("model.moe", config.MoeConfig))
     for prefix, section_type in sections:
-        meanings = field_comments(source, section_type.__name__)
+        home = sys.modules[section_type.__module__].__file__
+        meanings = field_comments(Path(home).read_text(encoding="utf-8"), section_type.__name__)
         for field in dataclasses.fields(section_type):
             if not meanings.get(field.name):
                 missing.append(f"{prefix}.{field.name}")

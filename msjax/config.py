@@ -21,6 +21,7 @@ import yaml
 from msjax.config_checks import validate
 from msjax.config_file import read_config_file
 from msjax.errors import ConfigError
+from msjax.moe_config import MoeConfig
 
 DType = Literal["float32", "bfloat16"]
 
@@ -61,6 +62,7 @@ class ModelConfig:
     # or are filled from it with from_hf=true
     init_from: str | None = None
     from_hf: bool = False  # fill the model section from init_from's config.json
+    moe: MoeConfig = field(default_factory=MoeConfig)  # mixture of experts: `model.moe.*` below
 
     @property
     def resolved_head_dim(self) -> int:
@@ -338,17 +340,18 @@ class Config:
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """The config from a YAML file (or the defaults) with `section.key=value` overrides applied."""
-    tree: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        tree = read_config_file(Path(path))
+    root: dict[str, Any] = {} if path is None else read_config_file(Path(path))
     for override in overrides:
         section, key, value = _parse_override(override)
-        if tree.get(section) is None:
-            tree[section] = {}  # a section left empty in the file, or not there at all
-        if not isinstance(tree[section], dict):
-            raise ConfigError(f"config section '{section}' must be a mapping of keys")
-        tree[section][key] = value
-    config = config_from_dict(tree)
+        mapping = root
+        for part in (section, *key.split(".")[:-1]):  # model.moe.num_experts: two mappings deep
+            if mapping.get(part) is None:
+                mapping[part] = {}  # a section left empty in the file, or not there at all
+            if not isinstance(mapping[part], dict):
+                raise ConfigError(f"config section '{part}' must be a mapping of keys")
+            mapping = mapping[part]
+        mapping[key.split(".")[-1]] = value
+    config = config_from_dict(root)
     validate(config)
     return config
 
@@ -414,6 +417,10 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     origin = get_origin(annotation)
     if annotation == tuple[SourceConfig, ...]:
         return _coerce_sources(name, value)
+    if dataclasses.is_dataclass(annotation):  # a section inside a section: model.moe
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping of keys")
+        return _build_section(name, annotation, value)
     if annotation == tuple[int, ...]:
         items = value if isinstance(value, (list, tuple)) else [value]
         return tuple(_coerce(f"{name}[{index}]", item, int) for index, item in enumerate(items))
@@ -463,7 +470,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
 def _parse_override(override: str) -> tuple[str, str, Any]:
     name, equals, text = override.partition("=")
     section, dot, key = name.strip().partition(".")
-    if not equals or not dot or not section or not key or "." in key:
+    nested = section == "model" and key.count(".") == 1 and key.startswith("moe.")  # model.moe.*
+    if not equals or not dot or not section or not key or ("." in key and not nested):
         raise ConfigError(f"override {override!r} must look like section.key=value")
     try:
         value = yaml.safe_load(text) if text.strip() else ""

@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from msjax.errors import ConfigError
+from msjax.moe_config import check_moe
 
 if TYPE_CHECKING:
     from msjax.config import (
@@ -106,6 +107,8 @@ def _check_mesh(config: Config) -> None:
             raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError("only one mesh axis may be -1 (the rest of the devices)")
+    if config.model.moe.enabled and sizes["pipe"] != 1:
+        raise ConfigError("model.moe.num_experts > 0 runs without a pipeline; set mesh.pipe=1")
     check_divisible_by_mesh(config, sizes)
 
 
@@ -142,6 +145,7 @@ def _check_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.norm_eps={model.norm_eps} must be in (0, 1), e.g. 1e-5")
     if not 0 < model.init_std <= 1:
         raise ConfigError(f"model.init_std={model.init_std} must be in (0, 1], e.g. 0.02")
+    check_moe(model.moe, model.num_layers)
 
 
 def _check_optim(optim: OptimConfig) -> None:

@@ -69,10 +69,16 @@ def report(args: argparse.Namespace) -> list[str]:
         "parameters": (
             f"{_human_count(params.total)} total, {_human_count(params.embedding)} embedding, "
             f"{_human_count(params.matmul)} matmul"
+            + (
+                f", {_human_count(params.active_matmul)} active matmul (per token)"
+                if params.active_matmul != params.matmul
+                else ""
+            )
         ),
         "FLOPs per token": (
             f"{_human_flops(flops_per_token(model, seq_len))} "
-            f"(6 x matmul params + causal attention; seq_len {seq_len}, {context})"
+            f"(6 x {'active ' if params.active_matmul != params.matmul else ''}matmul params + "
+            f"causal attention; seq_len {seq_len}, {context})"
         ),
         "FLOPs per step": (
             f"{_human_flops(step_flops)} (global_batch {global_batch} x seq_len {seq_len} = "

@@ -182,6 +182,11 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     checkpointer, step = checkpoint_source(args.run_dir, args.step)
     config = saved_config(checkpointer, step)
+    if config.model.moe.enabled:  # the KV-cache decoder runs the dense layer stack
+        raise MsjaxError(
+            f"msjax.generate runs dense models; this run's model.moe.num_experts="
+            f"{config.model.moe.num_experts} makes it a mixture of experts"
+        )
     tokenizer = load_tokenizer(config.data.tokenizer)
     prompt = [int(i) for i in tokenizer.encode(args.prompt)]
     if not prompt:

@@ -27,6 +27,11 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def unsupported_by_llama(model: ModelConfig) -> str | None:
     """Why transformers' LlamaForCausalLM cannot run this model, or None if it can."""
+    if model.moe.enabled:
+        return (
+            f"model.moe.num_experts={model.moe.num_experts} (a mixture of experts) has no "
+            "LlamaForCausalLM form"
+        )
     if model.parallel_block:
         return "model.parallel_block=true (a parallel attention + MLP block) has no Llama form"
     if model.attention_window is not None:

@@ -20,6 +20,7 @@ from msjax.config import Config, MeshConfig, ModelConfig
 from msjax.config_checks import check_divisible_by_mesh
 from msjax.errors import ConfigError
 from msjax.llama_config import model_from_init
+from msjax.moe_config import MoeConfig
 
 RUNS_FOLDER = Path("runs")
 # Kernels with no interpreter: they run on a GPU or not at all.
@@ -28,8 +29,11 @@ GPU_ONLY_IMPLS = ("cudnn", "triton")
 
 @functools.cache
 def impl_choices(key: str) -> tuple[str, ...]:
-    """What `model.<key>` accepts besides `auto`, read from the config's own Literal type."""
-    choices = get_args(typing.get_type_hints(ModelConfig)[key])
+    """What `model.<key>` accepts besides `auto`, read from the config's own Literal type (a key
+    of the MoE section as `moe.matmul_impl`)."""
+    section, _, name = key.rpartition(".")
+    owner = MoeConfig if section == "moe" else ModelConfig
+    choices = get_args(typing.get_type_hints(owner)[name])
     return tuple(choice for choice in choices if choice != "auto")
 
 
@@ -37,7 +41,13 @@ IMPL_KEYS = ("attention_impl", "norm_impl", "loss_impl")
 # What `auto` runs on a GPU. cuDNN's fused attention and XLA's norm and loss: the Pallas kernels
 # sit on the deprecated Pallas Triton backend and have no device figures yet showing them at
 # least as fast (benchmarks/gpu_suite.py measures that); `pallas` stays selectable.
-GPU_AUTO_IMPLS = {"attention_impl": "cudnn", "norm_impl": "xla", "loss_impl": "xla"}
+# The experts' grouped matmul: ragged_dot until a device figure shows the Pallas kernel faster.
+GPU_AUTO_IMPLS = {
+    "attention_impl": "cudnn",
+    "norm_impl": "xla",
+    "loss_impl": "xla",
+    "moe.matmul_impl": "xla",
+}
 CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN flash attention takes 16-bit inputs only
 CUDNN_MAX_HEAD_DIM = 256
 
@@ -78,8 +88,10 @@ def resolve_impl(impl: str, key: str, backend: str, cudnn_fits: bool = True) -> 
 def resolve_model(model: ModelConfig, backend: str) -> ModelConfig:
     """The model section with each `*_impl` resolved to the implementation that will run."""
     fits = cudnn_attention_fits(model)
+    moe_impl = resolve_impl(model.moe.matmul_impl, "moe.matmul_impl", backend)
     return dataclasses.replace(
         model,
+        moe=dataclasses.replace(model.moe, matmul_impl=moe_impl),
         **{key: resolve_impl(getattr(model, key), key, backend, fits) for key in IMPL_KEYS},
     )
 

@@ -52,6 +52,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "model.attention_impl",
         "model.norm_impl",
         "model.loss_impl",
+        "model.moe.matmul_impl",
     }
 )
 PREVIOUS_PREFIX = "previous-"
@@ -411,9 +412,14 @@ def differences(before: Config, after: Config) -> list[str]:
         if section in MAY_CHANGE_ON_RESUME:
             continue
         for key, value in values.items():
-            name = f"{section}.{key}"
-            if name not in MAY_CHANGE_ON_RESUME and old[section].get(key) != value:
-                changed.append(f"{name}: {old[section].get(key)!r} -> {value!r}")
+            name, old_value = f"{section}.{key}", old[section].get(key)
+            pairs = [(name, old_value, value)]
+            if isinstance(value, dict):  # a section inside a section (model.moe): key by key
+                inner = old_value if isinstance(old_value, dict) else {}
+                pairs = [(f"{name}.{k}", inner.get(k), v) for k, v in value.items()]
+            for pair_name, was, now in pairs:
+                if pair_name not in MAY_CHANGE_ON_RESUME and was != now:
+                    changed.append(f"{pair_name}: {was!r} -> {now!r}")
     return changed
 
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from msjax import ops
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config
+from msjax.models import moe as moe_layers
 from msjax.models.transformer import Transformer, apply_layer_stack, enclosing_checkpoint_policy
 from msjax.optim import (
     advance_schedule,
@@ -104,6 +105,7 @@ def microbatched(
     steps: int,
     microbatch_sharding: NamedSharding | None = None,
     grad_shardings: Any = None,
+    value_zeros: Any = None,  # where the values' sum starts when they are a tree (MoE stats)
 ) -> Any:
     """`value_and_grad(params, batch, *rest) -> (value, grads)` run on `steps` microbatches of
     the batch one after another (a scan), their values and gradients summed in float32.
@@ -135,7 +137,7 @@ def microbatched(
         grads = jax.tree.map(float32_zeros, params)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        total = (jnp.zeros((), jnp.float32), grads)
+        total = (jnp.zeros((), jnp.float32) if value_zeros is None else value_zeros, grads)
 
         def add_microbatch(total: Any, microbatch: Batch) -> tuple[Any, None]:
             value_and_grads = value_and_grad(params, microbatch, *rest)
@@ -158,6 +160,7 @@ class UpdateStep:
     loss_and_grads: Any  # (params, batch, real tokens) -> (loss, grads)
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
+    moe: moe_layers.MoeConfig | None = None  # with experts: values (objective, (loss, stats))
 
     def train_step(
         self, state: TrainState, batch: Batch
@@ -166,17 +169,21 @@ class UpdateStep:
         finite), and the step's metrics."""
         # every microbatch's loss is divided by the whole batch's real tokens, so the sum over
         # microbatches is the whole batch's mean, however the padding falls among them
-        loss, grads = self.loss_and_grads(state.params, batch, real_token_count(batch))
+        value, grads = self.loss_and_grads(state.params, batch, real_token_count(batch))
+        objective, (loss, moe_stats) = value if self.moe else (value, (value, None))
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
-        update_finite = update_is_finite(loss, grad_norm, params)
+        update_finite = update_is_finite(objective, grad_norm, params)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": self.schedule(state.step),
             "update_finite": update_finite,
         }
+        if self.moe is not None:  # the objective's gradient, the cross-entropy's value reported
+            params = moe_layers.balance_routing_bias(params, moe_stats, self.moe)
+            metrics |= moe_layers.moe_metrics(moe_stats) | {"moe_aux_loss": objective - loss}
         updated = dataclasses.replace(
             state, step=state.step + 1, params=params, opt_state=opt_state
         )
@@ -200,13 +207,16 @@ class TrainProgram:
     @functools.cached_property
     def train_step(self) -> Any:
         """`UpdateStep.train_step` jitted: (state, batch) -> (state, metrics), state donated."""
+        moe = self.config.model.moe if self.config.model.moe.enabled else None
+        objective = self.loss_share if moe is None else self.moe_objective_share
         loss_and_grads = microbatched(
-            jax.value_and_grad(self.loss_share),
+            jax.value_and_grad(objective, has_aux=moe is not None),
             self.config.train.grad_accum_steps,
             microbatch_sharding=self.batch_sharding,
             grad_shardings=self.state_shardings.params,
+            value_zeros=None if moe is None else moe_layers.zero_objective(self.config.model),
         )
-        update = UpdateStep(loss_and_grads, self.optimizer, self.schedule)
+        update = UpdateStep(loss_and_grads, self.optimizer, self.schedule, moe)
         batch_shardings = dict.fromkeys(BATCH_FIELDS, self.batch_sharding)
         return jax.jit(
             update.train_step,
@@ -342,8 +352,9 @@ class TrainProgram:
         )
         return summed_loss(layer_params, head_params, model.embed(batch["inputs"]), labels)
 
-    def summed_loss(self, params: Params, batch: Batch) -> jax.Array:
-        """float32 scalar: the sum of the losses of the batch's real tokens."""
+    def summed_loss(self, params: Params, batch: Batch, with_moe_stats: bool = False) -> Any:
+        """float32 scalar: the sum of the batch's real tokens' losses (and with_moe_stats, no
+        pipeline: the MoE layers' statistics, moe_layers.MoeStats, None when dense)."""
         rules = logical_axis_rules(self.config)
         weights = weight_gather(self.mesh, rules, self.config.optim.grad_reduce_dtype)
         with activation_placement(self.mesh, rules, weights):
@@ -354,13 +365,24 @@ class TrainProgram:
             if layout.stages > 1:
                 return self._pipelined_summed_loss(model, batch, weights)
             inputs, positions = batch["inputs"], batch["positions"]
+            features, stats = model.features_with_moe_stats(inputs, positions, batch["segment_ids"])
             losses = ops.token_losses(
-                model.features(inputs, positions, batch["segment_ids"]),
+                features,
                 model.unembedding_matrix(),
                 batch["targets"],
                 impl=self.config.model.loss_impl,
             )  # [batch, seq]
-        return jnp.sum(losses * real_token_weights(batch))
+        summed = jnp.sum(losses * real_token_weights(batch))
+        return (summed, stats) if with_moe_stats else summed
+
+    def moe_objective_share(self, params: Params, batch: Batch, token_count: jax.Array) -> Any:
+        """(the batch's share of the loss plus the weighted MoE auxiliary losses, (its share of
+        the loss, its MoE statistics with the scalars weighted by its share of the tokens))."""
+        summed, stats = self.summed_loss(params, batch, with_moe_stats=True)
+        share = real_token_count(batch) / token_count
+        loss = summed / token_count
+        aux = share * moe_layers.moe_aux_loss(stats, self.config.model.moe)
+        return loss + aux, (loss, moe_layers.stats_share(stats, share))
 
     def loss_share(self, params: Params, batch: Batch, token_count: jax.Array) -> jax.Array:
         """The batch's share of a mean loss over `token_count` real tokens (its own, or those of

@@ -17,13 +17,11 @@ from jax.ad_checkpoint import checkpoint_name
 from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
+from msjax.models.moe import MoeMLP, MoeStats
+from msjax.models.params import param as _param
 from msjax.parallel.context import compute_weight, constrain, kernel_mesh
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
-
-
-def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes)
 
 
 class RMSNorm(nnx.Module):
@@ -176,29 +174,42 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder layer, sequential (pre-norm) or parallel (MegaScale §3.1)."""
+    """One decoder layer, sequential (pre-norm) or parallel (MegaScale §3.1); with `moe` its MLP
+    is a mixture of experts (msjax.models.moe)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attention_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         self.attention = Attention(config, rngs)
         if not config.parallel_block:
             self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
-        self.mlp = MLP(config, rngs)
+        self.mlp = MoeMLP(config, rngs) if moe else MLP(config, rngs)
+        self.moe = moe
         self.parallel = config.parallel_block
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
     ) -> jax.Array:
+        return self.with_moe_stats(x, positions, segment_ids)[0]
+
+    def with_moe_stats(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None
+    ) -> tuple[jax.Array, MoeStats | None]:
+        """The layer's output, and its MoE statistics (None in a dense layer)."""
         if self.parallel:
             # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x)); one norm feeds both branches.
             normed = self.attention_norm(x)
-            x = x + self.attention(normed, positions, segment_ids) + self.mlp(normed)
+            mlp_out, stats = self._mlp(normed)
+            x = x + self.attention(normed, positions, segment_ids) + mlp_out
         else:
             attended = self.attention(self.attention_norm(x), positions, segment_ids)
             x, normed = self.mlp_norm.add_and_normalize(x, attended)  # x + attn, LN(x + attn)
             x = constrain(x, RESIDUAL)
-            x = x + self.mlp(normed)
-        return constrain(x, RESIDUAL)
+            mlp_out, stats = self._mlp(normed)
+            x = x + mlp_out
+        return constrain(x, RESIDUAL), stats
+
+    def _mlp(self, normed: jax.Array) -> tuple[jax.Array, MoeStats | None]:
+        return self.mlp(normed) if self.moe else (self.mlp(normed), None)
 
 
 _REMAT_POLICIES = {
@@ -275,12 +286,13 @@ class Transformer(nnx.Module):
             rngs, embed_init, (config.vocab_size, config.embed_dim), ("vocab", "embed")
         )
 
-        @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(rngs: nnx.Rngs) -> Block:
-            return Block(config, rngs)
-
-        self.layers = make_layers(rngs)
+        if config.moe.enabled:  # dense layers first, then MoE layers: two stacks to scan
+            dense = config.moe.first_dense_layers
+            if dense:
+                self.dense_layers = _stacked_blocks(config, dense, False, rngs)
+            self.moe_layers = _stacked_blocks(config, config.num_layers - dense, True, rngs)
+        else:
+            self.layers = _stacked_blocks(config, config.num_layers, False, rngs)
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         if not config.tied_embeddings:
             self.unembedding = _param(
@@ -313,11 +325,26 @@ class Transformer(nnx.Module):
 
         The logits are features @ unembedding_matrix(); a fused loss takes the two apart.
         """
+        return self.features_with_moe_stats(tokens, positions, segment_ids)[0]
+
+    def features_with_moe_stats(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoeStats | None]:
+        """`features`, and the MoE layers' statistics stacked over them (None when dense)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x = self.embed(tokens)
-        x = apply_layer_stack(self.layers, x, positions, segment_ids, self.config.remat)
-        return self.finish(x)
+        x, remat = self.embed(tokens), self.config.remat
+        if not self.config.moe.enabled:
+            return self.finish(
+                apply_layer_stack(self.layers, x, positions, segment_ids, remat)
+            ), None
+        if self.config.moe.first_dense_layers:
+            x = apply_layer_stack(self.dense_layers, x, positions, segment_ids, remat)
+        x, stats = apply_layer_stack(self.moe_layers, x, positions, segment_ids, remat, True)
+        return self.finish(x), stats
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens: [batch, seq] int -> the residual stream [batch, seq, embed], compute dtype."""
@@ -334,20 +361,35 @@ class Transformer(nnx.Module):
         return constrain(self.final_norm(x), ("batch", "seq", "act_embed"))
 
 
+def _stacked_blocks(config: ModelConfig, count: int, moe: bool, rngs: nnx.Rngs) -> Block:
+    """`count` blocks with their parameters stacked along "layers" (MoE blocks with `moe`)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs, moe)
+
+    return make_layers(rngs)
+
+
 def apply_layer_stack(
     layers: Block,
     x: jax.Array,
     positions: jax.Array,
     segment_ids: jax.Array | None,
     remat: str = "none",
-) -> jax.Array:
+    with_moe_stats: bool = False,
+) -> Any:
     """Run a stack of blocks (parameters stacked along "layers") over x [batch, seq, embed].
 
     This is the model's layer stack as a function of (layer parameters, activations): the
-    whole model runs it over all layers, a pipeline stage over its own slice of them.
+    whole model runs it over all layers, a pipeline stage over its own slice of them. With
+    `with_moe_stats` (a stack of MoE blocks) it returns (x, MoeStats stacked over the layers).
     """
 
-    def layer(block: Block, x: jax.Array) -> jax.Array:
+    def layer(block: Block, x: jax.Array) -> Any:
+        if with_moe_stats:
+            return block.with_moe_stats(x, positions, segment_ids)
         return block(x, positions, segment_ids)
 
     if remat != "none":
@@ -355,10 +397,10 @@ def apply_layer_stack(
 
     @nnx.scan(
         in_axes=(nnx.Carry, 0),
-        out_axes=nnx.Carry,
+        out_axes=(nnx.Carry, 0) if with_moe_stats else nnx.Carry,
         transform_metadata={nnx.PARTITION_NAME: "layers"},
     )
-    def run_layers(x: jax.Array, block: Block) -> jax.Array:
+    def run_layers(x: jax.Array, block: Block) -> Any:
         return layer(block, checkpoint_name(x, LAYER_INPUT))
 
     return run_layers(x, layers)

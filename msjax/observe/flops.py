@@ -26,11 +26,29 @@ class ParamCounts:
     `embedding` is the token table (a lookup, no FLOPs); `matmul` is every parameter that takes
     part in a matmul (attention, MLP, output projection). With tied embeddings the table is the
     output projection too, so it is in both, and once in `total`. Norm scales are in neither.
+    `active_matmul` is the matmul parameters one token runs: in a mixture of experts its top-k
+    and shared experts and the router, not every expert (`matmul` when dense).
     """
 
     total: int
     embedding: int
     matmul: int
+    active_matmul: int
+
+
+def mlp_params(model: ModelConfig) -> tuple[int, int]:
+    """(all, one token's active) matmul parameters of the MLPs of all layers together."""
+    embed, moe = model.embed_dim, model.moe
+    dense = 3 * embed * model.mlp_dim  # gate, up [embed, mlp]; down [mlp, embed]
+    if not moe.enabled:
+        return model.num_layers * dense, model.num_layers * dense
+    expert = 3 * embed * (moe.expert_mlp_dim or model.mlp_dim)  # one SwiGLU expert
+    router = embed * moe.num_experts
+    moe_layers = model.num_layers - moe.first_dense_layers
+    every = router + (moe.num_experts + moe.shared_experts) * expert
+    active = router + (moe.experts_per_token + moe.shared_experts) * expert
+    dense_part = moe.first_dense_layers * dense
+    return dense_part + moe_layers * every, dense_part + moe_layers * active
 
 
 def count_params(model: ModelConfig) -> ParamCounts:
@@ -42,23 +60,26 @@ def count_params(model: ModelConfig) -> ParamCounts:
         + 2 * embed * kv_heads * head_dim  # k, v [embed, kv_heads, head_dim]
         + heads * head_dim * embed  # o [heads, head_dim, embed]
     )
-    mlp = 3 * embed * model.mlp_dim  # gate, up [embed, mlp]; down [mlp, embed]
+    mlp, active_mlp = mlp_params(model)
     # before attention and before the MLP; the parallel block feeds both from one norm
     block_norms = (1 if model.parallel_block else 2) * embed
     table = model.vocab_size * embed  # [vocab, embed]
     output = 0 if model.tied_embeddings else embed * model.vocab_size  # [embed, vocab]
-    matmul = model.num_layers * (attention + mlp) + model.vocab_size * embed  # + unembedding
+    matmul = model.num_layers * attention + mlp + model.vocab_size * embed  # + unembedding
     norms = model.num_layers * block_norms + embed  # + the final norm
+    if model.moe.bias_balancing:  # a routing bias per expert and MoE layer
+        norms += (model.num_layers - model.moe.first_dense_layers) * model.moe.num_experts
     return ParamCounts(
-        total=table + output + model.num_layers * (attention + mlp) + norms,
+        total=table + output + model.num_layers * attention + mlp + norms,
         embedding=table,
         matmul=matmul,
+        active_matmul=matmul - mlp + active_mlp,
     )
 
 
 MFU_CONVENTION = (
     "model FLOPs = 6 x matmul params + 12 x layers x heads x head_dim x mean causal context "
-    "per token (no recomputation), over dense bf16 peak"
+    "per token (no recomputation; a mixture of experts' active params), over dense bf16 peak"
 )
 
 
@@ -73,7 +94,8 @@ def mean_causal_context(seq_len: int, window: int | None) -> float:
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token, without activation recomputation.
 
-    6 x matmul parameters (2 forward, 4 backward per multiply-add; Kaplan et al. 2020) plus the
+    6 x active matmul parameters (2 forward, 4 backward per multiply-add; Kaplan et al. 2020;
+    a mixture of experts counts the experts a token runs, not all of them) plus the
     attention scores and values, 12 x layers x heads x head_dim x context (Megatron-LM,
     Narayanan et al. 2021; PaLM, Chowdhery et al. 2022, App. B), counting only the (query, key)
     pairs the causal mask keeps: the context is the mean visible keys per query, (seq_len + 1)
@@ -82,7 +104,7 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """
     context = mean_causal_context(seq_len, model.attention_window)
     attention = 12 * model.num_layers * model.num_heads * model.resolved_head_dim * context
-    return 6.0 * count_params(model).matmul + float(attention)
+    return 6.0 * count_params(model).active_matmul + float(attention)
 
 
 def flops_per_step(config: Config) -> float:

@@ -5,7 +5,16 @@
 """
 
 from msjax.ops.attention import attention
+from msjax.ops.grouped_matmul import grouped_matmul, routed_experts
 from msjax.ops.loss import logits, token_losses
 from msjax.ops.norm import add_rms_norm, rms_norm
 
-__all__ = ["add_rms_norm", "attention", "logits", "rms_norm", "token_losses"]
+__all__ = [
+    "add_rms_norm",
+    "attention",
+    "grouped_matmul",
+    "logits",
+    "rms_norm",
+    "routed_experts",
+    "token_losses",
+]

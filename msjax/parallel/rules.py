@@ -51,6 +51,10 @@ def logical_axis_rules(config: Config) -> Rules:
         "head_dim": None,
         "mlp": "tensor",
         "layers": "pipe" if pipelined else None,
+        # mixture of experts: experts whole on every device for now (an `expert` mesh axis for
+        # expert parallelism maps here), split along embed over fsdp as every weight
+        "expert": None,
+        "expert_mlp": None,
         # activations
         "batch": ("data", "fsdp"),
         "seq": None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from msjax.config import Config
+from msjax.config import Config, ModelConfig
 from msjax.observe.flops import count_params, flops_per_step, mean_causal_context
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
@@ -39,27 +39,52 @@ class ComputeEstimate:
         return self.device_flops * self.devices / self.model_flops
 
 
-def _layer_forward_flops(config: Config) -> tuple[float, float, float]:
+def _layer_forward_flops(config: Config, platform: str) -> tuple[float, float, float]:
     """Per token and layer: (the forward's matmul FLOPs, the attention's part of them, the part
     that a recompute never needs: the layer's last projections, whose outputs the backward pass
     does not read, so XLA drops them from a rematerialised forward)."""
     model = config.model
-    layer_params = (count_params(model).matmul - model.vocab_size * model.embed_dim) / (
+    # the parameters a token runs (a mixture of experts: its active experts and the router)
+    layer_params = (count_params(model).active_matmul - model.vocab_size * model.embed_dim) / (
         model.num_layers
     )
     seq = config.data.seq_len
     # the XLA reference computes every [seq, seq] score and masks; kernels skip masked blocks
     context = mean_causal_context(seq, model.attention_window) if attention_is_fused(model) else seq
     attention = 4.0 * model.num_heads * model.resolved_head_dim * context  # scores and values
-    last = 2.0 * model.mlp_dim * model.embed_dim  # the MLP's down projection
+    last = 2.0 * _down_projection_width(model) * model.embed_dim  # the MLP's down projection
     if model.parallel_block:  # and the attention's output projection, added beside it
         last += 2.0 * model.num_heads * model.resolved_head_dim * model.embed_dim
-    return 2.0 * layer_params + attention, attention, last
+    experts = _expanded_expert_flops(model, platform)
+    return 2.0 * layer_params + attention + experts, attention, last
 
 
-def _layer_step_flops(config: Config, mesh: MeshShape) -> float:
+def _expanded_expert_flops(model: ModelConfig, platform: str) -> float:
+    """Per token and layer, averaged over the layers: what XLA's CPU ragged_dot runs beyond the
+    chosen experts. It computes each routed row against every expert's weights (a dense dot,
+    masked), num_experts times the grouped work; elsewhere it is counted as grouped."""
+    moe = model.moe
+    if not moe.enabled or moe.matmul_impl != "xla" or platform != "cpu":
+        return 0.0
+    expert = 3.0 * model.embed_dim * (moe.expert_mlp_dim or model.mlp_dim)  # gate, up, down
+    extra = 2.0 * moe.experts_per_token * (moe.num_experts - 1) * expert
+    return extra * (model.num_layers - moe.first_dense_layers) / model.num_layers
+
+
+def _down_projection_width(model: ModelConfig) -> float:
+    """The MLP's hidden width a token's down projection reads, averaged over the layers: in a
+    MoE layer its active experts' (top-k and shared) together."""
+    moe = model.moe
+    if not moe.enabled:
+        return float(model.mlp_dim)
+    active = (moe.experts_per_token + moe.shared_experts) * (moe.expert_mlp_dim or model.mlp_dim)
+    dense = moe.first_dense_layers
+    return (dense * model.mlp_dim + (model.num_layers - dense) * active) / model.num_layers
+
+
+def _layer_step_flops(config: Config, mesh: MeshShape, platform: str) -> float:
     """Per token and layer run: forward, backward (twice the forward) and recomputation."""
-    forward, attention, last = _layer_forward_flops(config)
+    forward, attention, last = _layer_forward_flops(config, platform)
     remat = config.model.remat
     if mesh.pipe > 1 and remat == "dots" and not PipelineLayout.of(config).table.branches_per_stage:
         remat = "full"  # the pipeline's vmap over stages gives every matmul a batch dimension
@@ -101,7 +126,7 @@ def estimate_compute(
     head = 6.0 * model.vocab_size * model.embed_dim  # forward and backward, per token
     return ComputeEstimate(
         model_flops=flops_per_step(config),
-        layers_flops=tokens * layer_runs * _layer_step_flops(config, mesh) / mesh.tensor,
+        layers_flops=tokens * layer_runs * _layer_step_flops(config, mesh, platform) / mesh.tensor,
         head_flops=tokens * head_runs * head / mesh.tensor,
         devices=mesh.devices,
     )

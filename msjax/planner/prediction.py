@@ -98,7 +98,7 @@ def _layer_recompute_factor(config: Config) -> float:
         model, seq = config.model, config.data.seq_len
         context = seq if model.attention_window is None else min(model.attention_window, seq)
         attention = 12 * model.num_layers * model.num_heads * model.resolved_head_dim * context
-        per_token = 6 * count_params(model).matmul + attention
+        per_token = 6 * count_params(model).active_matmul + attention
         return 1.0 + attention / 3.0 / per_token
     return 1.0
 

@@ -70,6 +70,9 @@ class StepResults:
             "mfu": mfu(self.step_flops, step_time_s, self.device_count, self.peak_tflops),
             "data_wait_s": in_flight.data_wait_s,
         }
+        for key, value in values.items():  # a mixture of experts' load and auxiliary losses
+            if key.startswith("moe_"):
+                self.last[key] = value.tolist()
         if not values.get("update_finite", True):  # the step kept the state as it was
             self.last["update_finite"] = False
         self.events.step_end(self.last)
