@@ -274,6 +274,13 @@ class CheckpointSaves:
                     f"failed save left them): {', '.join(removed)}"
                 )
 
+    def wait_for_writes(self) -> None:
+        """Block until the save and the memory snapshot being written are written (an injected
+        crash waits for them, so where its restart resumes does not depend on timing)."""
+        if self.memory is not None:
+            self.memory.close()
+        self.checkpointer.wait()
+
     @property
     def directory(self) -> Path:
         return self.checkpointer.directory

@@ -197,6 +197,8 @@ def build_run(
     resilience = state.resilience
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
     train_step = start_and_compile(events, state, compile_cache, message)
+    saves = build_saves(config, state, data.corpus, events, message)
+    resilience.wait_for_saves = saves.wait_for_writes  # memory snapshots too
     return PreparedRun(
         config=config,
         run_dir=run_dir,
@@ -206,7 +208,7 @@ def build_run(
         start=state.start,
         data=data.training,
         events=events,
-        saves=build_saves(config, state, data.corpus, events, message),
+        saves=saves,
         resilience=resilience,
         progress=progress,
         started=joined.started,
