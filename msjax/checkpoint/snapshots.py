@@ -28,7 +28,7 @@ SHARED_MEMORY = Path("/dev/shm")  # the node's memory, as files that outlive a p
 MANIFEST = "manifest.json"  # written last inside a snapshot: its files with their sha256
 SNAPSHOT_PREFIX = "step-"
 UNFINISHED_PREFIX = ".unfinished-"  # a snapshot being written (or left by a killed worker)
-MAX_SNAPSHOTS = 2  # per process: the newest whole one, and the one being written after it
+MAX_SNAPSHOTS = 2  # per process: the two newest whole ones, or the newest and one being written
 
 
 class SnapshotDamaged(Exception):
@@ -120,10 +120,12 @@ class SnapshotStore:
                     shutil.rmtree(self.directory / name, ignore_errors=True)
 
     def write(self, step: int, shards: list[ShardFile], record: dict[str, Any]) -> int:
-        """Write a snapshot of `step` whole, then make it the newest, then delete the one before:
-        at most MAX_SNAPSHOTS exist at any moment. Returns the bytes of its shards."""
+        """Write a snapshot of `step` under a temporary name, then rename it whole: it becomes
+        the newest, and the one before stays as the second (a peer killed while writing its copy
+        of `step` still holds that one). Older ones go before the write starts, so at most
+        MAX_SNAPSHOTS exist at any moment. Returns the bytes of its shards."""
         make_private_dir(self.directory)
-        for older in self.complete_steps()[:-1]:  # keep only the newest while this one is written
+        for older in self.complete_steps()[: 1 - MAX_SNAPSHOTS]:  # the newest stays meanwhile
             shutil.rmtree(self.path(older), ignore_errors=True)
         unfinished = self.directory / f"{UNFINISHED_PREFIX}{step}-{secrets.token_hex(4)}"
         unfinished.mkdir(mode=0o700)
@@ -149,10 +151,7 @@ class SnapshotStore:
         target = self.path(step)
         if target.exists():  # the same step again (a rerun from an older snapshot)
             shutil.rmtree(target, ignore_errors=True)
-        os.rename(unfinished, target)
-        for older in self.complete_steps():
-            if older != step:
-                shutil.rmtree(self.path(older), ignore_errors=True)
+        os.rename(unfinished, target)  # now the newest; the one before stays until the next
         return sum(entry["bytes"] for entry in files)
 
     def manifest(self, step: int) -> dict[str, Any]:
