@@ -17,6 +17,7 @@ from msjax.distributed import JobEnv
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_max, process_vote
+from msjax.resilience.heartbeat import note_start
 from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
 from msjax.training.memory_restore import MemoryRestored, restore_from_memory
@@ -57,12 +58,19 @@ def restore_or_init(
     """
     import jax
 
-    memory = restore_from_memory(config, checkpointer.directory, abstract_state, message)
+    memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
     if memory is not None:
+        note_start("memory")
         return start_from_memory(config, memory, message)
+    if not_used:
+        message(
+            f"restore: not from the memory snapshots ({not_used}); every process restores from "
+            "the checkpoint directory"
+        )
     started = time.perf_counter()
     restored = restore_start(config, checkpointer, abstract_state, message, resume)
     if restored is not None:
+        note_start("disk", not_used)
         message(
             f"restored step {restored.step} from disk: {directory_bytes(restored.path)} bytes "
             f"read from the checkpoint directory in {time.perf_counter() - started:.2f} s"

@@ -5,7 +5,6 @@ now, and newer than the newest committed disk checkpoint; else all go to the dis
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,16 +76,13 @@ def place_shards(shards: list[ShardFile], abstract_state: Any) -> Any:
 
 
 def restore_from_memory(
-    config: Config,
-    checkpoints: Path,
-    abstract_state: Any,
-    message: Callable[[str], None],
-) -> MemoryRestored | None:
+    config: Config, checkpoints: Path, abstract_state: Any
+) -> tuple[MemoryRestored | None, str]:
     """The newest snapshot every process holds whole and verified, in the run's layout and newer
-    than the newest committed checkpoint in `checkpoints`; None (the disk's turn, for every
-    process alike) otherwise, with one line saying why where snapshots were there."""
+    than the newest committed checkpoint in `checkpoints`; else None (the disk's turn, for every
+    process alike), with why where snapshots were there ("" where none were)."""
     if not config.checkpoint.memory_every_steps:
-        return None
+        return None, ""
     import jax
 
     started = time.perf_counter()
@@ -97,12 +93,14 @@ def restore_from_memory(
     disk_step = agree_max(vote, [max(committed_steps(checkpoints), default=-1)])[0]
     held_anywhere = agree_any(vote, bool(store and store.complete_steps()))
     if step < 0 or step <= disk_step:
-        if held_anywhere:
-            why = reason or "not every process holds a whole snapshot"
-            if step >= 0:
-                why = f"the newest whole one (step {step}) is not newer than checkpoint {disk_step}"
-            message(f"restore: not from memory snapshots ({why}); from the checkpoint directory")
-        return None
+        if not held_anywhere:
+            return None, ""
+        if step >= 0:
+            return (
+                None,
+                f"the newest whole one (step {step}) is not newer than checkpoint {disk_step}",
+            )
+        return None, reason or "not every process holds a whole snapshot"
     problem = None if step in usable else f"this process holds no whole snapshot of step {step}"
     state, manifest = None, {}
     if problem is None:
@@ -112,12 +110,11 @@ def restore_from_memory(
         except SnapshotDamaged as error:
             problem = str(error)
     if agree_any(vote, problem is not None):
-        message(
-            f"restore: the memory snapshot of step {step} is refused "
-            f"({problem or 'a snapshot on another process failed its check'}); every process "
-            "restores from the checkpoint directory"
-        )
-        return None
+        refused = problem or "a snapshot on another process failed its check"
+        return None, f"the snapshot of step {step} is refused: {refused}"
     snapshot_bytes = sum(entry["bytes"] for entry in manifest["files"])
     seconds = time.perf_counter() - started
-    return MemoryRestored(state, step, manifest["meta"], store.path(step), snapshot_bytes, seconds)
+    restored = MemoryRestored(
+        state, step, manifest["meta"], store.path(step), snapshot_bytes, seconds
+    )
+    return restored, ""

@@ -77,6 +77,11 @@ def test_a_restart_after_a_crash_restores_from_memory_losing_at_most_one_step(cr
     assert CRASH_STEP - 1 <= step <= CRASH_STEP  # snapshots every step: at most one lost
     assert all("0 bytes read from the checkpoint directory" in line for line in restored)
     assert "from disk" not in logs
+    (incident,) = Finished(crashed.run_dir, 0, "").incidents()
+    assert (incident["cause"], incident["rank"]) == ("crash", 1)
+    assert (incident["resumed_from"], incident["resumed_from_step"]) == ("memory", step)
+    assert incident["steps_lost"] == CRASH_STEP - step <= 1
+    assert "memory_not_used" not in incident
 
 
 def test_a_run_restored_from_memory_ends_with_the_uninterrupted_runs_losses(
@@ -129,4 +134,12 @@ def test_a_snapshot_with_a_flipped_byte_is_refused_and_every_process_restores_fr
     assert logs.count("every process restores from the checkpoint directory") == 2
     assert "restored step 3 from disk" in logs
     assert "from memory:" not in logs
+    (incident,) = ended.incidents()
+    assert (incident["resumed_from"], incident["resumed_from_step"]) == ("disk", 3)
+    assert (
+        incident["memory_not_used"].startswith(
+            f"the snapshot of step {incident['step']} is refused: "
+        )
+        or "is refused: " in incident["memory_not_used"]
+    )
     assert ended.losses() == reference.losses()  # the disk checkpoint continues bitwise too
