@@ -96,6 +96,7 @@ class MemorySnapshots:
         self.skipped = 0  # snapshots not taken: the one before was still being written
         self._writer: threading.Thread | None = None
         self._error: str | None = None
+        self._layout: dict[str, Any] | None = None  # the state's, the same every step
         make_private_dir(store.directory)
         store.remove_unfinished()
 
@@ -118,7 +119,9 @@ class MemorySnapshots:
         leaves = jax.tree.leaves(state)
         # a copy the next step's donation cannot take away; the host copy follows in the thread
         copied = jax.device_put(leaves, [leaf.sharding for leaf in leaves], may_alias=False)
-        record = {"meta": self.meta_of(step), "layout": state_layout(state)}
+        if self._layout is None:
+            self._layout = state_layout(state)
+        record = {"meta": self.meta_of(step), "layout": self._layout}
         self._writer = threading.Thread(
             target=self._write, args=(step, copied, record), name="msjax-snapshot", daemon=True
         )
