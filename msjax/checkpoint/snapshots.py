@@ -125,8 +125,12 @@ class SnapshotStore:
         of `step` still holds that one). Older ones go before the write starts, so at most
         MAX_SNAPSHOTS exist at any moment. Returns the bytes of its shards."""
         make_private_dir(self.directory)
-        for older in self.complete_steps()[: 1 - MAX_SNAPSHOTS]:  # the newest stays meanwhile
-            shutil.rmtree(self.path(older), ignore_errors=True)
+        steps = self.complete_steps()
+        # steps past this one belong to a timeline the run left (a replay from an older
+        # checkpoint); of the older ones the newest stays while this one is written
+        before = [older for older in steps if older < step]
+        for gone in [older for older in steps if older >= step] + before[: 1 - MAX_SNAPSHOTS]:
+            shutil.rmtree(self.path(gone), ignore_errors=True)
         unfinished = self.directory / f"{UNFINISHED_PREFIX}{step}-{secrets.token_hex(4)}"
         unfinished.mkdir(mode=0o700)
         files = []
@@ -148,10 +152,9 @@ class SnapshotStore:
             )
         manifest = {**record, "step": step, "files": files}
         write_text_atomically(unfinished / MANIFEST, json.dumps(manifest), durable=False)
-        target = self.path(step)
-        if target.exists():  # the same step again (a rerun from an older snapshot)
-            shutil.rmtree(target, ignore_errors=True)
-        os.rename(unfinished, target)  # now the newest; the one before stays until the next
+        os.rename(
+            unfinished, self.path(step)
+        )  # now the newest; the one before stays until the next
         return sum(entry["bytes"] for entry in files)
 
     def manifest(self, step: int) -> dict[str, Any]:

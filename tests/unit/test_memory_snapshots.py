@@ -75,6 +75,17 @@ def test_at_most_two_snapshots_exist_and_the_newest_two_are_kept(tmp_path: Path)
     assert store.complete_steps() == [3, 4]
 
 
+def test_a_snapshot_of_an_earlier_step_drops_those_of_the_timeline_the_run_left(tmp_path: Path):
+    store = SnapshotStore(tmp_path / "process-0")
+    for step in (6, 7):
+        write(store, step, sharded_state(step))
+    write(store, 5, sharded_state(0.5))  # a replay from an older checkpoint
+    assert store.complete_steps() == [5]
+    manifest, shards = store.read(5)
+    assert manifest["step"] == 5
+    assert np.asarray(shards[0].data)[0, 1] == 0.5
+
+
 def test_a_half_written_snapshot_is_never_listed_and_is_cleared(tmp_path: Path):
     store = SnapshotStore(tmp_path / "process-0")
     write(store, 1, sharded_state())
