@@ -1,9 +1,11 @@
 """The snapshot store in-process: shards written whole and read back bitwise onto their devices,
 at most two snapshots, a half-written one never listed, a flipped byte refused, the layout held
-against the run's, and the loop's writer skipping (and counting) a snapshot due mid-write."""
+against the run's, the loop's writer skipping (and counting) a snapshot due mid-write, and a plain
+run removing its snapshots at its end."""
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import threading
@@ -15,15 +17,20 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from small_runs import QUICK_RUN
 
 from msjax.checkpoint.snapshots import (
     MANIFEST,
+    SHARED_MEMORY,
     UNFINISHED_PREFIX,
     SnapshotDamaged,
     SnapshotStore,
     run_snapshots_dir,
+    shared_memory_root,
 )
+from msjax.config import load_config
 from msjax.loop_events import LoopEvents
+from msjax.train import train
 from msjax.training.memory_restore import place_shards, usable_steps
 from msjax.training.memory_snapshots import MemorySnapshots, host_shards, state_layout
 
@@ -166,3 +173,30 @@ def test_a_snapshot_due_while_the_last_is_written_is_skipped_and_counted(tmp_pat
     assert [(s, b > 0, k) for s, b, k in events.snapshots] == [(2, True, 0), (4, False, 1)]
     assert store.complete_steps() == [2]
     assert store.manifest(2)["meta"] == {"step": 2}
+
+
+class SnapshotWatch(LoopEvents):
+    """The snapshot events of a run, and whether its snapshot directory existed at each."""
+
+    def __init__(self, run_dir: Path):
+        self.directory = run_snapshots_dir(run_dir, SHARED_MEMORY)
+        self.heard: list[tuple[int, bool, bool]] = []
+
+    def memory_snapshot(self, step, stall_s, snapshot_bytes, skipped_total):
+        self.heard.append((step, snapshot_bytes > 0 or skipped_total > 0, self.directory.is_dir()))
+
+
+@pytest.mark.skipif(shared_memory_root() is None, reason="no writable /dev/shm")
+def test_a_plain_run_snapshots_as_configured_and_removes_its_snapshots_at_its_end(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *QUICK_RUN,
+        "train.steps=4",
+        "train.eval_every=0",
+        "checkpoint.memory_every_steps=2",
+        f"run.dir={run_dir}",
+    ]
+    watch = SnapshotWatch(run_dir)
+    train(load_config(None, overrides), io.StringIO(), listeners=[watch])
+    assert watch.heard == [(2, True, True), (4, True, True)]
+    assert not watch.directory.exists()
