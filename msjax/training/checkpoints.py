@@ -72,8 +72,9 @@ def restore_or_init(
     if restored is not None:
         note_start("disk", not_used)
         message(
-            f"restored step {restored.step} from disk: {directory_bytes(restored.path)} bytes "
-            f"read from the checkpoint directory in {time.perf_counter() - started:.2f} s"
+            f"restored step {restored.step} from disk: its checkpoint of "
+            f"{directory_bytes(restored.path)} bytes (each process reads its own shards) in "
+            f"{time.perf_counter() - started:.2f} s"
         )
     if restored is None:
         refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
@@ -106,7 +107,8 @@ def start_from_memory(
 
 
 def directory_bytes(path: Path) -> int:
-    """The bytes of the files under path (what restoring a checkpoint step reads at most)."""
+    """The bytes of the files under path (what restoring a checkpoint step reads at most, over
+    all processes)."""
     return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
 
 
