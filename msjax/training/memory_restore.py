@@ -12,7 +12,9 @@ from typing import Any
 from msjax.checkpoint.commits import committed_steps
 from msjax.checkpoint.snapshots import ShardFile, SnapshotDamaged, SnapshotStore
 from msjax.config import Config
+from msjax.observe.goodput import read_records
 from msjax.parallel.agreement import agree_any, agree_max, agree_min, process_vote
+from msjax.run_dir import RunDir
 from msjax.training.memory_snapshots import process_snapshot_store, state_layout
 
 
@@ -53,6 +55,16 @@ def usable_steps(store: SnapshotStore | None, layout: dict[str, Any]) -> tuple[l
     return usable, reason
 
 
+def after_corruption(run_dir: Path) -> str:
+    """Why snapshots are passed over where the run's last incident was silent data corruption
+    (its snapshots may hold the corrupted state; the checkpoints record whether their replicas
+    agreed), else ""."""
+    incidents = read_records(RunDir(run_dir).incidents_log)
+    if incidents and incidents[-1].get("corruption"):
+        return f"incident {incidents[-1].get('incident')} was silent data corruption"
+    return ""
+
+
 def place_shards(shards: list[ShardFile], abstract_state: Any) -> Any:
     """The state from this process's shards, each on its device, with the state's shardings."""
     import jax
@@ -87,8 +99,12 @@ def restore_from_memory(
 
     started = time.perf_counter()
     vote = process_vote("memory-restore")
-    store = process_snapshot_store(Path(config.run.dir or "."), jax.process_index())
+    run_dir = Path(config.run.dir or ".")
+    store = process_snapshot_store(run_dir, jax.process_index())
     usable, reason = usable_steps(store, state_layout(abstract_state))
+    corruption = after_corruption(run_dir)
+    if corruption:
+        usable, reason = [], corruption
     step = agree_min(vote, usable[-1] if usable else -1)
     disk_step = agree_max(vote, [max(committed_steps(checkpoints), default=-1)])[0]
     held_anywhere = agree_any(vote, bool(store and store.complete_steps()))

@@ -6,6 +6,7 @@ run removing its snapshots at its end."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
 import threading
@@ -30,8 +31,9 @@ from msjax.checkpoint.snapshots import (
 )
 from msjax.config import load_config
 from msjax.loop_events import LoopEvents
+from msjax.run_dir import RunDir
 from msjax.train import train
-from msjax.training.memory_restore import place_shards, usable_steps
+from msjax.training.memory_restore import after_corruption, place_shards, usable_steps
 from msjax.training.memory_snapshots import MemorySnapshots, host_shards, state_layout
 
 
@@ -200,3 +202,13 @@ def test_a_plain_run_snapshots_as_configured_and_removes_its_snapshots_at_its_en
     train(load_config(None, overrides), io.StringIO(), listeners=[watch])
     assert watch.heard == [(2, True, True), (4, True, True)]
     assert not watch.directory.exists()
+
+
+def test_snapshots_are_passed_over_after_an_incident_of_silent_corruption(tmp_path: Path):
+    incidents = RunDir(tmp_path).incidents_log
+    assert after_corruption(tmp_path) == ""
+    incidents.write_text(json.dumps({"incident": 1, "cause": "crash"}) + "\n")
+    assert after_corruption(tmp_path) == ""
+    corrupt = {"incident": 2, "cause": "corruption", "corruption": {"event": "transient"}}
+    incidents.write_text(incidents.read_text() + json.dumps(corrupt) + "\n")
+    assert after_corruption(tmp_path) == "incident 2 was silent data corruption"
