@@ -198,6 +198,9 @@ class CheckpointConfig:
     # when checkpoints exist but none restores: stop (exit 2, one line per checkpoint) or restart
     # from step 0
     if_none_valid: Literal["stop", "restart"] = "stop"
+    # every this many steps each process copies its shards of the state to /dev/shm (kept two
+    # deep, outliving a killed worker); a restart restores the newest whole one. 0: off
+    memory_every_steps: int = 0
 
 
 @dataclass(frozen=True)

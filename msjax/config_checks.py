@@ -167,6 +167,10 @@ def _check_optim(optim: OptimConfig) -> None:
 def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
     if checkpoint.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps={checkpoint.every_steps} must be >= 0")
+    if checkpoint.memory_every_steps < 0:
+        raise ConfigError(
+            f"checkpoint.memory_every_steps={checkpoint.memory_every_steps} must be >= 0 (0: off)"
+        )
     if checkpoint.every_minutes is not None and not checkpoint.every_minutes > 0:
         raise ConfigError(f"checkpoint.every_minutes={checkpoint.every_minutes} must be positive")
     unsaved = checkpoint.max_unsaved_minutes

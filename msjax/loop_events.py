@@ -52,6 +52,13 @@ class LoopEvents:
     def save_end(self, step: int, blocked_s: float | None) -> None:
         """The save started (the loop was held blocked_s), or failed (None) and was reported."""
 
+    def memory_snapshot(
+        self, step: int, stall_s: float, snapshot_bytes: int, skipped_total: int
+    ) -> None:
+        """An in-memory snapshot of the state after `step` updates was started (the loop waited
+        stall_s; this process's shards hold snapshot_bytes), or skipped (0 bytes) because the one
+        before was still being written; skipped_total counts those so far."""
+
     def saves_draining(self) -> None:
         """The loop is over; every started save is being waited for."""
 

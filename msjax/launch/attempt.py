@@ -25,6 +25,7 @@ class Attempt:
     compile_unix_s: float | None = None  # rank 0 began compiling (state restored)
     first_step_unix_s: float | None = None  # rank 0 finished its first step
     start_step: int | None = None
+    start_source: str = ""  # where rank 0's state came from: disk, memory, "" (new)
     max_step: int = 0
     ended_unix_s: float | None = None
     outcome: str = ""
@@ -98,6 +99,7 @@ class Attempt:
                 record.phase_started_unix_s if record.phase == "compile" else record.unix_s
             )
             self.start_step = record.start_step
+            self.start_source = record.start_source
         if record.phase == "step" and self.first_step_unix_s is None:
             self.first_step_unix_s = record.phase_started_unix_s
 

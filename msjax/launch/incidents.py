@@ -151,6 +151,8 @@ class Incident:
     flight_recorder: str | None
     action: str = "restart"
     resumed_from_step: int | None = None
+    resumed_from: str | None = None  # disk or memory (a snapshot); None: a new state
+    memory_not_used: str | None = None  # why memory snapshots were passed over, where they were
     steps_lost: int | None = None
     restart_s: float | None = None
     catch_up_s: float | None = None
@@ -180,6 +182,8 @@ class Incident:
         "bad_slot",
         "membership",
         "corruption",
+        "resumed_from",
+        "memory_not_used",
     )
 
     @classmethod
@@ -264,6 +268,9 @@ class Incident:
         if self.resumed_from_step is None and attempt.start_step is not None:
             self.resumed_from_step = attempt.start_step
             self.steps_lost = max(self.step - attempt.start_step, 0)
+            self.resumed_from = attempt.start_source or None
+        if self.resumed_from_step is not None:  # each rank's note, as its heartbeats arrive
+            self.memory_not_used = memory_not_used(attempt) or self.memory_not_used
         membership = self.membership
         if membership and membership["first_step_unix_s"] is None and attempt.first_step_unix_s:
             membership["first_step_unix_s"] = attempt.first_step_unix_s  # on the new mesh
@@ -398,3 +405,10 @@ class IncidentLog:
         log = AppendLog(self.path)  # a full disk drops the record with one warning
         log.write(json.dumps(record) + "\n")
         log.close()
+
+
+def memory_not_used(attempt: Attempt) -> str:
+    """Why the attempt's ranks passed over their memory snapshots, each in its own words ("" where
+    none had any): the rank whose snapshot failed its check names the file."""
+    notes = {rank: record.start_note for rank, record in attempt.heartbeats.items()}
+    return "; ".join(f"rank {rank}: {note}" for rank, note in sorted(notes.items()) if note)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from msjax.checkpoint.commits import newest_committed_step
+from msjax.checkpoint.snapshots import remove_run_snapshots
 from msjax.config import Config
 from msjax.launch.after_fault import AfterFault
 from msjax.launch.attempt import Attempt, AttemptsWithoutProgress
@@ -184,6 +185,8 @@ class Supervisor:
             if self.state is not State.GAVE_UP:  # a stop's own last line says it first
                 self._say_checkpoints()
             self.membership.close(self.resilience.stop_grace_s)
+            # the workers are gone and no restart follows: their memory snapshots go too
+            remove_run_snapshots(self.run_dir.path)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 

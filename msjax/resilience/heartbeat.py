@@ -44,6 +44,8 @@ class HeartbeatRecord:
     phase_started_unix_s: float
     unix_s: float  # when it was written
     progress: int = 0  # work done within the phase (tokens written while tokenizing)
+    start_source: str = ""  # where the state came from: disk, memory, or "" (new)
+    start_note: str = ""  # why in-memory snapshots were not restored, where they were there
     timings: dict[str, list[float]] = field(default_factory=dict)  # phase: [count, slowest_s]
 
     @classmethod
@@ -67,6 +69,13 @@ def latest_beat() -> tuple[int, str] | None:
     return _latest.step, _latest.phase
 
 
+def note_start(source: str, note: str = "") -> None:
+    """Where this process's state came from (disk or memory) and, where snapshots were passed
+    over, why: its heartbeat carries them for the incident record."""
+    if _latest is not None:
+        _latest.start_source, _latest.start_note = source, note
+
+
 class Heartbeat:
     """Writes rank's heartbeat on every phase change and at most every `every_s` within a phase."""
 
@@ -79,6 +88,8 @@ class Heartbeat:
         self.pid = os.getpid()
         self.step = 0
         self.start_step = 0
+        self.start_source = ""
+        self.start_note = ""
         self.phase: str = ""
         self.progress = 0
         self._phase_started = time.time()
@@ -124,6 +135,8 @@ class Heartbeat:
             "attempt": self.attempt,
             "step": self.step,
             "start_step": self.start_step,
+            "start_source": self.start_source,
+            "start_note": self.start_note,
             "phase": self.phase,
             "phase_started_unix_s": self._phase_started,
             "unix_s": now,

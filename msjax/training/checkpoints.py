@@ -13,11 +13,15 @@ from msjax import __version__
 from msjax.checkpoint.commits import DAMAGED_DIR
 from msjax.checkpoint.manager import Checkpointer, Restored
 from msjax.config import Config, config_from_dict
+from msjax.distributed import JobEnv
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_max, process_vote
+from msjax.resilience.heartbeat import note_start
 from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
+from msjax.training.memory_restore import MemoryRestored, restore_from_memory
+from msjax.training.memory_snapshots import build_memory_snapshots
 from msjax.training.save_schedule import NOT_FINISHED, SaveProposal, SaveSchedule
 
 if TYPE_CHECKING:
@@ -54,7 +58,24 @@ def restore_or_init(
     """
     import jax
 
+    memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
+    if memory is not None:
+        note_start("memory")
+        return start_from_memory(config, memory, message)
+    if not_used:
+        message(
+            f"restore: not from the memory snapshots ({not_used}); every process restores from "
+            "the checkpoint directory"
+        )
+    started = time.perf_counter()
     restored = restore_start(config, checkpointer, abstract_state, message, resume)
+    if restored is not None:
+        note_start("disk", not_used)
+        message(
+            f"restored step {restored.step} from disk: its checkpoint of "
+            f"{directory_bytes(restored.path)} bytes (each process reads its own shards) in "
+            f"{time.perf_counter() - started:.2f} s"
+        )
     if restored is None:
         refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
         if config.model.init_from is not None:
@@ -69,6 +90,26 @@ def restore_or_init(
     # checkpoints hold layers in canonical order; this run's pipeline may keep another
     state = program.from_canonical(restored.state)
     return StartingPoint(state, step, first_sample, restored)
+
+
+def start_from_memory(
+    config: Config, memory: MemoryRestored, message: Callable[[str], None]
+) -> StartingPoint:
+    """The starting point a memory snapshot gives: its state is the loop's own (not canonical)."""
+    restored = Restored(memory.step, memory.state, memory.meta, memory.path)
+    check_same_model(config, restored)
+    message(
+        f"restored step {memory.step} from memory: {memory.snapshot_bytes} bytes of this "
+        f"process's snapshot in {memory.seconds:.2f} s; 0 bytes read from the checkpoint directory"
+    )
+    samples_seen = memory.meta["data"]["samples_seen"]
+    return StartingPoint(memory.state, memory.step, int(samples_seen), restored)
+
+
+def directory_bytes(path: Path) -> int:
+    """The bytes of the files under path (what restoring a checkpoint step reads at most, over
+    all processes)."""
+    return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
 
 
 def restore_start(
@@ -200,6 +241,10 @@ class CheckpointSaves:
         # step -> what the save records of its replicas (msjax.training.replica_checks)
         self.replica_record: Callable[[int], dict[str, Any]] | None = None
         self._started_s = 0.0  # when the save in flight was started
+        # checkpoint.memory_every_steps: snapshots in /dev/shm beside the saves (None: off)
+        self.memory = build_memory_snapshots(
+            config, Path(config.run.dir or "."), self.meta, events, warn
+        )
         if config.checkpoint.enabled:
             # no save of this job has started yet, and the job holds the run lock
             removed = checkpointer.remove_unfinished(self.vote)
@@ -208,6 +253,13 @@ class CheckpointSaves:
                     f"removed {len(removed)} unfinished saves in {self.directory} (a killed or "
                     f"failed save left them): {', '.join(removed)}"
                 )
+
+    def wait_for_writes(self) -> None:
+        """Block until the save and the memory snapshot being written are written (an injected
+        crash waits for them, so where its restart resumes does not depend on timing)."""
+        if self.memory is not None:
+            self.memory.close()
+        self.checkpointer.wait()
 
     @property
     def directory(self) -> Path:
@@ -243,6 +295,8 @@ class CheckpointSaves:
                 f"{self.config.checkpoint.max_unsaved_minutes:g} (last failure: step "
                 f"{decision.step}); ending the attempt to restart from the last good one"
             )
+        if self.memory is not None:
+            self.memory.after_step(decision.step, state)
         if decision.stop_by or not decision.save:
             return False
         self.save(decision.step, state)
@@ -301,7 +355,7 @@ class CheckpointSaves:
             local_error = None
             try:
                 # transformed and fingerprinted on every process together: after the vote
-                self.checkpointer.save(step, self.to_canonical(state), self._meta(step))
+                self.checkpointer.save(step, self.to_canonical(state), self.meta(step))
             except Exception as error:
                 local_error = error
             if not agree_max(self.vote, [local_error is not None])[0]:
@@ -314,7 +368,9 @@ class CheckpointSaves:
         self._failed(step, _reason(local_error), what)
         self.events.save_end(step, None)
 
-    def _meta(self, step: int) -> dict[str, Any]:
+    def meta(self, step: int) -> dict[str, Any]:
+        """What a checkpoint of `step` records beside the arrays: the config, the data position,
+        the seed (a memory snapshot records the same)."""
         samples_seen = self.start.first_sample + (step - self.start.step) * (
             self.config.train.global_batch
         )
@@ -337,6 +393,10 @@ class CheckpointSaves:
         if self.config.checkpoint.enabled and final_step > self.start.step and not saved_already:
             self.save(final_step, state)
         self.events.saves_draining()
+        if self.memory is not None and JobEnv.read().launched:
+            self.memory.close()  # kept for a restart: msjax.launch removes them at the job's end
+        elif self.memory is not None:
+            self.memory.remove()
         self.checkpointer.wait()  # then retention counts the last save too
         if self.schedule.in_flight:
             outcome = self.checkpointer.save_outcome()  # finished on every process: one vote

@@ -192,6 +192,7 @@ def build_run(
         to_canonical=program.to_canonical, corpus=data.corpus,
         allowed_data_changes=state.allowed_data_changes,
     )  # fmt: skip
+    resilience.wait_for_saves = saves.wait_for_writes  # memory snapshots too
     return PreparedRun(
         config=config,
         run_dir=run_dir,

@@ -103,6 +103,18 @@ class MetricsLog(LoopEvents):
         if blocked_s is not None:
             self.writer.write({"step": step, "checkpoint_save_blocked_s": blocked_s})
 
+    def memory_snapshot(
+        self, step: int, stall_s: float, snapshot_bytes: int, skipped_total: int
+    ) -> None:
+        self.writer.write(
+            {
+                "step": step,
+                "memory_snapshot_stall_s": stall_s,
+                "memory_snapshot_bytes": snapshot_bytes,
+                "memory_snapshots_skipped": skipped_total,
+            }
+        )
+
     def run_end(self, final_step: int) -> None:
         self.writer.close()
 

@@ -164,6 +164,8 @@ def test_null_override_clears_an_optional_key_set_by_a_file(tmp_path):
         ("train.steps", ("'train.steps'", "section.key=value")),
         ("steps=3", ("'steps=3'", "section.key=value")),
         ("model.num_layers.x=3", ("section.key=value",)),
+        ("checkpoint.memory_every_steps=-1", ("checkpoint.memory_every_steps=-1", ">= 0")),
+        ("checkpoint.memory_every_steps=2.5", ("checkpoint.memory_every_steps=2.5", "integer")),
     ],
 )
 def test_bad_override_raises_a_config_error_naming_it(override, fragments):

@@ -1,0 +1,189 @@
+"""In-memory snapshots of the train state: each process's own shards as files on the node's
+shared-memory filesystem, so they outlive a killed worker; written, listed and verified here.
+
+A snapshot is a directory `step-STEP` of raw shard files and a `manifest.json` naming each file
+with its sha256, written under a temporary name and renamed once whole (a peer could later copy
+such a directory as it is). When and from which thread they are written is the loop's
+(msjax.training.memory_snapshots); restoring them, msjax.training.memory_restore's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msjax.writable import open_no_follow, read_no_follow, write_text_atomically
+
+SHARED_MEMORY = Path("/dev/shm")  # the node's memory, as files that outlive a process
+MANIFEST = "manifest.json"  # written last inside a snapshot: its files with their sha256
+SNAPSHOT_PREFIX = "step-"
+UNFINISHED_PREFIX = ".unfinished-"  # a snapshot being written (or left by a killed worker)
+MAX_SNAPSHOTS = 2  # per process: the two newest whole ones, or the newest and one being written
+
+
+class SnapshotDamaged(Exception):
+    """A snapshot whose manifest or files do not check out (one line: which and why)."""
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One shard of one array, as this process holds it: the array's index in the state's leaves,
+    the device that holds it, and its bytes on the host."""
+
+    leaf: int
+    device_id: int
+    data: np.ndarray
+
+
+def shared_memory_root() -> Path | None:
+    """/dev/shm where it exists and this user can write there, else None."""
+    root = SHARED_MEMORY
+    if root.is_dir() and os.access(root, os.W_OK | os.X_OK):
+        return root
+    return None
+
+
+def run_snapshots_dir(run_dir: Path, root: Path) -> Path:
+    """The run's snapshot directory under root: the user's id and the run dir's identity (its
+    name and a hash of its absolute path) in its name, so two runs never mix."""
+    absolute = str(Path(run_dir).absolute())
+    identity = hashlib.sha256(absolute.encode()).hexdigest()[:16]
+    return root / f"msjax-snapshots-{os.getuid()}" / f"{Path(absolute).name}-{identity}"
+
+
+def remove_run_snapshots(run_dir: Path, root: Path | None = None) -> bool:
+    """Delete the run's snapshots (every process's); whether there were any."""
+    root = root if root is not None else shared_memory_root()
+    if root is None:
+        return False
+    directory = run_snapshots_dir(run_dir, root)
+    if not directory.is_dir() or directory.is_symlink():
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return True
+
+
+def make_private_dir(path: Path) -> None:
+    """path and its missing parents made (0700); OSError when path or its parent is a link, not
+    a directory, or not this user's (a planted directory is never written into)."""
+    for directory in reversed([path, *path.parents]):
+        if directory.exists() and not directory.is_symlink():
+            continue
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+    for directory in (path, path.parent):
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise OSError(f"{directory} is not a directory of this user")
+        if info.st_mode & 0o077:
+            os.chmod(directory, 0o700)
+
+
+class SnapshotStore:
+    """One process's snapshots of one run: `step-STEP` directories, at most MAX_SNAPSHOTS."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the whole snapshots here (their manifest written), oldest first."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        steps = []
+        for name in names:
+            number = name.removeprefix(SNAPSHOT_PREFIX)
+            whole = (self.directory / name / MANIFEST).is_file()
+            if name.startswith(SNAPSHOT_PREFIX) and number.isdigit() and whole:
+                steps.append(int(number))
+        return sorted(steps)
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"{SNAPSHOT_PREFIX}{step}"
+
+    def remove_unfinished(self) -> None:
+        """Delete snapshots a killed writer left half written."""
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.directory):
+                if name.startswith(UNFINISHED_PREFIX):
+                    shutil.rmtree(self.directory / name, ignore_errors=True)
+
+    def write(self, step: int, shards: list[ShardFile], record: dict[str, Any]) -> int:
+        """Write a snapshot of `step` under a temporary name, then rename it whole: it becomes
+        the newest, and the one before stays as the second (a peer killed while writing its copy
+        of `step` still holds that one). Older ones go before the write starts, so at most
+        MAX_SNAPSHOTS exist at any moment. Returns the bytes of its shards."""
+        make_private_dir(self.directory)
+        steps = self.complete_steps()
+        # steps past this one belong to a timeline the run left (a replay from an older
+        # checkpoint); of the older ones the newest stays while this one is written
+        before = [older for older in steps if older < step]
+        for gone in [older for older in steps if older >= step] + before[: 1 - MAX_SNAPSHOTS]:
+            shutil.rmtree(self.path(gone), ignore_errors=True)
+        unfinished = self.directory / f"{UNFINISHED_PREFIX}{step}-{secrets.token_hex(4)}"
+        unfinished.mkdir(mode=0o700)
+        files = []
+        for number, shard in enumerate(shards):
+            name = f"{number}.bin"
+            data = np.ascontiguousarray(shard.data).tobytes()
+            with open_no_follow(unfinished / name, "wb") as file:
+                file.write(data)
+            files.append(
+                {
+                    "name": name,
+                    "leaf": shard.leaf,
+                    "device_id": shard.device_id,
+                    "dtype": str(shard.data.dtype),
+                    "shape": list(shard.data.shape),
+                    "bytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            )
+        manifest = {**record, "step": step, "files": files}
+        write_text_atomically(unfinished / MANIFEST, json.dumps(manifest), durable=False)
+        os.rename(
+            unfinished, self.path(step)
+        )  # now the newest; the one before stays until the next
+        return sum(entry["bytes"] for entry in files)
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The manifest of a whole snapshot; SnapshotDamaged when it cannot be read."""
+        path = self.path(step) / MANIFEST
+        try:
+            return json.loads(read_no_follow(path))
+        except (OSError, ValueError) as error:
+            raise SnapshotDamaged(
+                f"snapshot {self.path(step)}: manifest unreadable ({error})"
+            ) from None
+
+    def read(self, step: int) -> tuple[dict[str, Any], list[ShardFile]]:
+        """The manifest and every shard of a snapshot, each checked against its sha256;
+        SnapshotDamaged naming the first file that does not match."""
+        import jax.numpy as jnp  # the dtype names of bfloat16 and friends
+
+        manifest = self.manifest(step)
+        shards = []
+        for entry in manifest["files"]:
+            path = self.path(step) / entry["name"]
+            try:
+                data = read_no_follow(path)
+            except OSError as error:
+                raise SnapshotDamaged(
+                    f"snapshot file {path} unreadable ({error.strerror})"
+                ) from None
+            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise SnapshotDamaged(f"snapshot file {path} does not match its sha256")
+            array = np.frombuffer(data, dtype=jnp.dtype(entry["dtype"])).reshape(entry["shape"])
+            shards.append(ShardFile(entry["leaf"], entry["device_id"], array))
+        return manifest, shards

@@ -1,0 +1,144 @@
+"""In-memory snapshots under a worker's crash: a 2-process msjax.launch job snapshotting every
+step restarts from memory (losing at most one step, bitwise on the uninterrupted run's losses),
+refuses a snapshot with a flipped byte and goes to the disk, and leaves no snapshot behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from harness import Finished, LaunchJob, launch_command, run_to_end
+from small_runs import QUICK_RUN
+
+from msjax.checkpoint.snapshots import SHARED_MEMORY, SnapshotStore, run_snapshots_dir
+from msjax.run_dir import RunDir
+
+pytestmark = pytest.mark.skipif(
+    not SHARED_MEMORY.is_dir(), reason="in-memory snapshots need /dev/shm"
+)
+
+CRASH_STEP = 5  # rank 1 dies before this step runs: its state then has 5 updates
+OVERRIDES = [
+    *QUICK_RUN,
+    "train.eval_every=0",
+    "train.steps=8",
+    "checkpoint.every_steps=3",  # a disk save at step 3, none newer before the crash
+    "checkpoint.memory_every_steps=1",
+    "mesh.data=2",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+    "resilience.heartbeat_every_s=0.05",
+    "resilience.stop_grace_s=2",
+]
+CRASH = [f"--fault=crash@step={CRASH_STEP},rank=1"]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A finished job: its exit code, its launcher's output and its workers' logs."""
+
+    run_dir: Path
+    exit_code: int
+    output: str
+
+    def worker_logs(self) -> str:
+        run = RunDir(self.run_dir)
+        return "".join(run.log(rank).read_text() for rank in (0, 1))
+
+    def losses(self) -> dict[int, float]:
+        return Finished(self.run_dir, self.exit_code, self.output).losses()
+
+
+def run_job(run_dir: Path, flags: list[str], backoff_s: float) -> Ended:
+    overrides = [*OVERRIDES, f"resilience.restart_backoff_s={backoff_s}"]
+    done = run_to_end(launch_command(run_dir, overrides, nprocs=2, launch_flags=flags))
+    return Ended(run_dir, done.returncode, done.stdout + done.stderr)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Ended:
+    """The same job, never interrupted."""
+    return run_job(tmp_path_factory.mktemp("reference") / "run", [], 0.1)
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> Ended:
+    """Rank 1 crashes before step CRASH_STEP; the restart finds the snapshots whole."""
+    return run_job(tmp_path_factory.mktemp("crashed") / "run", CRASH, 0.1)
+
+
+def test_a_restart_after_a_crash_restores_from_memory_losing_at_most_one_step(crashed: Ended):
+    assert crashed.exit_code == 0, crashed.output[-3000:]
+    logs = crashed.worker_logs()
+    restored = [line for line in logs.splitlines() if "from memory:" in line]
+    assert len(restored) == 2, logs[-3000:]  # one line per process
+    step = int(restored[0].split("restored step ")[1].split()[0])
+    assert CRASH_STEP - 1 <= step <= CRASH_STEP  # snapshots every step: at most one lost
+    assert all("0 bytes read from the checkpoint directory" in line for line in restored)
+    assert "from disk" not in logs
+    (incident,) = Finished(crashed.run_dir, 0, "").incidents()
+    assert (incident["cause"], incident["rank"]) == ("crash", 1)
+    assert (incident["resumed_from"], incident["resumed_from_step"]) == ("memory", step)
+    # the launcher saw the fault at the step of the heartbeat it read last
+    assert incident["steps_lost"] == max(incident["step"] - step, 0) <= 1
+    assert "memory_not_used" not in incident
+
+
+def test_a_run_restored_from_memory_ends_with_the_uninterrupted_runs_losses(
+    crashed: Ended, reference: Ended
+):
+    assert reference.exit_code == 0, reference.output[-3000:]
+    expected, actual = reference.losses(), crashed.losses()
+    assert sorted(actual) == sorted(expected) == list(range(8))
+    assert actual == expected  # bitwise: JSON keeps every bit of a float
+
+
+def test_the_launcher_removes_the_snapshots_when_the_job_ends(crashed: Ended):
+    assert not run_snapshots_dir(crashed.run_dir, SHARED_MEMORY).exists()
+
+
+def test_every_step_records_the_snapshots_stall_and_bytes(crashed: Ended):
+    records = [
+        r for r in Finished(crashed.run_dir, 0, "").metrics() if "memory_snapshot_bytes" in r
+    ]
+    taken = [r for r in records if r["memory_snapshot_bytes"] > 0]
+    assert taken and all(r["memory_snapshot_stall_s"] >= 0 for r in records)
+    assert len({r["memory_snapshot_bytes"] for r in taken}) == 1  # the same shards every time
+    assert {r["step"] for r in records} >= {1, 2, 3}
+
+
+def test_a_snapshot_with_a_flipped_byte_is_refused_and_every_process_restores_from_disk(
+    tmp_path: Path, reference: Ended
+):
+    run_dir = tmp_path / "run"
+    overrides = [*OVERRIDES, "resilience.restart_backoff_s=10"]
+    job = LaunchJob.start(run_dir, overrides, nprocs=2, launch_flags=CRASH)
+    store = SnapshotStore(run_snapshots_dir(run_dir, SHARED_MEMORY) / "process-1")
+    try:
+        # the launcher says so once the crashed attempt is over, and waits its backoff
+        job.wait_for(lambda: job.printed("restart 1 ("), "the restart's backoff")
+        flipped = 0
+        for step in store.complete_steps():  # every whole one: the agreed step is one of them
+            shard = store.path(step) / "0.bin"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            shard.write_bytes(bytes(data))
+            flipped += 1
+        assert flipped, "no whole snapshot of rank 1 to damage"
+        ended = job.finish()
+    finally:
+        job.kill()
+    assert ended.exit_code == 0, ended.output[-3000:]
+    logs = "".join(RunDir(run_dir).log(rank).read_text() for rank in (0, 1))
+    assert "does not match its sha256" in logs, logs[-3000:]
+    assert logs.count("every process restores from the checkpoint directory") == 2
+    assert "restored step 3 from disk" in logs
+    assert "from memory:" not in logs
+    (incident,) = ended.incidents()
+    assert (incident["resumed_from"], incident["resumed_from_step"]) == ("disk", 3)
+    reasons = incident["memory_not_used"]
+    assert "rank 0: the snapshot of step " in reasons, reasons
+    assert "rank 1: the snapshot of step " in reasons
+    assert "0.bin does not match its sha256" in reasons.split("rank 1: ")[1]
+    assert ended.losses() == reference.losses()  # the disk checkpoint continues bitwise too
