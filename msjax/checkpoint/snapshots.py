@@ -61,6 +61,11 @@ def run_snapshots_dir(run_dir: Path, root: Path) -> Path:
     return root / f"msjax-snapshots-{os.getuid()}" / f"{Path(absolute).name}-{identity}"
 
 
+def process_snapshots_dir(run_dir: Path, root: Path, process_index: int) -> Path:
+    """Where one process of the run keeps its snapshots."""
+    return run_snapshots_dir(run_dir, root) / f"process-{process_index}"
+
+
 def remove_run_snapshots(run_dir: Path, root: Path | None = None) -> bool:
     """Delete the run's snapshots (every process's); whether there were any."""
     root = root if root is not None else shared_memory_root()

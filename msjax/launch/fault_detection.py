@@ -59,6 +59,7 @@ DETECTED_AS = {
     "crash": fault_kinds.CRASH,
     "raise": fault_kinds.CRASH,
     "crash_in_save": fault_kinds.CRASH,
+    "snapshot_bitflip": fault_kinds.CRASH,
     "hang": fault_kinds.HANG,
     "nan": fault_kinds.NONFINITE_LOSS,
     "bad_token": fault_kinds.NONFINITE_LOSS,

@@ -60,6 +60,7 @@ KINDS = (
     "bitflip",
     "stuck_bit",
     "opt_bitflip",
+    "snapshot_bitflip",
 )
 PERSISTENT_KINDS = (
     "slow",
@@ -233,6 +234,10 @@ class FaultInjector:
         if self._take("crash", step):
             wait_for_saves()  # where the restart resumes does not depend on timing
             os._exit(CRASH_EXIT_CODE)
+        if self._take("snapshot_bitflip", step):
+            wait_for_saves()  # the snapshot of the step before is whole
+            damage_memory_snapshots(self.run_dir, self.rank)
+            os._exit(CRASH_EXIT_CODE)
         if self._take("disk_full", step):
             raise OSError(errno.ENOSPC, f"No space left on device (injected before step {step})")
         if self._take("raise", step):
@@ -304,6 +309,24 @@ class FaultInjector:
         """Exit while the asynchronous save of step `step` is being written, as injected."""
         if self._take("crash_in_save", step):
             os._exit(CRASH_EXIT_CODE)
+
+
+def damage_memory_snapshots(run_dir: Path, process_index: int) -> None:
+    """Flip one byte in the middle of the first shard file of every whole memory snapshot this
+    process holds: host memory gone bad under the snapshots, found only by their sha256."""
+    from msjax.checkpoint.snapshots import SnapshotStore, process_snapshots_dir, shared_memory_root
+
+    root = shared_memory_root()
+    if root is None:
+        return
+    store = SnapshotStore(process_snapshots_dir(run_dir, root, process_index))
+    for step in store.complete_steps():
+        shard = next(iter(sorted(store.path(step).glob("*.bin"))), None)
+        if shard is None:
+            continue
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
 
 
 def _flip_one_bit(state: Any, element: int, part: str = "params") -> Any:

@@ -19,7 +19,7 @@ from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotStore,
     make_private_dir,
-    run_snapshots_dir,
+    process_snapshots_dir,
     shared_memory_root,
 )
 from msjax.config import Config
@@ -31,7 +31,7 @@ def process_snapshot_store(run_dir: Path, process_index: int) -> SnapshotStore |
     root = shared_memory_root()
     if root is None:
         return None
-    return SnapshotStore(run_snapshots_dir(run_dir, root) / f"process-{process_index}")
+    return SnapshotStore(process_snapshots_dir(run_dir, root, process_index))
 
 
 def state_layout(tree: Any) -> dict[str, Any]:

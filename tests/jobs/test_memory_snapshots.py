@@ -1,6 +1,7 @@
 """In-memory snapshots under a worker's crash: a 2-process msjax.launch job snapshotting every
 step restarts from memory (losing at most one step, bitwise on the uninterrupted run's losses),
-refuses a snapshot with a flipped byte and goes to the disk, and leaves no snapshot behind."""
+refuses a snapshot with a flipped byte (the fault injector's snapshot_bitflip) and goes to the
+disk, and leaves no snapshot behind."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from harness import Finished, LaunchJob, launch_command, run_to_end
+from harness import Finished, launch_command, run_to_end
 from small_runs import QUICK_RUN
 
-from msjax.checkpoint.snapshots import SHARED_MEMORY, SnapshotStore, run_snapshots_dir
+from msjax.checkpoint.snapshots import SHARED_MEMORY, run_snapshots_dir
 from msjax.run_dir import RunDir
 
 pytestmark = pytest.mark.skipif(
@@ -32,6 +33,7 @@ OVERRIDES = [
     "resilience.stop_grace_s=2",
 ]
 CRASH = [f"--fault=crash@step={CRASH_STEP},rank=1"]
+DAMAGED = [f"--fault=snapshot_bitflip@step={CRASH_STEP},rank=1"]
 
 
 @dataclass(frozen=True)
@@ -111,24 +113,10 @@ def test_every_step_records_the_snapshots_stall_and_bytes(crashed: Ended):
 def test_a_snapshot_with_a_flipped_byte_is_refused_and_every_process_restores_from_disk(
     tmp_path: Path, reference: Ended
 ):
+    # rank 1 flips a byte in each of its whole snapshots, then crashes before step CRASH_STEP
     run_dir = tmp_path / "run"
-    overrides = [*OVERRIDES, "resilience.restart_backoff_s=10"]
-    job = LaunchJob.start(run_dir, overrides, nprocs=2, launch_flags=CRASH)
-    store = SnapshotStore(run_snapshots_dir(run_dir, SHARED_MEMORY) / "process-1")
-    try:
-        # the launcher says so once the crashed attempt is over, and waits its backoff
-        job.wait_for(lambda: job.printed("restart 1 ("), "the restart's backoff")
-        flipped = 0
-        for step in store.complete_steps():  # every whole one: the agreed step is one of them
-            shard = store.path(step) / "0.bin"
-            data = bytearray(shard.read_bytes())
-            data[len(data) // 2] ^= 0x01
-            shard.write_bytes(bytes(data))
-            flipped += 1
-        assert flipped, "no whole snapshot of rank 1 to damage"
-        ended = job.finish()
-    finally:
-        job.kill()
+    job = run_job(run_dir, DAMAGED, 0.1)
+    ended = Finished(run_dir, job.exit_code, job.output)
     assert ended.exit_code == 0, ended.output[-3000:]
     logs = "".join(RunDir(run_dir).log(rank).read_text() for rank in (0, 1))
     assert "does not match its sha256" in logs, logs[-3000:]
