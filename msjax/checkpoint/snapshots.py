@@ -4,7 +4,7 @@ shared-memory filesystem, so they outlive a killed worker; written, listed and v
 A snapshot is a directory `step-STEP` of raw shard files and a `manifest.json` naming each file
 with its sha256, written under a temporary name and renamed once whole (a peer could later copy
 such a directory as it is). When and from which thread they are written is the loop's
-(msjax.training.memory_snapshots); restoring them, msjax.training.memory_restore's.
+(msjax.training.memory_snapshots), and so is restoring them.
 """
 
 from __future__ import annotations
@@ -92,6 +92,24 @@ def make_private_dir(path: Path) -> None:
             raise OSError(f"{directory} is not a directory of this user")
         if info.st_mode & 0o077:
             os.chmod(directory, 0o700)
+
+
+def process_snapshot_store(run_dir: Path, process_index: int) -> SnapshotStore | None:
+    """This process's snapshot store of the run, or None where /dev/shm cannot be written."""
+    root = shared_memory_root()
+    if root is None:
+        return None
+    return SnapshotStore(process_snapshots_dir(run_dir, root, process_index))
+
+
+def writable_snapshot_store(run_dir: Path, process_index: int) -> SnapshotStore | None:
+    """process_snapshot_store made ready to write into: its directory made private (OSError
+    where it is planted) and the snapshots a killed writer left half written removed."""
+    store = process_snapshot_store(run_dir, process_index)
+    if store is not None:
+        make_private_dir(store.directory)
+        store.remove_unfinished()
+    return store
 
 
 class SnapshotStore:

@@ -20,8 +20,11 @@ from msjax.parallel.agreement import agree_max, process_vote
 from msjax.resilience.heartbeat import note_start
 from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
-from msjax.training.memory_restore import MemoryRestored, restore_from_memory
-from msjax.training.memory_snapshots import build_memory_snapshots
+from msjax.training.memory_snapshots import (
+    MemoryRestored,
+    build_memory_snapshots,
+    restore_from_memory,
+)
 from msjax.training.save_schedule import NOT_FINISHED, SaveProposal, SaveSchedule
 
 if TYPE_CHECKING:

@@ -33,8 +33,14 @@ from msjax.config import load_config
 from msjax.loop_events import LoopEvents
 from msjax.run_dir import RunDir
 from msjax.train import train
-from msjax.training.memory_restore import after_corruption, place_shards, usable_steps
-from msjax.training.memory_snapshots import MemorySnapshots, host_shards, state_layout
+from msjax.training.memory_snapshots import (
+    MemorySnapshots,
+    after_corruption,
+    host_shards,
+    place_shards,
+    state_layout,
+    usable_steps,
+)
 
 
 def sharded_state(scale: float = 1.0) -> dict[str, jax.Array]:
