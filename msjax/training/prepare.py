@@ -165,8 +165,6 @@ def build_run(
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
-    import jax
-
     run_dir = joined.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
@@ -176,37 +174,48 @@ def build_run(
     record_run(config, joined, data.facts, mesh, message)
     state = build_state(config, mesh, data, joined, message)
     describe_data(data.training, config.train, state.start, message)
-    resilience, program = state.resilience, state.program
-    hooks = resilience.step_hooks
+    program, resilience = state.program, state.resilience
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
     train_step = start_and_compile(events, state, compile_cache, message)
-    # what reports each step's metrics, with what tokens/s and MFU are reckoned from
-    results = StepResults(
-        events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
-        hooks.loss,
+    steps = LoopSteps(
+        train_step, program.eval_step, data.training.validation, program.batch_sharding,
+        resilience.step_hooks,
     )  # fmt: skip
-    validation = data.training.validation
-    steps = LoopSteps(train_step, program.eval_step, validation, program.batch_sharding, hooks)
+    return PreparedRun(
+        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
+        data=data.training, events=events, results=build_step_results(events, data, resilience),
+        saves=build_saves(config, state, data.corpus, events, message), resilience=resilience,
+        progress=progress, started=joined.started,
+    )  # fmt: skip
+
+
+def build_step_results(
+    events: EventFanOut, data: RunData, resilience: WorkerResilience
+) -> StepResults:
+    """What reports each step's metrics, with what tokens/s and MFU are reckoned from."""
+    import jax
+
+    return StepResults(
+        events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
+        resilience.step_hooks.loss,
+    )  # fmt: skip
+
+
+def build_saves(
+    config: Config,
+    state: RunState,
+    corpus: dict[str, Any],
+    events: EventFanOut,
+    message: Callable[[str], None],
+) -> CheckpointSaves:
+    """The run's saves (disk checkpoints and memory snapshots); the drills wait on them too."""
     saves = CheckpointSaves(
         config, state.checkpointer, state.start, events, message,
-        to_canonical=program.to_canonical, corpus=data.corpus,
+        to_canonical=state.program.to_canonical, corpus=corpus,
         allowed_data_changes=state.allowed_data_changes,
     )  # fmt: skip
-    resilience.wait_for_saves = saves.wait_for_writes  # memory snapshots too
-    return PreparedRun(
-        config=config,
-        run_dir=run_dir,
-        program=program,
-        steps=steps,
-        start=state.start,
-        data=data.training,
-        events=events,
-        results=results,
-        saves=saves,
-        resilience=resilience,
-        progress=progress,
-        started=joined.started,
-    )
+    state.resilience.wait_for_saves = saves.wait_for_writes
+    return saves
 
 
 @dataclass(frozen=True)
