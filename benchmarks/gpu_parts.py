@@ -292,7 +292,10 @@ def checkpoint(smoke: bool, out_dir: Path) -> None:
 
 
 def gpu_tests(smoke: bool, out_dir: Path) -> None:
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    # in this process alone, without the repository's addopts (two xdist workers, a plugin the
+    # kit's wheels do not carry; one GPU is not for two processes)
+    command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-m", "gpu"]
+    command += ["-p", "no:cacheprovider"]
     result = subprocess.run(
         [*command, "tests/unit/test_gpu_kernels.py"],
         cwd=REPO,
