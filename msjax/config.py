@@ -236,6 +236,8 @@ class ResilienceConfig:
     """Heartbeats, hang deadlines and restarts of supervised runs (`python -m msjax.launch`)."""
 
     heartbeat_every_s: float = 1.0  # each rank rewrites RUN_DIR/heartbeats/rank<r>.json this often
+    # a process whose JAX coordination heartbeats stop this long ends the job on every process
+    peer_timeout_s: int = 100
     # Hang: a rank's heartbeat shows no progress for longer than its phase's deadline.
     step_deadline_s: float = 120.0  # the step phase's deadline
     compile_deadline_s: float = 900.0  # compiling, the first step, evaluation

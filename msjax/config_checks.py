@@ -272,7 +272,7 @@ PHASE_DEADLINE_KEYS = (
 
 def _check_resilience(resilience: ResilienceConfig) -> None:
     """Heartbeats and deadlines (configured and measured), then the supervisor's recovery."""
-    for key in ("heartbeat_every_s", *PHASE_DEADLINE_KEYS, "stop_grace_s"):
+    for key in ("heartbeat_every_s", "peer_timeout_s", *PHASE_DEADLINE_KEYS, "stop_grace_s"):
         value = getattr(resilience, key)
         if not value > 0:
             raise ConfigError(f"resilience.{key}={value} must be positive")

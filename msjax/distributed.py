@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+from msjax.config import ResilienceConfig
 from msjax.errors import MsjaxError
 from msjax.parallel.agreement import JOB_SECRET
 
@@ -145,8 +146,11 @@ def ensure_job_secret(nnodes: int, environ: MutableMapping[str, str] = os.enviro
     return True
 
 
-def initialize_distributed(job: JobEnv) -> bool:
-    """Join the job the environment names (before any JAX computation); False for one process."""
+def initialize_distributed(
+    job: JobEnv, peer_timeout_s: int = ResilienceConfig.peer_timeout_s
+) -> bool:
+    """Join the job the environment names (before any JAX computation); False for one process.
+    A process whose coordination heartbeats stop for peer_timeout_s ends the job everywhere."""
     import jax
 
     if not job.distributed or jax.distributed.is_initialized():
@@ -161,7 +165,9 @@ def initialize_distributed(job: JobEnv) -> bool:
     local_ids = list(job.local_device_ids) if job.local_device_ids is not None else None
     if job.auto:
         jax.distributed.initialize(
-            local_device_ids=local_ids, initialization_timeout=INIT_TIMEOUT_S
+            local_device_ids=local_ids,
+            initialization_timeout=INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=peer_timeout_s,
         )
     else:
         jax.distributed.initialize(
@@ -170,6 +176,7 @@ def initialize_distributed(job: JobEnv) -> bool:
             process_id=job.process_id,
             local_device_ids=local_ids,
             initialization_timeout=INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=peer_timeout_s,
             coordinator_bind_address=coordinator_bind_address(job.coordinator),
         )
     if local_ids is not None:

@@ -348,8 +348,8 @@ def run_checks(config_path: Path, number: int, waits: Waits, collectives: bool =
     from msjax.run_dir import RunDir
 
     job = JobEnv.read()
-    initialize_distributed(job)
     config = load_config(config_path)
+    initialize_distributed(job, config.resilience.peer_timeout_s)
     run_dir = RunDir(Path(config.run.dir))
     rank = jax.process_index()
     report = RankReport(run_dir.health_rank(number, rank), rank, job.attempt)

@@ -90,7 +90,9 @@ def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
     xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
     configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
-    initialize_distributed(job)  # a multi-process job: before anything asks JAX for devices
+    initialize_distributed(
+        job, config.resilience.peer_timeout_s
+    )  # a multi-process job: before anything asks JAX for devices
     resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
     return resolved, job, xla_flags
 

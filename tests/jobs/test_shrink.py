@@ -153,6 +153,9 @@ def job_args(cache_dir: Path, *overrides: str) -> list[str]:
         "mesh.fsdp=2",
         "mesh.tensor=2",
         "resilience.heartbeat_every_s=0.05",
+        # a rank held stopped in its compile (HeldInCompile) stops its coordination heartbeats
+        # too: on a loaded machine the hold can outlast JAX's default 100 s
+        "resilience.peer_timeout_s=900",
         "resilience.stop_grace_s=2",
         "resilience.restart_backoff_s=0.1",
         f"resilience.max_faults_per_slot={FAULTS_PER_SLOT}",
@@ -164,7 +167,9 @@ def job_args(cache_dir: Path, *overrides: str) -> list[str]:
 
 class HeldInCompile:
     """A job's rank 0 SIGSTOPped once it compiles in attempt AFTER_EXCLUSION, and let go on once
-    until(job) holds (held once at most)."""
+    until(job) holds (held once at most). The held process may end meanwhile without this test's
+    doing (the job's own fault handling may end a stopped rank): signalling it is then a no-op,
+    and the job's records say what happened."""
 
     def __init__(self, job: LaunchJob, until: Callable[[LaunchJob], bool]):
         self.job = job
@@ -175,20 +180,31 @@ class HeldInCompile:
         if self.until is None:
             return
         if self.until(self.job):
-            if self.held_pid is not None:
-                os.kill(self.held_pid, signal.SIGCONT)
+            self.release()
             self.until = None
             return
         if self.held_pid is not None:
             return
         record = self.job.heartbeat(0)
-        if record is not None and (record.attempt, record.phase) == (AFTER_EXCLUSION, "compile"):
-            os.kill(record.pid, signal.SIGSTOP)
+        compiling_after_exclusion = record is not None and (record.attempt, record.phase) == (
+            AFTER_EXCLUSION,
+            "compile",
+        )
+        if compiling_after_exclusion and signal_if_alive(record.pid, signal.SIGSTOP):
             self.held_pid = record.pid
 
     def release(self) -> None:
         if self.until is not None and self.held_pid is not None:
-            os.kill(self.held_pid, signal.SIGCONT)
+            signal_if_alive(self.held_pid, signal.SIGCONT)
+
+
+def signal_if_alive(pid: int, signum: int) -> bool:
+    """Send signum to pid; False where the process has already ended."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run_jobs(jobs: dict[str, LaunchJob], holds: list[HeldInCompile] = ()) -> dict[str, Finished]:

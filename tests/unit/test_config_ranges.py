@@ -56,6 +56,7 @@ def test_every_numeric_key_refuses_a_value_past_its_range(name: str, number: typ
         ("model.rope_theta=1", r"model\.rope_theta=1\.0 must be greater than 1"),
         ("run.seed=4294967296", r"run\.seed=4294967296 must be in \[0, 4294967295\]"),
         ("optim.grad_clip_norm=0", r"optim\.grad_clip_norm=0\.0 must be positive"),
+        ("resilience.peer_timeout_s=0", r"resilience\.peer_timeout_s=0 must be positive"),
     ],
 )
 def test_upper_and_edge_values_are_refused(override: str, message: str) -> None:
