@@ -226,14 +226,16 @@ def slice_reader(
     return read
 
 
-def load_params(directory: Path, model: ModelConfig, shardings: dict[str, Any]) -> dict[str, Any]:
-    """The model's parameters from a Hugging Face directory, each device reading only its shard.
+def load_params(
+    reader: SafetensorsReader, model: ModelConfig, shardings: dict[str, Any]
+) -> dict[str, Any]:
+    """The model's parameters from a Hugging Face directory's weight files (its reader), each
+    device reading only its shard.
 
     shardings: a params-shaped dict of jax.sharding.Sharding; the arrays are float32.
     """
     import jax
 
-    reader = SafetensorsReader(directory)
     params: dict[str, Any] = {}
     for mapping in mappings(model):
         sharding = _get(shardings, mapping.path)

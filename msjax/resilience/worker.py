@@ -114,9 +114,13 @@ class WorkerResilience(LoopEvents):
         hold_save_write: Callable[[int], None],
         vocab_size: int = 0,
     ):
-        self.faults = FaultInjector.from_env(run_dir, heartbeat.rank, attempt)
         # the one handle through which drills and the skip list reach the train loop
-        self.step_hooks = StepHooks(self.faults, read_skipped_steps(run_dir), vocab_size)
+        self.step_hooks = StepHooks(
+            FaultInjector.from_env(run_dir, heartbeat.rank, attempt),
+            read_skipped_steps(run_dir),
+            vocab_size,
+        )
+        self.faults = self.step_hooks.faults  # the drills the hooks apply, built once for both
         self.wait_for_saves = wait_for_saves
         self.hold_save_write = hold_save_write  # an injected crash_in_save holds its save
         self.heartbeat = heartbeat  # the rank's one heartbeat, made when its run dir was known

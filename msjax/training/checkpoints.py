@@ -158,12 +158,12 @@ def restore_start(
 
 def init_from_hf(config: Config, program: Any, message: Callable[[str], None]) -> Any:
     """A fresh state whose parameters are read, shard by shard, from model.init_from."""
-    from msjax.checkpoint.hf_weights import load_params
+    from msjax.checkpoint.hf_weights import SafetensorsReader, load_params
     from msjax.llama_config import hf_directory
 
-    directory = hf_directory(config.model.init_from)
-    params = load_params(directory, config.model, program.state_shardings.params)
-    message(f"initialized from the Hugging Face weights in {directory}")
+    reader = SafetensorsReader(hf_directory(config.model.init_from))
+    params = load_params(reader, config.model, program.state_shardings.params)
+    message(f"initialized from the Hugging Face weights in {reader.directory}")
     return program.state_from_params(params)
 
 

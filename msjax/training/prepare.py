@@ -83,16 +83,18 @@ class PreparedRun:
 
 
 def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
-    """XLA's flags, simulated CPU devices, the distributed job, then the run's resolved config
-    (config comes from plan_run: its model filled from model.init_from, run.dir chosen)."""
+    """XLA's flags, the distributed job, simulated CPU devices, then the run's resolved config
+    (config comes from plan_run: its model filled from model.init_from, run.dir chosen).
+
+    All but the last come before JAX's backend starts; joining the job starts none, so the CPU
+    device count set after it still applies (only a GPU slot's device line starts one).
+    """
     import jax
 
     xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
-    configure_cpu_devices(mesh_device_count(config.mesh))
     job = JobEnv.read()
-    initialize_distributed(
-        job, config.resilience.peer_timeout_s
-    )  # a multi-process job: before anything asks JAX for devices
+    initialize_distributed(job, config.resilience.peer_timeout_s)
+    configure_cpu_devices(mesh_device_count(config.mesh))
     resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
     return resolved, job, xla_flags
 

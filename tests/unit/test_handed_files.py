@@ -135,7 +135,7 @@ def test_hub_snapshot_links_to_regular_files_are_read(tmp_path: Path) -> None:
     (model / SINGLE_FILE).symlink_to(blob)
     filled = model_from_init(import_config(model)).model
     assert (filled.num_layers, filled.embed_dim, filled.num_kv_heads) == (1, 8, 1)
-    loaded = load_params(model, TINY, one_device_shardings(params))
+    loaded = load_params(SafetensorsReader(model), TINY, one_device_shardings(params))
     np.testing.assert_array_equal(np.asarray(loaded["embedding"]), params["embedding"])
 
 
@@ -180,7 +180,7 @@ def test_non_finite_weights_are_refused(tmp_path: Path, dtype: type, bad: float)
     write_safetensors(tensors, model)
     (model / CONFIG_FILE).write_text(json.dumps(llama_config(TINY, None, 64, "float32")))
     with pytest.raises(MsjaxError) as raised:
-        load_params(model, TINY, one_device_shardings(params))
+        load_params(SafetensorsReader(model), TINY, one_device_shardings(params))
     message = str(raised.value)
     assert "model.layers.0.mlp.gate_proj.weight holds non-finite values" in message, message
     assert str(model / SINGLE_FILE) in message

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from msjax.checkpoint.hf_weights import INDEX_FILE, load_params
+from msjax.checkpoint.hf_weights import INDEX_FILE, SafetensorsReader, load_params
 from msjax.checkpoint.manager import Checkpointer
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
 from msjax.config import Config, MeshConfig, ModelConfig, load_config
@@ -125,7 +125,7 @@ def test_imported_llama_matches_transformers(tmp_path: Path, kv_heads: int, tied
     layout = state_layout(model, config.optim, 10)
     rules = logical_axis_rules(dataclasses.replace(config, model=model))
     shardings = shardings_for(layout.param_axes, mesh, rules)
-    params = load_params(tmp_path, model, shardings)
+    params = load_params(SafetensorsReader(tmp_path), model, shardings)
     query = params["layers"]["attention"]["query"]
     assert query.sharding == shardings["layers"]["attention"]["query"]
     assert len(query.addressable_shards[0].data.shape) == 4
@@ -202,11 +202,11 @@ def test_export_shards_past_the_size_limit_and_bfloat16(trained_run: Path, tmp_p
     checkpointer.close()
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, saved)
-    reread = load_params(tmp_path / "sharded", config.model, shardings)
+    reread = load_params(SafetensorsReader(tmp_path / "sharded"), config.model, shardings)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), reread, saved)
 
     export_checkpoint(str(trained_run), tmp_path / "half", dtype="bfloat16")
-    halved = load_params(tmp_path / "half", config.model, shardings)
+    halved = load_params(SafetensorsReader(tmp_path / "half"), config.model, shardings)
     embedding = np.asarray(halved["embedding"])
     assert not np.array_equal(embedding, saved["embedding"])
     np.testing.assert_allclose(embedding, saved["embedding"], rtol=1e-2, atol=1e-3)
