@@ -179,9 +179,14 @@ def initialize_distributed(
             heartbeat_timeout_seconds=peer_timeout_s,
             coordinator_bind_address=coordinator_bind_address(job.coordinator),
         )
-    if local_ids is not None:
-        print(describe_devices(), flush=True)
     return True
+
+
+def announce_devices(job: JobEnv) -> None:
+    """Print the device line of a distributed process given its slot's devices (after
+    initialize_distributed; it starts JAX's backend, so only once the CPU device count is set)."""
+    if job.distributed and job.local_device_ids is not None:
+        print(describe_devices(), flush=True)
 
 
 def describe_devices() -> str:

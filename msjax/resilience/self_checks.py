@@ -341,7 +341,7 @@ def run_checks(config_path: Path, number: int, waits: Waits, collectives: bool =
     import jax
 
     from msjax.config import load_config
-    from msjax.distributed import JobEnv, initialize_distributed
+    from msjax.distributed import JobEnv, announce_devices, initialize_distributed
     from msjax.resilience.faults import FaultInjector
     from msjax.resilience.health import KNOWN_ANSWER_TOLERANCE
     from msjax.resolve import check_device_count
@@ -350,6 +350,7 @@ def run_checks(config_path: Path, number: int, waits: Waits, collectives: bool =
     job = JobEnv.read()
     config = load_config(config_path)
     initialize_distributed(job, config.resilience.peer_timeout_s)
+    announce_devices(job)
     run_dir = RunDir(Path(config.run.dir))
     rank = jax.process_index()
     report = RankReport(run_dir.health_rank(number, rank), rank, job.attempt)

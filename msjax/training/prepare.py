@@ -19,7 +19,7 @@ from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
 from msjax.data.identity import allowed_corpus_changes
 from msjax.data.token_store import write_progress
-from msjax.distributed import JobEnv, initialize_distributed
+from msjax.distributed import JobEnv, announce_devices, initialize_distributed
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
@@ -86,8 +86,8 @@ def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
     """XLA's flags, the distributed job, simulated CPU devices, then the run's resolved config
     (config comes from plan_run: its model filled from model.init_from, run.dir chosen).
 
-    All but the last come before JAX's backend starts; joining the job starts none, so the CPU
-    device count set after it still applies (only a GPU slot's device line starts one).
+    All but the device line and the resolution come before JAX's backend starts; joining the
+    job starts none, so the CPU device count set after it still applies.
     """
     import jax
 
@@ -95,6 +95,7 @@ def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
     job = JobEnv.read()
     initialize_distributed(job, config.resilience.peer_timeout_s)
     configure_cpu_devices(mesh_device_count(config.mesh))
+    announce_devices(job)
     resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
     return resolved, job, xla_flags
 

@@ -22,8 +22,10 @@ def handed_to_jax(extra_env: dict[str, str]) -> list[str]:
     )
     program = (
         "import jax\n"
-        "from msjax.distributed import JobEnv, initialize_distributed\n"
-        "initialize_distributed(JobEnv.read())\n"
+        "from msjax.distributed import JobEnv, announce_devices, initialize_distributed\n"
+        "job = JobEnv.read()\n"
+        "initialize_distributed(job)\n"
+        "announce_devices(job)\n"
         "print('jax_cuda_visible_devices', jax.config.values['jax_cuda_visible_devices'])\n"
     )
     done = subprocess.run(
