@@ -49,6 +49,7 @@ KILL_AFTER = 10  # steps past the resumed step of the second run
 TIME_LIMIT_MIN = 3
 TIME_LIMIT_SIGNAL_S = 60
 ONE_DEVICE_PER_NODE = ["--devices-per-proc", "1"]  # msjax.launch's options on each node
+IDLE_TRAINING_FAULT = "slow@step=1,rank=0,percent=2000"
 
 
 def train_args(cache_dir: Path, steps: int = STEPS) -> list[str]:
@@ -226,12 +227,17 @@ def submit_bad_node_job(base: Path, env: dict[str, str], cache: Path) -> tuple[S
 def submit_jobs(base: Path, env: dict[str, str], cache: Path) -> dict[str, SlurmJob]:
     """The clean, faults, user-error and time-limit jobs, submitted side by side."""
 
-    def submit(name: str, overrides: list[str], sbatch_flags: list[str] = ()) -> SlurmJob:
+    def submit(
+        name: str,
+        overrides: list[str],
+        sbatch_flags: list[str] = (),
+        launch_flags: list[str] = (),
+    ) -> SlurmJob:
         return SlurmJob.submit(
             name,
             base,
             overrides,
-            launch_flags=ONE_DEVICE_PER_NODE,
+            launch_flags=[*ONE_DEVICE_PER_NODE, *launch_flags],
             sbatch_flags=sbatch_flags,
             env=env,
         )
@@ -245,6 +251,9 @@ def submit_jobs(base: Path, env: dict[str, str], cache: Path) -> dict[str, Slurm
             "time_limit",
             [*train_args(cache, steps=1_000_000), "checkpoint.every_steps=1000000"],
             [f"--time={TIME_LIMIT_MIN}", f"--signal=TERM@{TIME_LIMIT_SIGNAL_S}"],
+            # it trains until Slurm's signal, minutes away: rank 0 sleeps 20 times its step's
+            # work after each step (rank 1 waits on it), so those minutes leave the CPU idle
+            [f"--fault={IDLE_TRAINING_FAULT}"],
         ),
     }
 
