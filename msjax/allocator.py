@@ -1,7 +1,7 @@
 """The training processes' malloc setting: glibc backs large blocks with transparent huge pages.
 
 XLA:CPU mallocs its temp buffer on every execution and glibc mmaps and unmaps it, so without
-this every step takes one minor page fault per 4 KiB of temp (about 0.5 s per GiB per step).
+this every step takes one minor page fault per 4 KiB of temp.
 glibc reads GLIBC_TUNABLES once, at process start: `msjax.launch` sets it in its workers'
 environment, and `python -m msjax.train` re-executes itself once with it.
 """
