@@ -43,9 +43,10 @@ class ModelConfig:
     tied_embeddings: bool = False  # the unembedding reuses the embedding table
     parallel_block: bool = False  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
     attention_window: int | None = None  # sliding-window attention; None: full causal
-    # what the backward pass recomputes instead of keeping: none; full (each layer's forward
-    # again); dots (keeps the outputs of matmuls without batch dimensions)
-    remat: Literal["none", "full", "dots"] = "none"
+    # what the backward pass recomputes instead of keeping: none; full (keeps each layer's
+    # input); dots (also the projection and MLP matmuls' outputs); attention (dots and
+    # attention's output: only the attention scores and softmax are recomputed)
+    remat: Literal["none", "full", "dots", "attention"] = "none"
     # parameters stay float32 (master copy); fsdp gathers each layer's weights in this dtype,
     # cast on the shard, inside the layer loop
     compute_dtype: DType = "float32"

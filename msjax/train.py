@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from msjax.allocator import reexec_with_allocator
 from msjax.cli import ArgumentParser
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
@@ -249,4 +250,5 @@ def end_run(
 
 
 if __name__ == "__main__":
+    reexec_with_allocator()  # glibc reads its tunables at start (msjax.allocator)
     raise SystemExit(main())

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from msjax.allocator import allocator_env
 from msjax.writable import AppendLog
 
 _PR_SET_PDEATHSIG = 1
@@ -87,7 +88,7 @@ class WorkerProcess:
         self.spawned_unix_s = time.time()
         self.process = subprocess.Popen(
             command,
-            env=env,
+            env=allocator_env(env),  # glibc reads it at start (msjax.allocator)
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             # a waiting process (rank -1) is handed its rank over this pipe (hand_over)

@@ -130,6 +130,7 @@ class Attention(nnx.Module):
             impl=self.config.attention_impl,
         )  # [batch, seq, heads, head_dim]
         attended = constrain(attended, ("batch", "seq", "heads", "head_dim"))
+        attended = checkpoint_name(attended, ATTENDED)  # what remat "attention" keeps
         return jnp.einsum(
             "bshd,hde->bse",
             attended,
@@ -212,11 +213,18 @@ class Block(nnx.Module):
         return self.mlp(normed) if self.moe else (self.mlp(normed), None)
 
 
+LAYER_INPUT = "layer_input"  # each layer's input, named: all that remat full keeps of a layer
+ATTENDED = "attended"  # attention's output, before the output projection
 _REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the projections and MLP matmuls (no batch dims) and attention's output: the backward
+    # recomputes only the attention scores and their softmax
+    "attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(ATTENDED),
+    ),
 }
-LAYER_INPUT = "layer_input"  # each layer's input, named: all that remat full keeps of a layer
 # Ops that only move, select or relabel what they read: recomputing them costs no FLOPs
 _RELAYOUT_PRIMITIVES = frozenset(
     {
@@ -260,8 +268,9 @@ def enclosing_checkpoint_policy(remat: str) -> Callable[..., bool]:
     with its weights selected inside it) under which the stack keeps what `remat` keeps.
 
     An enclosing checkpoint's policy decides for everything inside it, the layers' own remat
-    included: under "full" and "dots" it keeps the layer inputs (inside a pipeline stage's vmap
-    every matmul has a batch dimension, so "dots" keeps no more); under "none" everything but
+    included: under "full", "dots" and "attention" it keeps the layer inputs (inside a pipeline
+    stage's vmap every matmul has a batch dimension, so "dots" keeps no more, nor does
+    "attention" keep more than them); under "none" everything but
     re-layouts of other values, which are recomputed from what they read (weights selected by
     an index are then recomputed from the index instead of being kept).
     """

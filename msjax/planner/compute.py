@@ -86,9 +86,12 @@ def _layer_step_flops(config: Config, mesh: MeshShape, platform: str) -> float:
     """Per token and layer run: forward, backward (twice the forward) and recomputation."""
     forward, attention, last = _layer_forward_flops(config, platform)
     remat = config.model.remat
-    if mesh.pipe > 1 and remat == "dots" and not PipelineLayout.of(config).table.branches_per_stage:
+    keeps_dots = remat in ("dots", "attention")
+    if mesh.pipe > 1 and keeps_dots and not PipelineLayout.of(config).table.branches_per_stage:
         remat = "full"  # the pipeline's vmap over stages gives every matmul a batch dimension
-    recompute = {"none": 0.0, "full": forward - last, "dots": attention}[remat]
+    # "attention" keeps attention's output: only the scores' matmul runs again
+    recompute = {"none": 0.0, "full": forward - last, "dots": attention, "attention": attention / 2}
+    recompute = recompute[remat]
     # 1F1B stashes each stage run's vjp residuals: one forward, one backward, and what remat
     # recomputes inside the backward, as without a pipeline
     return 3.0 * forward + recompute

@@ -165,7 +165,12 @@ SAVED_EMBED_PARALLEL_BLOCK = 2  # MegaScale §3.1's block: one norm, one residua
 # temporaries for the tiny and small configs on five to ten meshes per remat policy (float32,
 # vocab 264 and the small config's: tests/unit/test_plan.py's TINY_MESHES, SMALL_MESHES and
 # PIPE_CASES).
-WORKING_MULTIPLES = {"none": (3.5, 2, 5), "full": (5.5, 2, 3), "dots": (2.5, 2, 0)}
+WORKING_MULTIPLES = {
+    "none": (3.5, 2, 5),
+    "full": (5.5, 2, 3),
+    "dots": (2.5, 2, 0),
+    "attention": (2.5, 2, 0),  # taken as dots' (not fitted)
+}
 LOSS_BUFFERS = 3  # float32 [batch, seq, vocab]: the logits, their softmax (saved), their gradient
 FUSED_LOSS_CHUNK = BlockSizes().backward_chunk  # vocab columns of d_logits the fused loss holds
 # On a pipe mesh (msjax.parallel.pipeline) a device keeps what each run of its stage saved,
@@ -196,10 +201,11 @@ def _saved_per_layer(dims: LocalDims, remat: str) -> float:
     if remat == "full":
         return layer_input
     mlp = b * s * dims.mlp * act
-    if remat == "dots":
+    if remat in ("dots", "attention"):
         # The k and v projections are whole on every device when tensor does not split kv heads.
         qkv = b * s * (dims.heads + 2 * dims.kv_heads_weights) * dims.head_dim * act
-        return layer_input + qkv + 2 * mlp + 2 * stream
+        attended = b * s * dims.heads * dims.head_dim * act if remat == "attention" else 0
+        return layer_input + qkv + 2 * mlp + 2 * stream + attended
     if dims.fused_attention:  # the kernel keeps its output's float32 log-sum-exp per query
         scores = b * dims.heads * s * F32_BYTES
     else:  # float32 scores, their softmax in the compute dtype
@@ -303,7 +309,7 @@ def estimate_memory(
     dims = local_dims(config, mesh)
     remat = config.model.remat
     table = PipelineLayout.of(config).table if mesh.pipe > 1 else None
-    if table is not None and remat == "dots":
+    if table is not None and remat in ("dots", "attention"):
         remat = "full"  # the pipeline's vmap gives every matmul a batch dimension (see above)
     b, s = dims.replica_batch, dims.seq
     # Outside the layers: the embedding output, the final norm's input and output, the softmax

@@ -84,7 +84,8 @@ def recompute_factor(config: Config) -> float:
     """Hardware FLOPs / model FLOPs: recomputation under `model.remat` (Korthikanti et al. 2022).
 
     "full" runs every layer's forward twice: 8 instead of 6 FLOPs per parameter and token.
-    "dots" keeps the projections and recomputes the attention's score and value products.
+    "dots" keeps the projections and recomputes the attention's score and value products;
+    "attention" also keeps attention's output and recomputes only the scores.
     """
     # every schedule recomputes only what remat asks (1F1B stashes its stages' vjp residuals)
     return _layer_recompute_factor(config)
@@ -94,12 +95,13 @@ def _layer_recompute_factor(config: Config) -> float:
     remat = config.model.remat
     if remat == "full":
         return 4.0 / 3.0
-    if remat == "dots":
+    if remat in ("dots", "attention"):
         model, seq = config.model, config.data.seq_len
         context = seq if model.attention_window is None else min(model.attention_window, seq)
         attention = 12 * model.num_layers * model.num_heads * model.resolved_head_dim * context
         per_token = 6 * count_params(model).active_matmul + attention
-        return 1.0 + attention / 3.0 / per_token
+        recomputed = attention / 3.0 if remat == "dots" else attention / 6.0  # scores only
+        return 1.0 + recomputed / per_token
     return 1.0
 
 

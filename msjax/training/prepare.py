@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
+from msjax.allocator import allocator_record
 from msjax.checkpoint.commits import resume_source
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, ObserveConfig, TrainConfig
@@ -278,7 +279,10 @@ def record_run(
     if jax.process_index() == 0:
         lock = joined.lock if not joined.job.launched else None
         write_run_record(joined.plan, config, data_facts, message, lock)
-        write_json(joined.run_dir.xla_flags, joined.xla_flags.record())
+        write_json(
+            joined.run_dir.xla_flags,
+            {**joined.xla_flags.record(), "allocator": allocator_record()},
+        )
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     message(
         f"msjax: {config.run.name} on {jax.device_count()} {jax.devices()[0].platform} devices "

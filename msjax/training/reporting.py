@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +44,12 @@ class StepResults:
         self.loss_as_read = loss_as_read  # (step, loss) -> loss: where a `nan` fault strikes
         self.last: StepRecord = {}
         self._last_done = time.perf_counter()
+        self._last_minor_faults = _minor_faults()
 
     def restart_clock(self) -> None:
         """Work between steps (evaluation, a save's pause) is not the next step's time."""
         self._last_done = time.perf_counter()
+        self._last_minor_faults = _minor_faults()
 
     def finish(self, in_flight: InFlight | None) -> None:
         """Read the step's metrics back, time it, and report it to every listener."""
@@ -60,6 +63,11 @@ class StepResults:
         self.events.result_fetched(in_flight.step, done - fetch_started)
         step_time_s = done - self._last_done
         self._last_done = done
+        minor_faults = _minor_faults()
+        minor_faults_per_step, self._last_minor_faults = (
+            minor_faults - self._last_minor_faults,
+            minor_faults,
+        )
         self.last = {
             "step": in_flight.step,
             "loss": self.loss_as_read(in_flight.step, float(values["loss"])),
@@ -69,6 +77,8 @@ class StepResults:
             "tokens_per_s": self.tokens_per_step / step_time_s,
             "mfu": mfu(self.step_flops, step_time_s, self.device_count, self.peak_tflops),
             "data_wait_s": in_flight.data_wait_s,
+            # a step's temp buffer re-faulted page by page shows here (msjax.allocator)
+            "minor_faults": minor_faults_per_step,
         }
         for key, value in values.items():  # a mixture of experts' load and auxiliary losses
             if key.startswith("moe_"):
@@ -76,6 +86,11 @@ class StepResults:
         if not values.get("update_finite", True):  # the step kept the state as it was
             self.last["update_finite"] = False
         self.events.step_end(self.last)
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class MetricsLog(LoopEvents):

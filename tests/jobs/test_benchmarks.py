@@ -43,6 +43,7 @@ SMOKES = [
     Smoke("checkpoint_overhead.py"),
     Smoke("compute_check.py"),
     Smoke("corruption_guard.py"),
+    Smoke("cpu_levers.py", slow=True),
     Smoke("data_throughput.py", slow=True),
     Smoke("fault_drill.py", slow=True),
     Smoke("generate.py"),
@@ -256,11 +257,19 @@ def check_compute_check(out: str, _: Path) -> None:
     assert "(smoke: tiny model)" in out
 
 
+def check_cpu_levers(out: str, _: Path) -> None:
+    on = number(r"all on\s+{N}", out)
+    off = number(r"all off\s+{N}", out)
+    assert_ratio(number(r"all off\s+[\d,.]+\s+{N}", out), on, off, 3, 1)
+    assert "(smoke: tiny model)" in out
+
+
 CHECKS = {
     "agreement_overhead.py": check_agreement_overhead,
     "checkpoint_overhead.py": check_checkpoint_overhead,
     "compute_check.py": check_compute_check,
     "corruption_guard.py": check_corruption_guard,
+    "cpu_levers.py": check_cpu_levers,
     "data_throughput.py": check_data_throughput,
     "fault_drill.py": check_fault_drill,
     "generate.py": check_generate,

@@ -291,7 +291,7 @@ def checkpoint_policies(config: ModelConfig) -> list:
     return list(walk(jaxpr, False))
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", "dots", "attention"])
 def test_remat_gives_the_same_loss_and_gradients_as_no_remat(remat):
     config = dataclasses.replace(TINY, init_std=0.1)
     loss, grads = loss_and_grads(config)
