@@ -58,9 +58,9 @@ class ModelConfig:
     attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
     norm_impl: Literal["auto", "xla", "pallas", "triton"] = "auto"  # as attention_impl; triton: GPU
     loss_impl: Literal["auto", "xla", "pallas"] = "auto"  # as attention_impl; pallas: fused loss
-    # hf:PATH, a local Hugging Face Llama directory: a new run starts from its weights (a run
-    # with checkpoints resumes from them instead); the keys above must match its config.json,
-    # or are filled from it with from_hf=true
+    # hf:PATH, a local Hugging Face Llama or Mixtral directory: a new run starts from its weights
+    # (a run with checkpoints resumes from them instead); the keys above (and a Mixtral's
+    # model.moe shape) must match its config.json, or are filled from it with from_hf=true
     init_from: str | None = None
     from_hf: bool = False  # fill the model section from init_from's config.json
     moe: MoeConfig = field(default_factory=MoeConfig)  # mixture of experts: `model.moe.*` below

@@ -1,5 +1,6 @@
-"""The model section as a Hugging Face Llama `config.json` and back, what cannot cross, and
-which weight files such a directory names (plain file names inside it, nothing else).
+"""The model section as a Hugging Face Llama `config.json` (or Mixtral's, for a mixture of
+experts) and back, what cannot cross, and which weight files such a directory names (plain file
+names inside it, nothing else).
 
 No arrays: `msjax.resolve` fills or checks `model` against the directory named by
 `model.init_from` (and opens its weight files' headers), and the export writes the other way.
@@ -42,6 +43,59 @@ def unsupported_by_llama(model: ModelConfig) -> str | None:
     return None
 
 
+def unsupported_by_mixtral(model: ModelConfig) -> str | None:
+    """Why transformers' MixtralForCausalLM cannot run this mixture of experts, or None if it can.
+
+    Mixtral routes every layer's tokens with a bias-free softmax router to the top-k of its
+    experts and renormalises their weights; it runs every choice (dropless), so a capacity
+    factor, a training-time budget, is not part of the exported model.
+    """
+    moe = model.moe
+    if model.parallel_block:
+        return "model.parallel_block=true (a parallel attention + MLP block) has no Mixtral form"
+    if moe.shared_experts:
+        return (
+            f"model.moe.shared_experts={moe.shared_experts} has no Mixtral form; Mixtral runs "
+            "only routed experts"
+        )
+    if moe.first_dense_layers:
+        return (
+            f"model.moe.first_dense_layers={moe.first_dense_layers} has no Mixtral form; every "
+            "Mixtral layer is a mixture of experts"
+        )
+    if moe.bias_balancing:
+        return (
+            "model.moe.bias_balancing=true has no Mixtral form; its routing bias changes which "
+            "experts a token gets, and Mixtral's router has no bias"
+        )
+    if not moe.normalize_top_k:
+        return (
+            "model.moe.normalize_top_k=false has no Mixtral form; Mixtral divides the top-k "
+            "router weights by their sum"
+        )
+    return None
+
+
+def mixtral_config(
+    model: ModelConfig, eos_id: int | None, max_positions: int, dtype: str
+) -> dict[str, Any]:
+    """config.json of a MixtralForCausalLM with the model's shapes (transformers 4.x and 5.x)."""
+    llama = llama_config(model, eos_id, max_positions, dtype)
+    for key in ("mlp_bias", "attention_bias"):
+        del llama[key]
+    return {
+        **llama,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": model.moe.expert_mlp_dim or model.mlp_dim,
+        "num_local_experts": model.moe.num_experts,
+        "num_experts_per_tok": model.moe.experts_per_token,
+        "sliding_window": model.attention_window,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
 def llama_config(
     model: ModelConfig, eos_id: int | None, max_positions: int, dtype: str
 ) -> dict[str, Any]:
@@ -79,7 +133,7 @@ def hf_directory(init_from: str) -> Path:
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(
             f"model.init_from={init_from}: no {CONFIG_FILE} in {path}; give a local Hugging Face "
-            "Llama directory"
+            "Llama or Mixtral directory"
         )
     return path
 
@@ -89,7 +143,9 @@ def _integer(hf: dict[str, Any], key: str, where: str, default: int | None = Non
     value = hf.get(key)
     if value is None:
         if default is None:
-            raise ConfigError(f"{where}: {CONFIG_FILE} has no {key} (a Llama config has)")
+            raise ConfigError(
+                f"{where}: {CONFIG_FILE} has no {key} (a {hf.get('model_type')} config has)"
+            )
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
@@ -119,18 +175,52 @@ def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
     return float(value)
 
 
+def _mixtral_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The mixture-of-experts and attention keys of a Mixtral config.json (every layer MoE, no
+    shared experts, bias-free router, top-k weights renormalised as Mixtral does)."""
+    experts = _integer(hf, "num_local_experts", where)
+    top_k = _integer(hf, "num_experts_per_tok", where)
+    if top_k > experts:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has num_experts_per_tok={top_k} > num_local_experts={experts}"
+        )
+    jitter = hf.get("router_jitter_noise") or 0
+    if jitter != 0:
+        raise ConfigError(
+            f"{where}: router_jitter_noise={json.dumps(jitter)} is not accepted; msjax's router "
+            "has no jitter (0)"
+        )
+    moe = {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "expert_mlp_dim": _integer(hf, "intermediate_size", where),
+        "shared_experts": 0,
+        "first_dense_layers": 0,
+        "normalize_top_k": True,
+    }
+    # the same window: a query at i sees keys i - sliding_window < j <= i
+    window = None if hf.get("sliding_window") is None else _integer(hf, "sliding_window", where)
+    return {"moe": moe, "attention_window": window}
+
+
 def model_fields_from_llama(hf: Any, where: str) -> dict[str, Any]:
-    """ModelConfig keys from a config.json, each type-checked; ConfigError naming what msjax
-    cannot represent or what is not a valid value."""
+    """ModelConfig keys from a Llama or Mixtral config.json, each type-checked (`moe` a dict of
+    model.moe keys); ConfigError naming what msjax cannot represent or what is not valid."""
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}: {CONFIG_FILE} is not a JSON object")
     model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise ConfigError(f"{where}: model_type={model_type!r} is not accepted; only llama")
+    if model_type not in ("llama", "mixtral"):
+        raise ConfigError(
+            f"{where}: model_type={model_type!r} is not accepted; only llama or mixtral"
+        )
+    if model_type == "mixtral":
+        mixtral = _mixtral_fields(hf, where)
+    else:
+        mixtral = {"moe": {"num_experts": 0}, "attention_window": None}
     hidden_act = hf.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{where}: hidden_act={hidden_act!r} is not accepted; msjax needs silu")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):  # Mixtral's config has neither
         if _boolean(hf, key, where, default=False):
             raise ConfigError(f"{where}: {key}=true is not accepted; msjax needs false")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -157,12 +247,12 @@ def model_fields_from_llama(hf: Any, where: str) -> dict[str, Any]:
         "num_heads": heads,
         "num_kv_heads": _integer(hf, "num_key_value_heads", where, default=heads),
         "head_dim": _integer(hf, "head_dim", where, default=embed // heads),
-        "mlp_dim": _integer(hf, "intermediate_size", where),
+        "mlp_dim": _integer(hf, "intermediate_size", where),  # Mixtral's: each expert's
         "rope_theta": theta,
         "norm_eps": _number(hf, "rms_norm_eps", where, default=1e-6),
         "tied_embeddings": _boolean(hf, "tie_word_embeddings", where, default=False),
         "parallel_block": False,
-        "attention_window": None,
+        **mixtral,
     }
 
 
@@ -247,15 +337,24 @@ def model_from_init(config: Config) -> Config:
         raise ConfigError(f"{where}: {CONFIG_FILE} is not valid JSON") from None
     fields = model_fields_from_llama(hf, where)
     open_weight_files(directory)  # before any run dir: a bad weight file is refused here
+    moe_fields = fields.pop("moe")
     if model.from_hf:
-        filled = dataclasses.replace(config, model=dataclasses.replace(model, **fields))
+        moe = dataclasses.replace(model.moe, **moe_fields)
+        filled = dataclasses.replace(config, model=dataclasses.replace(model, moe=moe, **fields))
         validate(filled)  # the checks the loaded config passed, now on the filled model
         return filled
     mismatched = []
-    for key, value in fields.items():
-        ours = model.resolved_head_dim if key == "head_dim" else getattr(model, key)
+    ours_and_theirs = [
+        *((f"model.{key}", getattr(model, key), value) for key, value in fields.items()),
+        *((f"model.moe.{key}", getattr(model.moe, key), v) for key, v in moe_fields.items()),
+    ]
+    for key, ours, value in ours_and_theirs:
+        if key == "model.head_dim":
+            ours = model.resolved_head_dim
+        if key == "model.moe.expert_mlp_dim":
+            ours = model.moe.expert_mlp_dim or model.mlp_dim
         if ours != value:
-            mismatched.append(f"model.{key}={ours} but {CONFIG_FILE} has {value}")
+            mismatched.append(f"{key}={ours} but {CONFIG_FILE} has {value}")
     if mismatched:
         raise ConfigError(
             f"{where} does not match the model section: {'; '.join(mismatched)} "

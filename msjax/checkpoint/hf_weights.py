@@ -1,7 +1,9 @@
-"""msjax parameters as Hugging Face Llama safetensors and back, read shard by shard.
+"""msjax parameters as Hugging Face Llama (or Mixtral) safetensors and back, read shard by shard.
 
 Linear weights are `[out, in]` there; the query, key and value heads are rows `head * head_dim
 + d`, the layout msjax's head axes flatten to; both rotate RoPE by halves, so nothing permutes.
+A Mixtral file holds each expert's weights apart (`experts.{expert}.w1/w2/w3`, the names both
+transformers 4.x and 5.x write), where msjax stacks them along `expert`.
 """
 
 from __future__ import annotations
@@ -30,35 +32,43 @@ class Mapping:
     """
 
     path: tuple[str, ...]  # keys in the params dict
-    name: str  # the Hugging Face name; `{layer}` in per-layer ones
+    name: str  # the Hugging Face name; `{layer}` in per-layer ones, `{expert}` in per-expert ones
     layout: str
     per_layer: bool
+    per_expert: bool = False  # [layers, experts, ...] here, one tensor per layer and expert there
 
 
 def mappings(model: ModelConfig) -> list[Mapping]:
-    """Every parameter of the model with its Hugging Face name and layout."""
+    """Every parameter of the model with its Hugging Face name and layout: a dense model as a
+    Llama, a mixture of experts (every layer MoE: msjax.llama_config.unsupported_by_mixtral) as a
+    Mixtral."""
+    stack = "moe_layers" if model.moe.enabled else "layers"
     layer = "model.layers.{layer}."
     found = [
         Mapping(("embedding",), "model.embed_tokens.weight", "same", False),
         Mapping(("final_norm", "scale"), "model.norm.weight", "same", False),
+        Mapping((stack, "attention_norm", "scale"), layer + "input_layernorm.weight", "same", True),
         Mapping(
-            ("layers", "attention_norm", "scale"), layer + "input_layernorm.weight", "same", True
-        ),
-        Mapping(
-            ("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", "same", True
+            (stack, "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", "same", True
         ),
     ]
     for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
         name = layer + f"self_attn.{theirs}_proj.weight"
-        found.append(Mapping(("layers", "attention", ours), name, "heads_in", True))
+        found.append(Mapping((stack, "attention", ours), name, "heads_in", True))
     found.append(
-        Mapping(
-            ("layers", "attention", "out"), layer + "self_attn.o_proj.weight", "heads_out", True
-        )
+        Mapping((stack, "attention", "out"), layer + "self_attn.o_proj.weight", "heads_out", True)
     )
-    for ours in ("gate", "up", "down"):
-        name = layer + f"mlp.{ours}_proj.weight"
-        found.append(Mapping(("layers", "mlp", ours), name, "transposed", True))
+    if model.moe.enabled:
+        moe = layer + "block_sparse_moe."
+        router = (stack, "mlp", "router", "weight")
+        found.append(Mapping(router, moe + "gate.weight", "transposed", True))
+        for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            name = moe + "experts.{expert}." + theirs + ".weight"
+            found.append(Mapping((stack, "mlp", ours), name, "transposed", True, per_expert=True))
+    else:
+        for ours in ("gate", "up", "down"):
+            name = layer + f"mlp.{ours}_proj.weight"
+            found.append(Mapping((stack, "mlp", ours), name, "transposed", True))
     if not model.tied_embeddings:
         found.append(Mapping(("unembedding",), "lm_head.weight", "transposed", False))
     return found
@@ -84,7 +94,12 @@ def hf_tensors(params: dict[str, Any], model: ModelConfig) -> Iterator[tuple[str
     """(name, array) of every Hugging Face tensor, from host params (numpy) one at a time."""
     for mapping in mappings(model):
         value = np.asarray(_get(params, mapping.path))
-        if mapping.per_layer:
+        if mapping.per_expert:
+            for index in range(model.num_layers):
+                for expert in range(model.moe.num_experts):
+                    name = mapping.name.format(layer=index, expert=expert)
+                    yield name, np.ascontiguousarray(_to_hf(value[index, expert], mapping.layout))
+        elif mapping.per_layer:
             for index in range(model.num_layers):
                 name = mapping.name.format(layer=index)
                 yield name, np.ascontiguousarray(_to_hf(value[index], mapping.layout))
@@ -155,7 +170,7 @@ class SafetensorsReader:
         from safetensors import SafetensorError
 
         if name not in self._file_of:
-            raise MsjaxError(f"{self.directory} has no tensor {name} (a Llama model has it)")
+            raise MsjaxError(f"{self.directory} has no tensor {name} (the model needs it)")
         file_name = self._file_of[name]
         try:
             return read(self._files[file_name].get_slice(name))
@@ -203,8 +218,9 @@ def slice_reader(
     reader: SafetensorsReader, mapping: Mapping, shape: tuple[int, ...]
 ) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """index -> the float32 slice of the msjax parameter of `shape`, read from the files."""
-    one_shape = shape[1:] if mapping.per_layer else shape
-    first = mapping.name.format(layer=0)
+    stacked = 2 if mapping.per_expert else int(mapping.per_layer)  # leading axes split apart
+    one_shape = shape[stacked:]
+    first = mapping.name.format(layer=0, expert=0)
     expected = _expected_hf_shape(one_shape, mapping.layout)
     if reader.shape(first) != expected:
         raise MsjaxError(
@@ -216,11 +232,23 @@ def slice_reader(
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         if not mapping.per_layer:
             return _read_one(reader, mapping.name, mapping.layout, index, shape)
-        first_layer, last_layer = _bounds(index[0], shape[0])
-        layers = [
-            _read_one(reader, mapping.name.format(layer=i), mapping.layout, index[1:], one_shape)
-            for i in range(first_layer, last_layer)
-        ]
+        layers = []
+        for layer in range(*_bounds(index[0], shape[0])):
+            if not mapping.per_expert:
+                name = mapping.name.format(layer=layer)
+                layers.append(_read_one(reader, name, mapping.layout, index[1:], one_shape))
+                continue
+            experts = [
+                _read_one(
+                    reader,
+                    mapping.name.format(layer=layer, expert=expert),
+                    mapping.layout,
+                    index[2:],
+                    one_shape,
+                )
+                for expert in range(*_bounds(index[1], shape[1]))
+            ]
+            layers.append(np.stack(experts))
         return np.stack(layers)
 
     return read
@@ -241,28 +269,42 @@ def load_params(
         sharding = _get(shardings, mapping.path)
         shape = _param_shape(model, mapping.path)
         array = jax.make_array_from_callback(shape, sharding, slice_reader(reader, mapping, shape))
-        node = params
-        for key in mapping.path[:-1]:
-            node = node.setdefault(key, {})
-        node[mapping.path[-1]] = array
+        _put(params, mapping.path, array)
+    if model.moe.bias_balancing:  # no Mixtral holds one: it starts at zero, Mixtral's routing
+        path = ("moe_layers", "mlp", "router", "bias")
+        zeros = jax.numpy.zeros(_param_shape(model, path), jax.numpy.float32)
+        _put(params, path, jax.device_put(zeros, _get(shardings, path)))
     return params
 
 
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
 def _param_shape(model: ModelConfig, path: tuple[str, ...]) -> tuple[int, ...]:
+    """The shape of the parameter at `path` (a stack's: `layers` or `moe_layers` first)."""
     embed, vocab, layers = model.embed_dim, model.vocab_size, model.num_layers
     heads, kv_heads, dim = model.num_heads, model.num_kv_heads, model.resolved_head_dim
+    experts, hidden = model.moe.num_experts, model.moe.expert_mlp_dim or model.mlp_dim
+    if not model.moe.enabled:
+        experts, hidden = None, model.mlp_dim
+    expert = (experts,) if experts else ()
     shapes = {
         ("embedding",): (vocab, embed),
         ("unembedding",): (embed, vocab),
         ("final_norm", "scale"): (embed,),
-        ("layers", "attention_norm", "scale"): (layers, embed),
-        ("layers", "mlp_norm", "scale"): (layers, embed),
-        ("layers", "attention", "query"): (layers, embed, heads, dim),
-        ("layers", "attention", "key"): (layers, embed, kv_heads, dim),
-        ("layers", "attention", "value"): (layers, embed, kv_heads, dim),
-        ("layers", "attention", "out"): (layers, heads, dim, embed),
-        ("layers", "mlp", "gate"): (layers, embed, model.mlp_dim),
-        ("layers", "mlp", "up"): (layers, embed, model.mlp_dim),
-        ("layers", "mlp", "down"): (layers, model.mlp_dim, embed),
+        ("attention_norm", "scale"): (layers, embed),
+        ("mlp_norm", "scale"): (layers, embed),
+        ("attention", "query"): (layers, embed, heads, dim),
+        ("attention", "key"): (layers, embed, kv_heads, dim),
+        ("attention", "value"): (layers, embed, kv_heads, dim),
+        ("attention", "out"): (layers, heads, dim, embed),
+        ("mlp", "router", "weight"): (layers, embed, experts),
+        ("mlp", "router", "bias"): (layers, experts),
+        ("mlp", "gate"): (layers, *expert, embed, hidden),
+        ("mlp", "up"): (layers, *expert, embed, hidden),
+        ("mlp", "down"): (layers, *expert, hidden, embed),
     }
-    return shapes[path]
+    return shapes[path[1:] if path[0] in ("layers", "moe_layers") else path]

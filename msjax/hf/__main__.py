@@ -18,7 +18,9 @@ from msjax.resilience import exit_codes
 def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m msjax.hf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="a checkpoint as a Hugging Face Llama directory")
+    export = commands.add_parser(
+        "export", help="a checkpoint as a Hugging Face Llama (or Mixtral) directory"
+    )
     export.add_argument("source", help="RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/STEP")
     export.add_argument("out_dir", type=Path)
     export.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -1,4 +1,5 @@
-"""A run's checkpoint written as a Hugging Face Llama directory that transformers loads.
+"""A run's checkpoint written as a Hugging Face Llama directory (Mixtral for a mixture of
+experts) that transformers loads.
 
 Only the parameters are read (onto one device, whatever mesh saved them); everything that can
 refuse is checked before OUT_DIR is written, and OUT_DIR appears whole or not at all.
@@ -10,20 +11,34 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
 
 from msjax.checkpoint.hf_weights import MAX_SHARD_BYTES, hf_tensors, write_safetensors
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
-from msjax.config import Config
+from msjax.config import Config, ModelConfig
 from msjax.errors import MsjaxError
-from msjax.llama_config import CONFIG_FILE, llama_config, unsupported_by_llama
+from msjax.llama_config import (
+    CONFIG_FILE,
+    llama_config,
+    mixtral_config,
+    unsupported_by_llama,
+    unsupported_by_mixtral,
+)
 
 
 class ExportWriteFailed(Exception):
     """OUT_DIR could not be written (a full disk, an I/O error): an infrastructure fault, not a
     user mistake; the staging directory is removed, so no half-written export is left."""
+
+
+def hf_form(model: ModelConfig) -> tuple[str, str | None, Any]:
+    """(the transformers class, why it cannot run the model or None, its config.json maker)."""
+    if model.moe.enabled:
+        return "MixtralForCausalLM", unsupported_by_mixtral(model), mixtral_config
+    return "LlamaForCausalLM", unsupported_by_llama(model), llama_config
 
 
 def tokenizer_files(config: Config) -> tuple[int | None, dict[str, bytes]]:
@@ -65,9 +80,9 @@ def export_checkpoint(
             raise MsjaxError(f"{out_dir}: {parent} is a file, not a directory")
     checkpointer, step = checkpoint_source(source)
     config = saved_config(checkpointer, step)
-    reason = unsupported_by_llama(config.model)
+    form, reason, form_config = hf_form(config.model)
     if reason is not None:
-        raise MsjaxError(f"cannot export to a Hugging Face Llama: {reason}")
+        raise MsjaxError(f"cannot export to a Hugging Face {form}: {reason}")
     eos_id, tokenizer_content = tokenizer_files(config)
     run_params = load_run_params(checkpointer, step, config)
     checkpointer.close()
@@ -85,7 +100,7 @@ def export_checkpoint(
     try:
         written = write_safetensors(hf_tensors(host_params, config.model), staging, max_shard_bytes)
         files = {
-            CONFIG_FILE: llama_config(config.model, eos_id, config.data.seq_len, dtype),
+            CONFIG_FILE: form_config(config.model, eos_id, config.data.seq_len, dtype),
             "generation_config.json": {"eos_token_id": eos_id, "do_sample": False},
         }
         for name, content in files.items():
