@@ -159,7 +159,8 @@ def config_reference() -> str:
     for section in dataclasses.fields(config.Config):
         section_type = hints[section.name]
         lines += [f"## `{section.name}`", "", (section_type.__doc__ or "").strip(), ""]
-        meanings = field_comments(source, section_type.__name__)
+        home = Path(sys.modules[section_type.__module__].__file__).read_text(encoding="utf-8")
+        meanings = field_comments(home, section_type.__name__)
         lines += _section_table(f"{section.name}.", section_type, meanings)
         lines.append("")
         if section.name == "model":

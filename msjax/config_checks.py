@@ -171,6 +171,10 @@ def _check_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError(
             f"checkpoint.memory_every_steps={checkpoint.memory_every_steps} must be >= 0 (0: off)"
         )
+    if not 0 < checkpoint.memory_max_fraction <= 1:
+        raise ConfigError(
+            f"checkpoint.memory_max_fraction={checkpoint.memory_max_fraction} must be in (0, 1]"
+        )
     if checkpoint.every_minutes is not None and not checkpoint.every_minutes > 0:
         raise ConfigError(f"checkpoint.every_minutes={checkpoint.every_minutes} must be positive")
     unsaved = checkpoint.max_unsaved_minutes

@@ -78,6 +78,28 @@ def remove_run_snapshots(run_dir: Path, root: Path | None = None) -> bool:
     return True
 
 
+def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The kernel's estimate of the RAM this host can give without swapping (MemAvailable), or
+    None where it does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemAvailable":
+                return int(value.split()[0]) * 1024  # the kernel counts kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory_available_bytes(directory: Path) -> int:
+    """What a process's snapshots in `directory` can take on this host: the free space of the
+    directory's filesystem (/dev/shm is RAM, sized apart), and no more than MemAvailable."""
+    info = os.statvfs(directory)
+    free = info.f_bavail * info.f_frsize
+    available = mem_available_bytes()
+    return free if available is None else min(free, available)
+
+
 def make_private_dir(path: Path) -> None:
     """path and its missing parents made (0700); OSError when path or its parent is a link, not
     a directory, or not this user's (a planted directory is never written into)."""

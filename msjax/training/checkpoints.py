@@ -246,7 +246,7 @@ class CheckpointSaves:
         self._started_s = 0.0  # when the save in flight was started
         # checkpoint.memory_every_steps: snapshots in /dev/shm beside the saves (None: off)
         self.memory = build_memory_snapshots(
-            config, Path(config.run.dir or "."), self.meta, events, warn
+            config, Path(config.run.dir or "."), start.state, self.meta, events, warn
         )
         if config.checkpoint.enabled:
             # no save of this job has started yet, and the job holds the run lock

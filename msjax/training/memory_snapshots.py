@@ -25,13 +25,20 @@ from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotDamaged,
     SnapshotStore,
+    host_memory_available_bytes,
     process_snapshot_store,
     writable_snapshot_store,
 )
 from msjax.config import Config
 from msjax.loop_events import LoopEvents
 from msjax.observe.goodput import read_records
-from msjax.parallel.agreement import agree_any, agree_max, agree_min, process_vote
+from msjax.parallel.agreement import (
+    ProcessVote,
+    agree_any,
+    agree_max,
+    agree_min,
+    process_vote,
+)
 from msjax.run_dir import RunDir
 
 
@@ -79,8 +86,10 @@ def host_shards(copied_leaves: list[Any]) -> list[ShardFile]:
 
 class MemorySnapshots:
     """Snapshots every `every_steps` steps into `store` (made and cleared of unfinished writes
-    by its builder), one written at a time by a background thread; one due while the last is
-    still being written is skipped (and counted), never waited for."""
+    by its builder), one written at a time by a background thread. Every process takes or skips
+    the same snapshots: at each due step they vote (`vote`, None in a one-process run), and one
+    due while the last is still being written on any process is skipped by all (and counted),
+    never waited for; a write that failed on any process turns them off on all."""
 
     def __init__(
         self,
@@ -89,30 +98,35 @@ class MemorySnapshots:
         meta_of: Callable[[int], dict[str, Any]],
         events: LoopEvents,
         warn: Callable[[str], None],
+        vote: ProcessVote | None = None,
     ):
         self.every_steps = every_steps
         self.store = store
         self.meta_of = meta_of  # step -> the record a restore needs beside the arrays
         self.events = events
         self.warn = warn
+        self.vote = vote  # the processes' per-snapshot vote: take, skip, or turn off
         self.skipped = 0  # snapshots not taken: the one before was still being written
         self._writer: threading.Thread | None = None
         self._error: str | None = None
         self._layout: dict[str, Any] | None = None  # the state's, the same every step
 
     def after_step(self, step: int, state: Any) -> None:
-        """Snapshot `state` (which has `step` updates) when due: the device copy is dispatched
-        here, everything else happens in the background."""
+        """Snapshot `state` (which has `step` updates) when due and every process agrees: the
+        device copy is dispatched here, everything else happens in the background."""
         if not self.every_steps or step % self.every_steps:
             return
         import jax
 
-        if self._error is not None:
-            self.warn(f"warning: {self._error}; in-memory snapshots are off from here on")
+        started = time.perf_counter()
+        busy = self._writer is not None and self._writer.is_alive()
+        busy_anywhere, failed_anywhere = agree_max(self.vote, [busy, self._error is not None])
+        if failed_anywhere:
+            failure = self._error or "an in-memory snapshot failed on another process"
+            self.warn(f"warning: {failure}; in-memory snapshots are off from here on")
             self.every_steps, self._error = 0, None
             return
-        started = time.perf_counter()
-        if self._writer is not None and self._writer.is_alive():
+        if busy_anywhere:
             self.skipped += 1
             self.events.memory_snapshot(step, time.perf_counter() - started, 0, self.skipped)
             return
@@ -126,11 +140,8 @@ class MemorySnapshots:
             target=self._write, args=(step, copied, record), name="msjax-snapshot", daemon=True
         )
         self._writer.start()
-        snapshot_bytes = sum(
-            shard.data.nbytes for leaf in copied for shard in leaf.addressable_shards
-        )
         stall_s = time.perf_counter() - started
-        self.events.memory_snapshot(step, stall_s, snapshot_bytes, self.skipped)
+        self.events.memory_snapshot(step, stall_s, addressable_bytes(copied), self.skipped)
 
     def _write(self, step: int, copied: list[Any], record: dict[str, Any]) -> None:
         try:
@@ -153,27 +164,62 @@ class MemorySnapshots:
             self.store.directory.parent.rmdir()  # only once empty: the last process to end
 
 
+def addressable_bytes(leaves: list[Any]) -> int:
+    """The bytes of this process's shards of `leaves` (arrays or a state's leaves)."""
+    return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
+
+
+def memory_shortfall(store: SnapshotStore, snapshot_bytes: int, max_fraction: float) -> str:
+    """Why this host cannot hold a process's snapshots of `snapshot_bytes` each, two deep
+    (double-buffered), within max_fraction of the RAM it can give; "" when it can."""
+    needed = 2 * snapshot_bytes
+    available = host_memory_available_bytes(store.directory)
+    if needed <= max_fraction * available:
+        return ""
+    return (
+        f"they need {needed} bytes of RAM on this host (this process's shards, twice) and "
+        f"checkpoint.memory_max_fraction={max_fraction:g} of the {available} bytes available "
+        f"allows {int(max_fraction * available)}; raise checkpoint.memory_max_fraction or set "
+        "checkpoint.memory_every_steps=0"
+    )
+
+
 def build_memory_snapshots(
     config: Config,
     run_dir: Path,
+    state: Any,
     meta_of: Callable[[int], dict[str, Any]],
     events: LoopEvents,
     warn: Callable[[str], None],
 ) -> MemorySnapshots | None:
-    """The run's snapshots as configured, or None (off, or no shared memory: said in one line)."""
+    """The run's snapshots of `state` as configured, or None: off, or off on every process
+    because one has no shared memory or too little RAM for them (said in one line)."""
     import jax
 
     every_steps = config.checkpoint.memory_every_steps
     if not every_steps:
         return None
     store = writable_snapshot_store(run_dir, jax.process_index())
+    snapshot_bytes = addressable_bytes(jax.tree.leaves(state))
     if store is None:
-        warn(
-            f"warning: checkpoint.memory_every_steps={every_steps}: no writable /dev/shm on this "
-            "node; in-memory snapshots are off"
-        )
+        problem = "no writable /dev/shm on this node"
+    else:
+        problem = memory_shortfall(store, snapshot_bytes, config.checkpoint.memory_max_fraction)
+    if agree_any(process_vote("memory-budget"), bool(problem)):
+        if store is not None:  # made just now and written nothing into: not left behind
+            for directory in (store.directory, store.directory.parent):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()  # only where empty
+        off = f"checkpoint.memory_every_steps={every_steps}: in-memory snapshots are off"
+        warn(f"warning: {off}: {problem or 'another process cannot hold them'}")
         return None
-    return MemorySnapshots(every_steps, store, meta_of, events, warn)
+    warn(
+        f"in-memory snapshots every {every_steps} steps take {2 * snapshot_bytes} bytes of RAM on "
+        "this host for this process (its shards, twice)"
+    )
+    return MemorySnapshots(
+        every_steps, store, meta_of, events, warn, vote=process_vote("memory-save")
+    )
 
 
 @dataclass(frozen=True)

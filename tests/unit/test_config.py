@@ -166,6 +166,8 @@ def test_null_override_clears_an_optional_key_set_by_a_file(tmp_path):
         ("model.num_layers.x=3", ("section.key=value",)),
         ("checkpoint.memory_every_steps=-1", ("checkpoint.memory_every_steps=-1", ">= 0")),
         ("checkpoint.memory_every_steps=2.5", ("checkpoint.memory_every_steps=2.5", "integer")),
+        ("checkpoint.memory_max_fraction=0", ("checkpoint.memory_max_fraction=0", "(0, 1]")),
+        ("checkpoint.memory_max_fraction=1.5", ("checkpoint.memory_max_fraction=1.5", "(0, 1]")),
     ],
 )
 def test_bad_override_raises_a_config_error_naming_it(override, fragments):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from small_runs import QUICK_RUN
 
+from msjax.checkpoint.commits import committed_steps
 from msjax.checkpoint.snapshots import (
     MANIFEST,
     SHARED_MEMORY,
@@ -31,6 +33,7 @@ from msjax.checkpoint.snapshots import (
 )
 from msjax.config import load_config
 from msjax.loop_events import LoopEvents
+from msjax.observe.goodput import read_records
 from msjax.run_dir import RunDir
 from msjax.train import train
 from msjax.training.memory_snapshots import (
@@ -189,9 +192,11 @@ class SnapshotWatch(LoopEvents):
     def __init__(self, run_dir: Path):
         self.directory = run_snapshots_dir(run_dir, SHARED_MEMORY)
         self.heard: list[tuple[int, bool, bool]] = []
+        self.snapshot_bytes: list[int] = []
 
     def memory_snapshot(self, step, stall_s, snapshot_bytes, skipped_total):
         self.heard.append((step, snapshot_bytes > 0 or skipped_total > 0, self.directory.is_dir()))
+        self.snapshot_bytes.append(snapshot_bytes)
 
 
 @pytest.mark.skipif(shared_memory_root() is None, reason="no writable /dev/shm")
@@ -205,9 +210,44 @@ def test_a_plain_run_snapshots_as_configured_and_removes_its_snapshots_at_its_en
         f"run.dir={run_dir}",
     ]
     watch = SnapshotWatch(run_dir)
-    train(load_config(None, overrides), io.StringIO(), listeners=[watch])
+    output = io.StringIO()
+    train(load_config(None, overrides), output, listeners=[watch])
     assert watch.heard == [(2, True, True), (4, True, True)]
     assert not watch.directory.exists()
+    # the start-up line: the RAM they take, this process's shards twice (double-buffered)
+    taken = [line for line in output.getvalue().splitlines() if "bytes of RAM" in line]
+    assert taken == [
+        f"in-memory snapshots every 2 steps take {2 * watch.snapshot_bytes[0]} bytes of RAM on "
+        "this host for this process (its shards, twice)"
+    ]
+
+
+@pytest.mark.skipif(shared_memory_root() is None, reason="no writable /dev/shm")
+def test_too_little_memory_turns_snapshots_off_and_the_run_trains_on_saving_to_disk(
+    tmp_path: Path,
+):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *QUICK_RUN,
+        "train.steps=4",
+        "train.eval_every=0",
+        "checkpoint.every_steps=2",
+        "checkpoint.memory_every_steps=1",
+        "checkpoint.memory_max_fraction=1e-15",  # far less than the state's bytes twice
+        f"run.dir={run_dir}",
+    ]
+    watch = SnapshotWatch(run_dir)
+    output = io.StringIO()
+    train(load_config(None, overrides), output, listeners=[watch])
+    refused = [line for line in output.getvalue().splitlines() if "snapshots are off" in line]
+    assert len(refused) == 1, output.getvalue()[-3000:]
+    needed, available = (int(n) for n in re.findall(r"(\d+) bytes", refused[0])[:2])
+    assert needed > 1e-15 * available and needed > 0
+    assert "raise checkpoint.memory_max_fraction" in refused[0]
+    assert watch.heard == [] and not watch.directory.exists()
+    assert committed_steps(RunDir(run_dir).checkpoints) == [2, 4]
+    steps = [r["step"] for r in read_records(RunDir(run_dir).metrics) if "loss" in r]
+    assert steps == [0, 1, 2, 3]  # every step trained (metrics count steps from 0)
 
 
 def test_snapshots_are_passed_over_after_an_incident_of_silent_corruption(tmp_path: Path):
