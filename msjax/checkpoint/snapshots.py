@@ -100,6 +100,21 @@ def host_memory_available_bytes(directory: Path) -> int:
     return free if available is None else min(free, available)
 
 
+def memory_shortfall(store: SnapshotStore, snapshot_bytes: int, max_fraction: float) -> str:
+    """Why this host cannot hold a process's snapshots of `snapshot_bytes` each, two deep
+    (double-buffered), within max_fraction of the RAM it can give; "" when it can."""
+    needed = 2 * snapshot_bytes
+    available = host_memory_available_bytes(store.directory)
+    if needed <= max_fraction * available:
+        return ""
+    return (
+        f"they need {needed} bytes of RAM on this host (this process's shards, twice) and "
+        f"checkpoint.memory_max_fraction={max_fraction:g} of the {available} bytes available "
+        f"allows {int(max_fraction * available)}; raise checkpoint.memory_max_fraction or set "
+        "checkpoint.memory_every_steps=0"
+    )
+
+
 def make_private_dir(path: Path) -> None:
     """path and its missing parents made (0700); OSError when path or its parent is a link, not
     a directory, or not this user's (a planted directory is never written into)."""

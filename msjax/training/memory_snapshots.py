@@ -25,7 +25,7 @@ from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotDamaged,
     SnapshotStore,
-    host_memory_available_bytes,
+    memory_shortfall,
     process_snapshot_store,
     writable_snapshot_store,
 )
@@ -169,21 +169,6 @@ def addressable_bytes(leaves: list[Any]) -> int:
     return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
 
 
-def memory_shortfall(store: SnapshotStore, snapshot_bytes: int, max_fraction: float) -> str:
-    """Why this host cannot hold a process's snapshots of `snapshot_bytes` each, two deep
-    (double-buffered), within max_fraction of the RAM it can give; "" when it can."""
-    needed = 2 * snapshot_bytes
-    available = host_memory_available_bytes(store.directory)
-    if needed <= max_fraction * available:
-        return ""
-    return (
-        f"they need {needed} bytes of RAM on this host (this process's shards, twice) and "
-        f"checkpoint.memory_max_fraction={max_fraction:g} of the {available} bytes available "
-        f"allows {int(max_fraction * available)}; raise checkpoint.memory_max_fraction or set "
-        "checkpoint.memory_every_steps=0"
-    )
-
-
 def build_memory_snapshots(
     config: Config,
     run_dir: Path,
@@ -199,8 +184,8 @@ def build_memory_snapshots(
     every_steps = config.checkpoint.memory_every_steps
     if not every_steps:
         return None
-    store = writable_snapshot_store(run_dir, jax.process_index())
     snapshot_bytes = addressable_bytes(jax.tree.leaves(state))
+    store = writable_snapshot_store(run_dir, jax.process_index())
     if store is None:
         problem = "no writable /dev/shm on this node"
     else:
