@@ -211,7 +211,7 @@ def save_cadence_lines(run: Run, mtbf_hours: float | None, width: int = 80) -> l
         return ["", why_not]
     assumed = ", assumed (--mtbf-hours)" if mtbf_hours is None else " (--mtbf-hours)"
     head = f"save cadence (Young: interval sqrt(2 x save cost x MTBF), MTBF {hours:g} h{assumed})"
-    lines = ["", *textwrap.wrap(head, width, subsequent_indent="  ")]
+    lines = ["", *textwrap.wrap(head, width, subsequent_indent="  ", break_on_hyphens=False)]
     lines += _field("step time", f"median {step_s:.4g} s over {len(steady)} steps", width)
     for label, text in cadence_texts(run.records, run.checkpoint, step_s, hours * 3600.0):
         lines += _field(label, text, width)
