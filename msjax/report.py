@@ -21,6 +21,7 @@ from msjax.observe.flops import MFU_CONVENTION
 from msjax.observe.goodput import step_time_split
 from msjax.observe.plots import text_heatmap
 from msjax.observe.run_files import Run, is_step, load_run
+from msjax.planner.save_cadence import DEFAULT_MTBF_HOURS, cadence_texts, nothing_to_recommend
 from msjax.run_dir import RunDir
 
 _PROG = "msjax.report"
@@ -105,11 +106,13 @@ def _field(label: str, text: str, width: int) -> list[str]:
     return textwrap.wrap(text, width, initial_indent=f"  {label:<12}", subsequent_indent=" " * 14)
 
 
-def summary_lines(run: Run, width: int = 80) -> list[str]:
-    """The terminal summary."""
+def summary_lines(run: Run, width: int = 80, mtbf_hours: float | None = None) -> list[str]:
+    """The terminal summary; `mtbf_hours`: the job's mean time between failures for the save
+    cadence (None: DEFAULT_MTBF_HOURS, said to be assumed)."""
     lines = [f"run {run.name}  ({run.path})"]
     lines += _progress_lines(run, width)
     lines += _goodput_lines(run, width)
+    lines += save_cadence_lines(run, mtbf_hours, width)
     lines += _launch_lines(run, width)
     lines += ["", f"incidents: {len(run.incidents) or 'none'}"]
     for incident in run.incidents:
@@ -194,6 +197,24 @@ def _goodput_lines(run: Run, width: int) -> list[str]:
         lines.append(
             f"  {key.removesuffix('_s'):<15}{seconds:9.2f} s {share:5.1f}%  {bar}".rstrip()
         )
+    return lines
+
+
+def save_cadence_lines(run: Run, mtbf_hours: float | None, width: int = 80) -> list[str]:
+    """Young's save intervals (msjax.planner.save_cadence) from the run's measured save costs
+    and median steady step time, for disk checkpoints and in-memory snapshots."""
+    _, _, steady = throughput(run)
+    step_s = _median([run.steps[step]["step_time_s"] for step in steady])
+    hours = DEFAULT_MTBF_HOURS if mtbf_hours is None else mtbf_hours
+    why_not = nothing_to_recommend(run.records, step_s)
+    if why_not is not None:
+        return ["", why_not]
+    assumed = ", assumed (--mtbf-hours)" if mtbf_hours is None else " (--mtbf-hours)"
+    head = f"save cadence (Young: interval sqrt(2 x save cost x MTBF), MTBF {hours:g} h{assumed})"
+    lines = ["", *textwrap.wrap(head, width, subsequent_indent="  ", break_on_hyphens=False)]
+    lines += _field("step time", f"median {step_s:.4g} s over {len(steady)} steps", width)
+    for label, text in cadence_texts(run.records, run.checkpoint, step_s, hours * 3600.0):
+        lines += _field(label, text, width)
     return lines
 
 
@@ -421,6 +442,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     parser.add_argument("--out", type=Path, help="where the PNGs go (default: RUN_DIR/report)")
     parser.add_argument("--no-plots", action="store_true", help="print the summary only")
+    parser.add_argument(
+        "--mtbf-hours",
+        type=float,
+        metavar="H",
+        help="the job's mean time between failures, for the recommended save intervals "
+        f"(default: {DEFAULT_MTBF_HOURS:g}, assumed)",
+    )
     return parser
 
 
@@ -431,8 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not RunDir(args.run_dir).metrics.exists() and health_lines(args.run_dir):
             print(f"run {args.run_dir}: no training yet", *health_lines(args.run_dir), sep="\n")
             return 0  # a run dir only msjax.doctor has written to
+        if args.mtbf_hours is not None and not 0 < args.mtbf_hours < float("inf"):
+            raise MsjaxError(f"--mtbf-hours={args.mtbf_hours:g} must be a positive number")
         run = load_run(args.run_dir)
-        lines = summary_lines(run)
+        lines = summary_lines(run, mtbf_hours=args.mtbf_hours)
         if not args.no_plots:
             out_dir = args.out if args.out is not None else RunDir(run.path).report
             try:

@@ -56,6 +56,7 @@ class Run:
     incidents: list[dict[str, Any]]
     ranks: RankTimes | None
     launches: list[dict[str, Any]] = field(default_factory=list)  # launcher sessions, oldest first
+    checkpoint: dict[str, Any] = field(default_factory=dict)  # the resolved config's checkpoint
     unreadable_lines: dict[str, int] = field(default_factory=dict)
 
 
@@ -161,6 +162,7 @@ def load_run(run_dir: Path) -> Run:
         incidents=incidents,
         ranks=ranks,
         launches=launches,
+        checkpoint=config.get("checkpoint") or {},
         unreadable_lines=unreadable,
     )
 
