@@ -127,8 +127,10 @@ def _share_text(share: float) -> str:
 
 def _advice_text(key: str, advice: CadenceAdvice) -> str:
     """Measured cost, the recommended interval and the share lost at it and as configured."""
+    noun = "snapshot" if key == "memory_every_steps" else "save"
+    counted = f"{advice.saves} {noun}{'' if advice.saves == 1 else 's'}"
     text = (
-        f"median pause {advice.save_cost_s:.4g} s over {advice.saves} save(s): optimum "
+        f"median pause {advice.save_cost_s:.4g} s over {counted}: optimum "
         f"{advice.optimal_interval_s:.1f} s, so checkpoint.{key}={advice.recommended_steps}; "
         f"lost to saves and rework {_share_text(advice.recommended_lost_share)}"
     )

@@ -82,8 +82,10 @@ def expected_text(costs_s: list[float], step_s: float, mtbf_s: float, key: str) 
     def share(interval_s: float) -> str:
         return f"{100 * (cost_s / interval_s + interval_s / (2 * mtbf_s)):.3g}%"
 
+    noun = "snapshot" if key == "memory_every_steps" else "save"
+    counted = f"{len(costs_s)} {noun}{'' if len(costs_s) == 1 else 's'}"
     return (
-        f"median pause {cost_s:.4g} s over {len(costs_s)} save(s): optimum {optimum_s:.1f} s, "
+        f"median pause {cost_s:.4g} s over {counted}: optimum {optimum_s:.1f} s, "
         f"so checkpoint.{key}={steps}; lost to saves and rework {share(steps * step_s)} "
         f"(configured {EVERY}: {share(EVERY * step_s)})"
     )
