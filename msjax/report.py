@@ -424,7 +424,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Summarise a run directory: throughput, MFU, loss, goodput, incidents, "
-        "stragglers, flight-recorder verdict, per-rank heat map; and write PNG charts.",
+        "stragglers, flight-recorder verdict, per-rank heat map, expert load of a mixture of "
+        "experts; and write PNG charts.",
         epilog="example: python -m msjax.report runs/tiny-20260101-120000",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
