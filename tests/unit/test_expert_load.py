@@ -143,16 +143,3 @@ def test_an_expert_hot_only_before_the_trailing_window_is_not_named(tmp_path, ca
     assert f"hot experts: none (over 1.5x the even share in 80% of the last {HOT_WINDOW_STEPS}" in (
         " ".join(out.split())
     ), out
-
-
-def test_a_dense_run_has_no_expert_load_section(tmp_path, capsys):
-    run_dir = write_metrics(tmp_path / "run", [[0.5, 0.5]] * 3)
-    records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
-    dense = [{k: v for k, v in r.items() if not k.startswith("moe_")} for r in records]
-    RunDir(run_dir).metrics.write_text("".join(json.dumps(r) + "\n" for r in dense))
-
-    code, out = report(capsys, run_dir, "--out", tmp_path / "pictures")
-
-    assert code == 0
-    assert "expert load" not in out and "hot experts" not in out
-    assert not (tmp_path / "pictures" / EXPERT_LOAD_PLOT).exists()
