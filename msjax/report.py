@@ -16,6 +16,7 @@ from typing import Any
 from msjax.cli import ArgumentParser, user_error
 from msjax.errors import MsjaxError
 from msjax.launch.launches import REQUEUE
+from msjax.observe.expert_load import expert_load, expert_load_lines
 from msjax.observe.flight_recorder import diagnose
 from msjax.observe.flops import MFU_CONVENTION
 from msjax.observe.goodput import step_time_split
@@ -26,6 +27,7 @@ from msjax.run_dir import RunDir
 
 _PROG = "msjax.report"
 PLOTS = ("loss.png", "throughput.png", "heatmap.png", "goodput.png")
+EXPERT_LOAD_PLOT = "expert_load.png"  # beside PLOTS, for a run with a mixture of experts
 
 
 # --- the summary ---------------------------------------------------------------------------
@@ -123,6 +125,8 @@ def summary_lines(run: Run, width: int = 80, mtbf_hours: float | None = None) ->
     lines += health_lines(run.path, width)
     lines.append("")
     lines += _straggler_lines(run, width)
+    moe_lines = expert_load_lines(run.steps, width)
+    lines += ["", *moe_lines] if moe_lines else []
     lines.append("")
     lines += _flight_lines(run, width)
     lines += _profile_lines(run)
@@ -425,6 +429,11 @@ def write_plots(run: Run, out_dir: Path) -> list[str]:
         written.append("goodput.png")
     else:
         notes.append("skipped goodput.png: no time recorded yet")
+    load = expert_load(run.steps)
+    if load is not None:  # a dense run has no experts to draw, and no note about them
+        hot = [item.expert for item in load.hot_experts()]
+        plots.plot_expert_load(out_dir / EXPERT_LOAD_PLOT, load.steps, load.shares, hot)
+        written.append(EXPERT_LOAD_PLOT)
     lines = [f"plots in {out_dir}: {', '.join(written)}"] if written else []
     return lines + notes
 
@@ -436,7 +445,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog=f"python -m {_PROG}",
         description="Summarise a run directory: throughput, MFU, loss, goodput, incidents, "
-        "stragglers, flight-recorder verdict, per-rank heat map; and write PNG charts.",
+        "stragglers, flight-recorder verdict, per-rank heat map, expert load of a mixture of "
+        "experts; and write PNG charts.",
         epilog="example: python -m msjax.report runs/tiny-20260101-120000",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")

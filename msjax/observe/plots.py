@@ -339,3 +339,41 @@ def plot_goodput(path: Path, breakdown_s: dict[str, float], title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)
+
+
+def plot_expert_load(
+    path: Path, steps: Sequence[int], shares: np.ndarray, hot_experts: Sequence[int] = ()
+) -> None:
+    """expert x step image of each expert's share of the step's tokens, with a colorbar centred
+    on the even share (white), so hot experts show red and idle ones blue; hot experts' rows
+    labelled."""
+    plt = _pyplot()
+    experts = shares.shape[0]  # shares: [experts, steps]
+    first, last = steps[0], steps[-1]
+    image = np.full((experts, last - first + 1), np.nan)  # [experts, every step]
+    image[:, [step - first for step in steps]] = shares
+    even = 1.0 / experts
+    top = max(float(np.nanmax(shares)), 2 * even)
+    figure, axes = plt.subplots(figsize=(10, min(max(2.5, 0.3 * experts + 1.5), 20)))
+    from matplotlib.colors import TwoSlopeNorm
+
+    shown = axes.imshow(
+        np.ma.masked_invalid(image),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=plt.get_cmap("RdBu_r").with_extremes(bad="0.85"),  # no record: grey
+        norm=TwoSlopeNorm(vcenter=even, vmin=0.0, vmax=top),
+        extent=(first - 0.5, last + 0.5, experts - 0.5, -0.5),
+    )
+    figure.colorbar(shown, ax=axes).set_label("share of the step's tokens")
+    axes.set_yticks(range(experts))
+    hot = set(hot_experts)
+    axes.set_yticklabels(
+        [f"{expert}{' hot' if expert in hot else ''}" for expert in range(experts)], fontsize=8
+    )
+    axes.set_title(f"tokens per expert, share of each step's (even share {100 * even:.1f}%)")
+    axes.set_xlabel("step")
+    axes.set_ylabel("expert")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

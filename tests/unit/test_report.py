@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from msjax.observe.run_files import WARMUP_STEPS
-from msjax.report import PLOTS, main
+from msjax.report import EXPERT_LOAD_PLOT, PLOTS, main
 from msjax.run_dir import RunDir
 
 STEPS = 6
@@ -82,6 +82,7 @@ def test_summary_numbers_are_the_numbers_in_metrics_jsonl(run_dir, capsys):
     assert f"of the {kept_s:.1f} s of steps and checkpoint pauses it records" in out
     assert re.search(rf"^  data\s+{data_s:.2f} s", out, re.MULTILINE)
     assert "incidents: none" in out
+    assert "expert load" not in out and "hot experts" not in out  # a dense run has no experts
     assert all(len(line) <= 80 for line in out.splitlines()), out
 
 
@@ -93,6 +94,7 @@ def test_every_png_is_drawn_from_a_real_run(run_dir, tmp_path, capsys):
 
     assert code == 0
     assert f"plots in {out_dir}: {', '.join(PLOTS)}" in out
+    assert not (out_dir / EXPERT_LOAD_PLOT).exists()  # a dense run: no expert heat map
     for name in PLOTS:
         pixels = matplotlib.image.imread(out_dir / name)  # [height, width, rgba]
         assert pixels.shape[0] >= 200 and pixels.shape[1] >= 600, name
