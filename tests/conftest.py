@@ -73,15 +73,7 @@ LONGEST_FILES_FIRST = (
 )
 
 
-JOBS_TIER = Path(__file__).parent / "jobs"
-
-
 def pytest_collection_modifyitems(items: list) -> None:
-    """Collected tests in file order, except that LONGEST_FILES_FIRST's files come first; each
-    test of tests/jobs/ is marked `jobs` (`pytest tests -m "slow or jobs"`: all but the fast
-    tier, in one session)."""
+    """Collected tests in file order, except that LONGEST_FILES_FIRST's files come first."""
     rank = {name: position for position, name in enumerate(LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-    for item in items:
-        if JOBS_TIER in item.path.parents:
-            item.add_marker("jobs")
