@@ -6,14 +6,14 @@
   about threefold without changing what is computed beyond float rounding (each test compares
   programs compiled the same way). Only where the tests run on CPU: `JAX_PLATFORMS` names cpu
   alone, or no CUDA plugin is installed (read from package metadata, so no backend starts here).
-- One JAX persistent compilation cache for this pytest process, its xdist sibling and every
-  process the tests start, in that token cache directory (where msjax.launch's workers keep
-  theirs): the same small program compiled by dozens of runs, in-process or
-  `python -m msjax.train`, is compiled once (about a tenth of the fast tier's CPU time). A
-  cached program is the one XLA compiled, so nothing a test computes changes. XLA dumps no HLO
-  for a program it loads from the cache: msjax.planner.aot, which reads that dump, compiles
-  with the cache off; start a child that must compile without these variables, as
-  test_benchmarks.py does.
+- One JAX persistent compilation cache for every process the tests start, in that token cache
+  directory (where msjax.launch's workers keep theirs): the same small program compiled by
+  dozens of `python -m msjax.train` runs is compiled once. A cached program is the one XLA
+  compiled, so nothing a test computes changes. This pytest process itself keeps it off: a
+  pipeline program loaded from the cache and run on 8 simulated devices aborted in XLA:CPU's
+  collectives on a loaded 2-core machine (tests/unit/test_pipeline.py's resume). XLA dumps no
+  HLO for a program it loads from the cache (msjax.planner.aot reads that dump): start a child
+  that must compile without these variables, as test_benchmarks.py does.
 """
 
 import importlib.metadata
@@ -55,6 +55,10 @@ CHILD_JAX_CACHE = {
 }
 for name, value in CHILD_JAX_CACHE.items():
     os.environ.setdefault(name, value)
+
+import jax  # noqa: E402  (after the environment above, which it reads once)
+
+jax.config.update("jax_compilation_cache_dir", None)  # this process: its in-memory cache is enough
 
 # The files that take longest (each a few minutes of one worker, measured on 2 cores) start
 # first: pytest-xdist hands out whole files in collection order (--dist loadfile), and one of
