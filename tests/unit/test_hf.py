@@ -212,22 +212,28 @@ def test_export_shards_past_the_size_limit_and_bfloat16(trained_run: Path, tmp_p
     np.testing.assert_allclose(embedding, saved["embedding"], rtol=1e-2, atol=1e-3)
 
 
-def test_export_refuses_a_parallel_block_in_one_line(tmp_path: Path) -> None:
-    config = load_config(None, [*RUN, "model.parallel_block=true", "mesh.data=1", "mesh.fsdp=1"])
+def refused_export(run_dir: Path, overrides: list[str]) -> list[str]:
+    """The lines `python -m msjax.hf export` prints for a one-device run of `overrides` saved at
+    step 0 in run_dir, once it has refused it (exit 2, no output directory left)."""
+    config = load_config(None, [*overrides, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
     config = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=1, tensor=1))
     program = build_program(config, build_mesh(config.mesh, jax.devices()[:1]))
-    checkpointer = Checkpointer(tmp_path / "checkpoints", config.checkpoint)
+    checkpointer = Checkpointer(run_dir / "checkpoints", config.checkpoint)
     checkpointer.save(0, program.init_state(), {"config": config.to_dict()})
     checkpointer.wait()
     checkpointer.close()
 
     errors = io.StringIO()
     with contextlib.redirect_stderr(errors):
-        code = hf_cli(["export", str(tmp_path), str(tmp_path / "out")])
+        code = hf_cli(["export", str(run_dir), str(run_dir / "out")])
     assert code == 2
-    lines = errors.getvalue().strip().splitlines()
+    assert not (run_dir / "out").exists()
+    return errors.getvalue().strip().splitlines()
+
+
+def test_export_refuses_a_parallel_block_in_one_line(tmp_path: Path) -> None:
+    lines = refused_export(tmp_path, [*RUN, "model.parallel_block=true"])
     assert len(lines) == 1 and "parallel_block" in lines[0], lines
-    assert not (tmp_path / "out").exists()
 
 
 def test_mismatched_import_is_one_line(tmp_path: Path) -> None:

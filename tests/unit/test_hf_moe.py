@@ -14,12 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_hf import RUN, mesh_for, msjax_logits
+from test_hf import RUN, mesh_for, msjax_logits, refused_export
 
 from msjax.checkpoint.hf_weights import SafetensorsReader, load_params
-from msjax.checkpoint.manager import Checkpointer
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
-from msjax.config import Config, MeshConfig, ModelConfig, load_config
+from msjax.config import Config, ModelConfig, load_config
 from msjax.errors import ConfigError
 from msjax.hf.__main__ import main as hf_cli
 from msjax.llama_config import model_from_init
@@ -28,7 +27,6 @@ from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, shardings_for
 from msjax.resolve import resolve_model
 from msjax.state_layout import state_layout
-from msjax.step import build_program
 from msjax.train import main as train_cli
 from msjax.train import train
 
@@ -191,21 +189,8 @@ def test_trained_moe_run_exports_to_mixtral_and_back(trained_moe_run: Path, tmp_
 def test_export_refuses_what_mixtral_cannot_run_in_one_line(
     tmp_path: Path, change: str, named: str
 ) -> None:
-    config = load_config(None, [*MOE_RUN, change, "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
-    config = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=1, tensor=1))
-    program = build_program(config, build_mesh(config.mesh, jax.devices()[:1]))
-    checkpointer = Checkpointer(tmp_path / "checkpoints", config.checkpoint)
-    checkpointer.save(0, program.init_state(), {"config": config.to_dict()})
-    checkpointer.wait()
-    checkpointer.close()
-
-    errors = io.StringIO()
-    with contextlib.redirect_stderr(errors):
-        code = hf_cli(["export", str(tmp_path), str(tmp_path / "out")])
-    assert code == 2
-    lines = errors.getvalue().strip().splitlines()
+    lines = refused_export(tmp_path, [*MOE_RUN, change])
     assert len(lines) == 1 and named in lines[0] and "MixtralForCausalLM" in lines[0], lines
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
