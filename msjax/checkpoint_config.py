@@ -35,3 +35,8 @@ class CheckpointConfig:
     # of the RAM its host can give (MemAvailable, and the free space of /dev/shm); more: they are
     # off for the run, said in one line; in (0, 1]
     memory_max_fraction: float = 0.5
+    # with memory snapshots in a job of several processes under msjax.launch (its job secret
+    # seals them), each process also sends every snapshot to its buddy, a process on another
+    # node where the job spans several, which keeps it in its own /dev/shm: a restart whose node
+    # lost its memory restores from that copy. false: each process keeps only its own
+    memory_buddy: bool = True

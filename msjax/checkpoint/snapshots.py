@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ SHARED_MEMORY = Path("/dev/shm")  # the node's memory, as files that outlive a p
 MANIFEST = "manifest.json"  # written last inside a snapshot: its files with their sha256
 SNAPSHOT_PREFIX = "step-"
 UNFINISHED_PREFIX = ".unfinished-"  # a snapshot being written (or left by a killed worker)
+HELD_PREFIX = "held-for-process-"  # a peer's snapshots, kept for it (checkpoint.memory_buddy)
 MAX_SNAPSHOTS = 2  # per process: the two newest whole ones, or the newest and one being written
 
 
@@ -66,6 +68,12 @@ def process_snapshots_dir(run_dir: Path, root: Path, process_index: int) -> Path
     return run_snapshots_dir(run_dir, root) / f"process-{process_index}"
 
 
+def held_snapshots_dir(run_dir: Path, root: Path, holder: int, owner: int) -> Path:
+    """Where process `holder` keeps the copies of process `owner`'s snapshots it holds (inside
+    its own directory: a node that loses its memory loses both)."""
+    return process_snapshots_dir(run_dir, root, holder) / f"{HELD_PREFIX}{owner}"
+
+
 def remove_run_snapshots(run_dir: Path, root: Path | None = None) -> bool:
     """Delete the run's snapshots (every process's); whether there were any."""
     root = root if root is not None else shared_memory_root()
@@ -100,18 +108,22 @@ def host_memory_available_bytes(directory: Path) -> int:
     return free if available is None else min(free, available)
 
 
-def memory_shortfall(store: SnapshotStore, snapshot_bytes: int, max_fraction: float) -> str:
+def memory_shortfall(
+    store: SnapshotStore, snapshot_bytes: int, max_fraction: float, held_bytes: int = 0
+) -> str:
     """Why this host cannot hold a process's snapshots of `snapshot_bytes` each, two deep
-    (double-buffered), within max_fraction of the RAM it can give; "" when it can."""
-    needed = 2 * snapshot_bytes
+    (double-buffered), and the copies of `held_bytes` it keeps for its peers (two deep too),
+    within max_fraction of the RAM it can give; "" when it can."""
+    needed = 2 * (snapshot_bytes + held_bytes)
     available = host_memory_available_bytes(store.directory)
     if needed <= max_fraction * available:
         return ""
+    held = f" and the {held_bytes} bytes of the copies it holds for a peer" if held_bytes else ""
     return (
-        f"they need {needed} bytes of RAM on this host (this process's shards, twice) and "
-        f"checkpoint.memory_max_fraction={max_fraction:g} of the {available} bytes available "
-        f"allows {int(max_fraction * available)}; raise checkpoint.memory_max_fraction or set "
-        "checkpoint.memory_every_steps=0"
+        f"they need {needed} bytes of RAM on this host (this process's shards{held}, twice) "
+        f"and checkpoint.memory_max_fraction={max_fraction:g} of the {available} bytes "
+        f"available allows {int(max_fraction * available)}; raise "
+        "checkpoint.memory_max_fraction or set checkpoint.memory_every_steps=0"
     )
 
 
@@ -180,26 +192,14 @@ class SnapshotStore:
                     shutil.rmtree(self.directory / name, ignore_errors=True)
 
     def write(self, step: int, shards: list[ShardFile], record: dict[str, Any]) -> int:
-        """Write a snapshot of `step` under a temporary name, then rename it whole: it becomes
-        the newest, and the one before stays as the second (a peer killed while writing its copy
-        of `step` still holds that one). Older ones go before the write starts, so at most
-        MAX_SNAPSHOTS exist at any moment. Returns the bytes of its shards."""
-        make_private_dir(self.directory)
-        steps = self.complete_steps()
-        # steps past this one belong to a timeline the run left (a replay from an older
-        # checkpoint); of the older ones the newest stays while this one is written
-        before = [older for older in steps if older < step]
-        for gone in [older for older in steps if older >= step] + before[: 1 - MAX_SNAPSHOTS]:
-            shutil.rmtree(self.path(gone), ignore_errors=True)
-        unfinished = self.directory / f"{UNFINISHED_PREFIX}{step}-{secrets.token_hex(4)}"
-        unfinished.mkdir(mode=0o700)
+        """Write a snapshot of `step` (see `_replace_with`). Returns the bytes of its shards."""
         files = []
+        entries = []
         for number, shard in enumerate(shards):
             name = f"{number}.bin"
             data = np.ascontiguousarray(shard.data).tobytes()
-            with open_no_follow(unfinished / name, "wb") as file:
-                file.write(data)
-            files.append(
+            files.append((name, data))
+            entries.append(
                 {
                     "name": name,
                     "leaf": shard.leaf,
@@ -210,12 +210,53 @@ class SnapshotStore:
                     "sha256": hashlib.sha256(data).hexdigest(),
                 }
             )
-        manifest = {**record, "step": step, "files": files}
-        write_text_atomically(unfinished / MANIFEST, json.dumps(manifest), durable=False)
-        os.rename(
-            unfinished, self.path(step)
-        )  # now the newest; the one before stays until the next
-        return sum(entry["bytes"] for entry in files)
+        manifest = {**record, "step": step, "files": entries}
+        self._replace_with(step, [*files, (MANIFEST, json.dumps(manifest).encode())])
+        return sum(entry["bytes"] for entry in entries)
+
+    def write_files(self, step: int, files: list[tuple[str, bytes]]) -> None:
+        """Keep a snapshot of `step` as another process sent it: its shard files and manifest,
+        written as they came (their sha256 is checked when the copy is used). ValueError for a
+        file name a snapshot never has (a path, say)."""
+        names = [name for name, _ in files]
+        if MANIFEST not in names or not all(is_snapshot_file(name) for name in names):
+            raise ValueError(f"not the files of a snapshot: {names[:8]}")
+        self._replace_with(step, files)
+
+    def _replace_with(self, step: int, files: list[tuple[str, bytes]]) -> None:
+        """Write files as the snapshot of `step` under a temporary name (the manifest last),
+        then rename it whole: it becomes the newest, and the one before stays as the second (a
+        peer killed while writing its copy of `step` still holds that one). Older ones go
+        before the write starts, so at most MAX_SNAPSHOTS exist at any moment."""
+        make_private_dir(self.directory)
+        steps = self.complete_steps()
+        # steps past this one belong to a timeline the run left (a replay from an older
+        # checkpoint); of the older ones the newest stays while this one is written
+        before = [older for older in steps if older < step]
+        for gone in [older for older in steps if older >= step] + before[: 1 - MAX_SNAPSHOTS]:
+            shutil.rmtree(self.path(gone), ignore_errors=True)
+        unfinished = self.directory / f"{UNFINISHED_PREFIX}{step}-{secrets.token_hex(4)}"
+        unfinished.mkdir(mode=0o700)
+        for name, data in sorted(files, key=lambda file: file[0] == MANIFEST):
+            if name == MANIFEST:
+                write_text_atomically(unfinished / MANIFEST, data.decode(), durable=False)
+                continue
+            with open_no_follow(unfinished / name, "wb") as file:
+                file.write(data)
+        os.rename(unfinished, self.path(step))  # now the newest; the one before stays
+
+    def files(self, step: int) -> list[tuple[str, bytes]]:
+        """A whole snapshot's files as they are (its manifest and the shards it names), to send
+        to another process; SnapshotDamaged when one cannot be read."""
+        try:
+            manifest = read_no_follow(self.path(step) / MANIFEST)
+            names = [entry["name"] for entry in json.loads(manifest)["files"]]
+            return [
+                (MANIFEST, manifest),
+                *((name, read_no_follow(self.path(step) / name)) for name in names),
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SnapshotDamaged(f"snapshot {self.path(step)} unreadable ({error})") from None
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The manifest of a whole snapshot; SnapshotDamaged when it cannot be read."""
@@ -230,20 +271,43 @@ class SnapshotStore:
     def read(self, step: int) -> tuple[dict[str, Any], list[ShardFile]]:
         """The manifest and every shard of a snapshot, each checked against its sha256;
         SnapshotDamaged naming the first file that does not match."""
-        import jax.numpy as jnp  # the dtype names of bfloat16 and friends
-
         manifest = self.manifest(step)
-        shards = []
-        for entry in manifest["files"]:
-            path = self.path(step) / entry["name"]
+
+        def file_data(name: str) -> bytes:
             try:
-                data = read_no_follow(path)
+                return read_no_follow(self.path(step) / name)
             except OSError as error:
                 raise SnapshotDamaged(
-                    f"snapshot file {path} unreadable ({error.strerror})"
+                    f"snapshot file {self.path(step) / name} unreadable ({error.strerror})"
                 ) from None
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise SnapshotDamaged(f"snapshot file {path} does not match its sha256")
-            array = np.frombuffer(data, dtype=jnp.dtype(entry["dtype"])).reshape(entry["shape"])
-            shards.append(ShardFile(entry["leaf"], entry["device_id"], array))
-        return manifest, shards
+
+        return manifest, verified_shards(manifest, file_data, str(self.path(step)))
+
+
+def is_snapshot_file(name: str) -> bool:
+    """Whether name is one a snapshot's files have: its manifest or a numbered shard."""
+    number = name.removesuffix(".bin")
+    return name == MANIFEST or (name.endswith(".bin") and number.isdigit())
+
+
+def verified_shards(
+    manifest: dict[str, Any], file_data: Callable[[str], bytes], where: str
+) -> list[ShardFile]:
+    """Every shard the manifest names, its bytes from file_data(name) checked against its
+    sha256; SnapshotDamaged naming (in `where`) the first file that does not match."""
+    import jax.numpy as jnp  # the dtype names of bfloat16 and friends
+
+    shards = []
+    try:
+        entries = list(manifest["files"])
+    except (KeyError, TypeError):
+        raise SnapshotDamaged(f"snapshot {where}: its manifest names no files") from None
+    for entry in entries:
+        data = file_data(entry["name"])
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise SnapshotDamaged(
+                f"snapshot file {where}/{entry['name']} does not match its sha256"
+            )
+        array = np.frombuffer(data, dtype=jnp.dtype(entry["dtype"])).reshape(entry["shape"])
+        shards.append(ShardFile(entry["leaf"], entry["device_id"], array))
+    return shards

@@ -60,6 +60,7 @@ DETECTED_AS = {
     "raise": fault_kinds.CRASH,
     "crash_in_save": fault_kinds.CRASH,
     "snapshot_bitflip": fault_kinds.CRASH,
+    "memory_loss": fault_kinds.CRASH,
     "hang": fault_kinds.HANG,
     "nan": fault_kinds.NONFINITE_LOSS,
     "bad_token": fault_kinds.NONFINITE_LOSS,

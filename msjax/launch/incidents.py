@@ -153,6 +153,8 @@ class Incident:
     resumed_from_step: int | None = None
     resumed_from: str | None = None  # disk or memory (a snapshot); None: a new state
     memory_not_used: str | None = None  # why memory snapshots were passed over, where they were
+    # each rank's restore: {"source": own, buddy (memory snapshots) or disk, "bytes", "seconds"}
+    restored_by_rank: dict[str, dict[str, Any]] | None = None
     steps_lost: int | None = None
     restart_s: float | None = None
     catch_up_s: float | None = None
@@ -184,6 +186,7 @@ class Incident:
         "corruption",
         "resumed_from",
         "memory_not_used",
+        "restored_by_rank",
     )
 
     @classmethod
@@ -271,6 +274,7 @@ class Incident:
             self.resumed_from = attempt.start_source or None
         if self.resumed_from_step is not None:  # each rank's note, as its heartbeats arrive
             self.memory_not_used = memory_not_used(attempt) or self.memory_not_used
+            self.restored_by_rank = restored_by_rank(attempt) or self.restored_by_rank
         membership = self.membership
         if membership and membership["first_step_unix_s"] is None and attempt.first_step_unix_s:
             membership["first_step_unix_s"] = attempt.first_step_unix_s  # on the new mesh
@@ -412,3 +416,12 @@ def memory_not_used(attempt: Attempt) -> str:
     none had any): the rank whose snapshot failed its check names the file."""
     notes = {rank: record.start_note for rank, record in attempt.heartbeats.items()}
     return "; ".join(f"rank {rank}: {note}" for rank, note in sorted(notes.items()) if note)
+
+
+def restored_by_rank(attempt: Attempt) -> dict[str, dict[str, Any]]:
+    """Each rank's restore as its heartbeat names it (source, bytes, seconds), by rank."""
+    return {
+        str(rank): record.start_restore
+        for rank, record in sorted(attempt.heartbeats.items())
+        if record.start_restore
+    }

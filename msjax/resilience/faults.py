@@ -20,6 +20,9 @@
                  reproduces bitwise (`times` is not needed)
   opt_bitflip    after step K's update, one bit of rank R's copy of the first floating tensor of
                  the optimizer state flips (firing n flips element n), `times` times
+  memory_loss    rank R's node loses its memory before step K: the in-memory snapshots of its
+                 process (its own and the copies it holds for a peer) are deleted, and the
+                 process is killed (SIGKILL)
   corrupt_compute  every matmul rank R's process computes is slightly wrong, in every attempt
                  (step is not needed): a device with silent data corruption, for self-checks
 Each fault fires `times` times (default 1) over all restarts of a run; firings are recorded in
@@ -34,6 +37,7 @@ import errno
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +65,7 @@ KINDS = (
     "stuck_bit",
     "opt_bitflip",
     "snapshot_bitflip",
+    "memory_loss",
 )
 PERSISTENT_KINDS = (
     "slow",
@@ -238,6 +243,10 @@ class FaultInjector:
             wait_for_saves()  # the snapshot of the step before is whole
             damage_memory_snapshots(self.run_dir, self.rank)
             os._exit(CRASH_EXIT_CODE)
+        if self._take("memory_loss", step):
+            wait_for_saves()  # the snapshot of the step before is whole, and so is its copy
+            lose_memory_snapshots(self.run_dir, self.rank)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self._take("disk_full", step):
             raise OSError(errno.ENOSPC, f"No space left on device (injected before step {step})")
         if self._take("raise", step):
@@ -309,6 +318,18 @@ class FaultInjector:
         """Exit while the asynchronous save of step `step` is being written, as injected."""
         if self._take("crash_in_save", step):
             os._exit(CRASH_EXIT_CODE)
+
+
+def lose_memory_snapshots(run_dir: Path, process_index: int) -> None:
+    """Delete every in-memory snapshot of this process's (its own and the copies it holds for a
+    peer): a node whose memory was lost with it."""
+    import shutil
+
+    from msjax.checkpoint.snapshots import process_snapshots_dir, shared_memory_root
+
+    root = shared_memory_root()
+    if root is not None:
+        shutil.rmtree(process_snapshots_dir(run_dir, root, process_index), ignore_errors=True)
 
 
 def damage_memory_snapshots(run_dir: Path, process_index: int) -> None:

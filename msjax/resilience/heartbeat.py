@@ -46,6 +46,8 @@ class HeartbeatRecord:
     progress: int = 0  # work done within the phase (tokens written while tokenizing)
     start_source: str = ""  # where the state came from: disk, memory, or "" (new)
     start_note: str = ""  # why in-memory snapshots were not restored, where they were there
+    # this process's restore: source (own, buddy: a memory snapshot; disk), bytes, seconds
+    start_restore: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, list[float]] = field(default_factory=dict)  # phase: [count, slowest_s]
 
     @classmethod
@@ -69,11 +71,13 @@ def latest_beat() -> tuple[int, str] | None:
     return _latest.step, _latest.phase
 
 
-def note_start(source: str, note: str = "") -> None:
-    """Where this process's state came from (disk or memory) and, where snapshots were passed
-    over, why: its heartbeat carries them for the incident record."""
+def note_start(source: str, note: str = "", restore: dict[str, Any] | None = None) -> None:
+    """Where this process's state came from (disk or memory), where snapshots were passed over
+    why, and its restore (source: own, buddy or disk; bytes; seconds): its heartbeat carries
+    them for the incident record."""
     if _latest is not None:
         _latest.start_source, _latest.start_note = source, note
+        _latest.start_restore = dict(restore or {})
 
 
 class Heartbeat:
@@ -90,6 +94,7 @@ class Heartbeat:
         self.start_step = 0
         self.start_source = ""
         self.start_note = ""
+        self.start_restore: dict[str, Any] = {}
         self.phase: str = ""
         self.progress = 0
         self._phase_started = time.time()
@@ -137,6 +142,7 @@ class Heartbeat:
             "start_step": self.start_step,
             "start_source": self.start_source,
             "start_note": self.start_note,
+            "start_restore": self.start_restore,
             "phase": self.phase,
             "phase_started_unix_s": self._phase_started,
             "unix_s": now,

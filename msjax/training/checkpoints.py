@@ -20,11 +20,8 @@ from msjax.parallel.agreement import agree_max, process_vote
 from msjax.resilience.heartbeat import note_start
 from msjax.resilience.worker import SavesFailing
 from msjax.run_dir import differences
-from msjax.training.memory_snapshots import (
-    MemoryRestored,
-    build_memory_snapshots,
-    restore_from_memory,
-)
+from msjax.training.memory_restore import MemoryRestored, restore_from_memory
+from msjax.training.memory_snapshots import build_memory_snapshots
 from msjax.training.save_schedule import NOT_FINISHED, SaveProposal, SaveSchedule
 
 if TYPE_CHECKING:
@@ -63,7 +60,8 @@ def restore_or_init(
 
     memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
     if memory is not None:
-        note_start("memory")
+        restore = {"source": memory.source, "bytes": memory.snapshot_bytes}
+        note_start("memory", "", {**restore, "seconds": round(memory.seconds, 3)})
         return start_from_memory(config, memory, message)
     if not_used:
         message(
@@ -73,11 +71,12 @@ def restore_or_init(
     started = time.perf_counter()
     restored = restore_start(config, checkpointer, abstract_state, message, resume)
     if restored is not None:
-        note_start("disk", not_used)
+        seconds, checkpoint_bytes = time.perf_counter() - started, directory_bytes(restored.path)
+        restore = {"source": "disk", "bytes": checkpoint_bytes, "seconds": round(seconds, 3)}
+        note_start("disk", not_used, restore)
         message(
-            f"restored step {restored.step} from disk: its checkpoint of "
-            f"{directory_bytes(restored.path)} bytes (each process reads its own shards) in "
-            f"{time.perf_counter() - started:.2f} s"
+            f"restored step {restored.step} from disk: its checkpoint of {checkpoint_bytes} "
+            f"bytes (each process reads its own shards) in {seconds:.2f} s"
         )
     if restored is None:
         refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
@@ -100,10 +99,13 @@ def start_from_memory(
 ) -> StartingPoint:
     """The starting point a memory snapshot gives: its state is the loop's own (not canonical)."""
     restored = Restored(memory.step, memory.state, memory.meta, memory.path)
+    whose = "this process's snapshot"
+    if memory.source == "buddy":
+        whose = f"the copy its buddy held ({memory.path})"
     check_same_model(config, restored)
     message(
-        f"restored step {memory.step} from memory: {memory.snapshot_bytes} bytes of this "
-        f"process's snapshot in {memory.seconds:.2f} s; 0 bytes read from the checkpoint directory"
+        f"restored step {memory.step} from memory: {memory.snapshot_bytes} bytes of {whose} in "
+        f"{memory.seconds:.2f} s; 0 bytes read from the checkpoint directory"
     )
     samples_seen = memory.meta["data"]["samples_seen"]
     return StartingPoint(memory.state, memory.step, int(samples_seen), restored)

@@ -1,10 +1,9 @@
-"""The loop's in-memory snapshots (checkpoint.memory_every_steps), both ways. Saving: after a
-due step the state is copied on its devices, and a background thread brings this process's
-shards to the host and writes them to the snapshot store (msjax.checkpoint.snapshots),
-overlapping the next steps. Restoring a restarted run: every process agrees on the newest step
-that all hold whole, in the layout the run has now, and newer than the newest committed disk
-checkpoint; else all go to the disk together. Both hold a snapshot against the same
-`state_layout`, so it lives here once."""
+"""The loop's in-memory snapshots (checkpoint.memory_every_steps): after a due step the state is
+copied on its devices, and a background thread brings this process's shards to the host, writes
+them to the snapshot store (msjax.checkpoint.snapshots) and sends a copy to the process's buddy
+(checkpoint.memory_buddy), overlapping the next steps. Restoring them is
+msjax.training.memory_restore's; both hold a snapshot against the same `state_layout`, so it
+lives here once."""
 
 from __future__ import annotations
 
@@ -15,31 +14,26 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msjax.checkpoint.commits import committed_steps
+from msjax.checkpoint.buddies import BuddyLink
 from msjax.checkpoint.fingerprint import leaf_name
 from msjax.checkpoint.snapshots import (
     ShardFile,
-    SnapshotDamaged,
     SnapshotStore,
     memory_shortfall,
-    process_snapshot_store,
     writable_snapshot_store,
 )
 from msjax.config import Config
 from msjax.loop_events import LoopEvents
-from msjax.observe.goodput import read_records
 from msjax.parallel.agreement import (
     ProcessVote,
     agree_any,
     agree_max,
-    agree_min,
     process_vote,
 )
-from msjax.run_dir import RunDir
+from msjax.training.memory_buddy import buddy_link
 
 
 def state_layout(tree: Any) -> dict[str, Any]:
@@ -99,6 +93,7 @@ class MemorySnapshots:
         events: LoopEvents,
         warn: Callable[[str], None],
         vote: ProcessVote | None = None,
+        buddy: BuddyLink | None = None,
     ):
         self.every_steps = every_steps
         self.store = store
@@ -106,6 +101,8 @@ class MemorySnapshots:
         self.events = events
         self.warn = warn
         self.vote = vote  # the processes' per-snapshot vote: take, skip, or turn off
+        self.buddy = buddy  # where a copy of each snapshot goes (None: nowhere)
+        self._buddy_error: str | None = None
         self.skipped = 0  # snapshots not taken: the one before was still being written
         self._writer: threading.Thread | None = None
         self._error: str | None = None
@@ -126,6 +123,9 @@ class MemorySnapshots:
             self.warn(f"warning: {failure}; in-memory snapshots are off from here on")
             self.every_steps, self._error = 0, None
             return
+        if self._buddy_error is not None:  # this process's copies only: a restore checks them
+            self.warn(f"warning: {self._buddy_error}; copies on a buddy are off from here on")
+            self.buddy, self._buddy_error = None, None
         if busy_anywhere:
             self.skipped += 1
             self.events.memory_snapshot(step, time.perf_counter() - started, 0, self.skipped)
@@ -148,6 +148,12 @@ class MemorySnapshots:
             self.store.write(step, host_shards(copied), record)
         except Exception as error:  # shared memory full, say: the run goes on without them
             self._error = f"the in-memory snapshot of step {step} failed: {error}"
+            return
+        if self.buddy is not None:
+            try:
+                self.buddy.send(step, self.store.files(step))
+            except Exception as error:  # the buddy gone or full: its copy is not taken
+                self._buddy_error = f"the buddy's copy of step {step} failed: {error}"
 
     def close(self) -> None:
         """Wait for the snapshot being written."""
@@ -186,11 +192,17 @@ def build_memory_snapshots(
         return None
     snapshot_bytes = addressable_bytes(jax.tree.leaves(state))
     store = writable_snapshot_store(run_dir, jax.process_index())
+    budget_vote = process_vote("memory-budget")
+    buddy, no_buddy = buddy_link(config, run_dir)
+    # a peer's copies are as large as its own snapshots: the largest of any process, per owner
+    largest_bytes = agree_max(budget_vote, [snapshot_bytes])[0]
+    held_bytes = len(buddy.owners()) * largest_bytes if buddy is not None else 0
     if store is None:
         problem = "no writable /dev/shm on this node"
     else:
-        problem = memory_shortfall(store, snapshot_bytes, config.checkpoint.memory_max_fraction)
-    if agree_any(process_vote("memory-budget"), bool(problem)):
+        fraction = config.checkpoint.memory_max_fraction
+        problem = memory_shortfall(store, snapshot_bytes, fraction, held_bytes)
+    if agree_any(budget_vote, bool(problem)):
         if store is not None:  # made just now and written nothing into: not left behind
             for directory in (store.directory, store.directory.parent):
                 with contextlib.suppress(OSError):
@@ -198,128 +210,18 @@ def build_memory_snapshots(
         off = f"checkpoint.memory_every_steps={every_steps}: in-memory snapshots are off"
         warn(f"warning: {off}: {problem or 'another process cannot hold them'}")
         return None
+    copies = (
+        f"; a copy of each goes to process {buddy.buddy()}, and this host holds "
+        f"{2 * held_bytes} bytes of copies for process(es) "
+        f"{', '.join(map(str, buddy.owners())) or 'none'}"
+        if buddy is not None
+        else f"; no copies on a buddy: {no_buddy}"
+        if no_buddy
+        else ""
+    )
     warn(
         f"in-memory snapshots every {every_steps} steps take {2 * snapshot_bytes} bytes of RAM on "
-        "this host for this process (its shards, twice)"
+        f"this host for this process (its shards, twice){copies}"
     )
-    return MemorySnapshots(
-        every_steps, store, meta_of, events, warn, vote=process_vote("memory-save")
-    )
-
-
-@dataclass(frozen=True)
-class MemoryRestored:
-    """A state placed from this process's snapshot, with the record it was saved with."""
-
-    state: Any
-    step: int
-    meta: dict[str, Any]
-    path: Path
-    snapshot_bytes: int  # read from shared memory by this process
-    seconds: float
-
-
-def usable_steps(store: SnapshotStore | None, layout: dict[str, Any]) -> tuple[list[int], str]:
-    """The whole snapshots whose layout is the run's now, oldest first, and why the newest whole
-    one is not usable ("" when it is, or there is none)."""
-    if store is None:
-        return [], "no writable /dev/shm on this node"
-    usable, reason = [], ""
-    for step in store.complete_steps():
-        try:
-            saved = store.manifest(step).get("layout", {})
-        except SnapshotDamaged as error:
-            reason = str(error)
-            continue
-        if saved == layout:
-            usable.append(step)
-            reason = ""
-        elif saved.get("process_count") != layout["process_count"]:
-            reason = f"the process count changed ({saved.get('process_count')} -> now "
-            reason += f"{layout['process_count']})"
-        elif saved.get("mesh") != layout["mesh"]:
-            reason = f"the mesh changed ({saved.get('mesh')} -> now {layout['mesh']})"
-        else:
-            reason = "the state's layout on this process's devices changed"
-    return usable, reason
-
-
-def after_corruption(run_dir: Path) -> str:
-    """Why snapshots are passed over where the run's last incident was silent data corruption
-    (its snapshots may hold the corrupted state; the checkpoints record whether their replicas
-    agreed), else ""."""
-    incidents = read_records(RunDir(run_dir).incidents_log)
-    if incidents and incidents[-1].get("corruption"):
-        return f"incident {incidents[-1].get('incident')} was silent data corruption"
-    return ""
-
-
-def place_shards(shards: list[ShardFile], abstract_state: Any) -> Any:
-    """The state from this process's shards, each on its device, with the state's shardings."""
-    import jax
-
-    leaves, treedef = jax.tree.flatten(abstract_state)
-    by_leaf: dict[int, dict[int, Any]] = {}
-    for shard in shards:
-        by_leaf.setdefault(shard.leaf, {})[shard.device_id] = shard.data
-    arrays = []
-    for number, leaf in enumerate(leaves):
-        held = by_leaf.get(number, {})
-        devices = leaf.sharding.addressable_devices_indices_map(leaf.shape)
-        pieces = []
-        for device in devices:
-            data = held.get(device.id)
-            if data is None or data.dtype != leaf.dtype:
-                raise SnapshotDamaged(f"leaf {number} lacks its shard of device {device.id}")
-            pieces.append(jax.device_put(data, device))
-        arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces))
-    return jax.tree.unflatten(treedef, arrays)
-
-
-def restore_from_memory(
-    config: Config, checkpoints: Path, abstract_state: Any
-) -> tuple[MemoryRestored | None, str]:
-    """The newest snapshot every process holds whole and verified, in the run's layout and newer
-    than the newest committed checkpoint in `checkpoints`; else None (the disk's turn, for every
-    process alike), with why where snapshots were there ("" where none were)."""
-    if not config.checkpoint.memory_every_steps:
-        return None, ""
-    import jax
-
-    started = time.perf_counter()
-    vote = process_vote("memory-restore")
-    run_dir = Path(config.run.dir or ".")
-    store = process_snapshot_store(run_dir, jax.process_index())
-    usable, reason = usable_steps(store, state_layout(abstract_state))
-    corruption = after_corruption(run_dir)
-    if corruption:
-        usable, reason = [], corruption
-    step = agree_min(vote, usable[-1] if usable else -1)
-    disk_step = agree_max(vote, [max(committed_steps(checkpoints), default=-1)])[0]
-    held_anywhere = agree_any(vote, bool(store and store.complete_steps()))
-    if step < 0 or step <= disk_step:
-        if not held_anywhere:
-            return None, ""
-        if step >= 0:
-            return (
-                None,
-                f"the newest whole one (step {step}) is not newer than checkpoint {disk_step}",
-            )
-        return None, reason or "not every process holds a whole snapshot"
-    problem = None if step in usable else f"this process holds no whole snapshot of step {step}"
-    state, manifest = None, {}
-    if problem is None:
-        try:
-            manifest, shards = store.read(step)
-            state = place_shards(shards, abstract_state)
-        except SnapshotDamaged as error:
-            problem = str(error)
-    if agree_any(vote, problem is not None):
-        refused = problem or "a snapshot on another process failed its check"
-        return None, f"the snapshot of step {step} is refused: {refused}"
-    snapshot_bytes = sum(entry["bytes"] for entry in manifest["files"])
-    seconds = time.perf_counter() - started
-    restored = MemoryRestored(
-        state, step, manifest["meta"], store.path(step), snapshot_bytes, seconds
-    )
-    return restored, ""
+    vote = process_vote("memory-save")
+    return MemorySnapshots(every_steps, store, meta_of, events, warn, vote=vote, buddy=buddy)

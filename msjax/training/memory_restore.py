@@ -1,0 +1,235 @@
+"""Restoring a restarted run from the in-memory snapshots (checkpoint.memory_every_steps): every
+process agrees on the newest step that each holds whole (its own snapshot, else the copy its
+buddy holds for it), in the layout the run has now, and newer than the newest committed disk
+checkpoint; each restores that step from wherever its own part is whole and verified, else all
+go to the disk together."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from msjax.checkpoint.buddies import BuddyLink
+from msjax.checkpoint.buddy_transport import Refused
+from msjax.checkpoint.commits import committed_steps
+from msjax.checkpoint.snapshots import (
+    ShardFile,
+    SnapshotDamaged,
+    SnapshotStore,
+    process_snapshot_store,
+    verified_shards,
+)
+from msjax.config import Config
+from msjax.observe.goodput import read_records
+from msjax.parallel.agreement import ForgedValue, agree_any, agree_max, agree_min, process_vote
+from msjax.run_dir import RunDir
+from msjax.training.memory_buddy import buddy_link
+from msjax.training.memory_snapshots import state_layout
+
+BUDDY_FAILURES = (OSError, Refused, ForgedValue, ValueError, KeyError, TypeError)
+
+
+@dataclass(frozen=True)
+class MemoryRestored:
+    """A state placed from this process's snapshot, with the record it was saved with."""
+
+    state: Any
+    step: int
+    meta: dict[str, Any]
+    path: Path
+    snapshot_bytes: int  # read from shared memory (own) or received from the buddy
+    seconds: float
+    source: str = "own"  # own: this process's snapshot; buddy: the copy its buddy held
+
+
+def usable_steps(store: SnapshotStore | None, layout: dict[str, Any]) -> tuple[list[int], str]:
+    """The whole snapshots whose layout is the run's now, oldest first, and why the newest whole
+    one is not usable ("" when it is, or there is none)."""
+    if store is None:
+        return [], "no writable /dev/shm on this node"
+    manifests: dict[int, dict[str, Any] | SnapshotDamaged] = {}
+    for step in store.complete_steps():
+        try:
+            manifests[step] = store.manifest(step)
+        except SnapshotDamaged as error:
+            manifests[step] = error
+    return usable_in(manifests, layout)
+
+
+def usable_in(
+    manifests: dict[int, dict[str, Any] | SnapshotDamaged], layout: dict[str, Any]
+) -> tuple[list[int], str]:
+    """The steps of `manifests` (a damaged one as its error) saved in `layout`, oldest first,
+    and why the newest is not usable ("" when it is, or there is none)."""
+    usable, reason = [], ""
+    for step, manifest in sorted(manifests.items()):
+        if isinstance(manifest, SnapshotDamaged):
+            reason = str(manifest)
+            continue
+        saved = manifest.get("layout", {})
+        if saved == layout:
+            usable.append(step)
+            reason = ""
+        elif saved.get("process_count") != layout["process_count"]:
+            reason = f"the process count changed ({saved.get('process_count')} -> now "
+            reason += f"{layout['process_count']})"
+        elif saved.get("mesh") != layout["mesh"]:
+            reason = f"the mesh changed ({saved.get('mesh')} -> now {layout['mesh']})"
+        else:
+            reason = "the state's layout on this process's devices changed"
+    return usable, reason
+
+
+def buddy_steps(link: BuddyLink | None, layout: dict[str, Any]) -> tuple[dict[int, Any], str]:
+    """The manifests of the usable copies this process's buddy holds for it, by step, and why
+    there are none where it was asked ("" when it has some, or was not asked)."""
+    if link is None:
+        return {}, ""
+    try:
+        held = link.held_manifests()
+    except BUDDY_FAILURES as error:
+        return {}, f"its buddy's copies could not be listed ({error})"
+    usable, reason = usable_in(held, layout)
+    return {step: held[step] for step in usable}, reason and f"its buddy's copies: {reason}"
+
+
+def after_corruption(run_dir: Path) -> str:
+    """Why snapshots are passed over where the run's last incident was silent data corruption
+    (its snapshots may hold the corrupted state; the checkpoints record whether their replicas
+    agreed), else ""."""
+    incidents = read_records(RunDir(run_dir).incidents_log)
+    if incidents and incidents[-1].get("corruption"):
+        return f"incident {incidents[-1].get('incident')} was silent data corruption"
+    return ""
+
+
+def place_shards(shards: list[ShardFile], abstract_state: Any) -> Any:
+    """The state from this process's shards, each on its device, with the state's shardings."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(abstract_state)
+    by_leaf: dict[int, dict[int, Any]] = {}
+    for shard in shards:
+        by_leaf.setdefault(shard.leaf, {})[shard.device_id] = shard.data
+    arrays = []
+    for number, leaf in enumerate(leaves):
+        held = by_leaf.get(number, {})
+        devices = leaf.sharding.addressable_devices_indices_map(leaf.shape)
+        pieces = []
+        for device in devices:
+            data = held.get(device.id)
+            if data is None or data.dtype != leaf.dtype:
+                raise SnapshotDamaged(f"leaf {number} lacks its shard of device {device.id}")
+            pieces.append(jax.device_put(data, device))
+        arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces))
+    return jax.tree.unflatten(treedef, arrays)
+
+
+@dataclass
+class Candidates:
+    """Where this process could restore from: its own usable snapshots, and the usable copies
+    its buddy holds for it (their manifests, by step)."""
+
+    store: SnapshotStore | None
+    own: list[int]
+    held: dict[int, Any]
+    link: BuddyLink | None
+    reason: str  # why the newest is not usable, where it is not
+
+    def newest(self) -> int:
+        return max([*self.own, *self.held], default=-1)
+
+
+def candidates(config: Config, abstract_state: Any) -> Candidates:
+    """This process's snapshots and its buddy's copies of them, in the run's present layout."""
+    import jax
+
+    run_dir = Path(config.run.dir or ".")
+    store = process_snapshot_store(run_dir, jax.process_index())
+    layout = state_layout(abstract_state)
+    own, reason = usable_steps(store, layout)
+    link, _ = buddy_link(config, run_dir)
+    held, held_reason = buddy_steps(link, layout)
+    if not own and not held:
+        reason = "; ".join(part for part in (reason, held_reason) if part)
+    corruption = after_corruption(run_dir)
+    if corruption:
+        own, held, reason = [], {}, corruption
+    return Candidates(store, own, held, link, reason)
+
+
+def read_step(
+    found: Candidates, step: int, abstract_state: Any
+) -> tuple[Any, dict[str, Any], Path, str]:
+    """(state, manifest, path, source) of `step` from the own snapshot, else the buddy's copy,
+    each verified by its manifest's sha256; SnapshotDamaged naming why neither could be used."""
+    problems = []
+    if step in found.own:
+        try:
+            manifest, shards = found.store.read(step)
+            state = place_shards(shards, abstract_state)
+            return state, manifest, found.store.path(step), "own"
+        except SnapshotDamaged as error:
+            problems.append(str(error))
+    if step in found.held and found.link is not None:
+        where = f"{found.link.addresses()[found.link.buddy()][0]}: process {found.link.buddy()}'s"
+        where += f" copy of step {step}"
+        try:
+            files = found.link.fetch(step)
+            manifest = found.held[step]
+            missing = SnapshotDamaged(f"snapshot {where}: a file is missing")
+            shards = verified_shards(
+                manifest, lambda name: files.get(name) or _raise(missing), where
+            )
+            state = place_shards(shards, abstract_state)
+            return state, manifest, Path(where), "buddy"
+        except (SnapshotDamaged, *BUDDY_FAILURES) as error:
+            problems.append(f"its buddy's copy: {error}")
+    raise SnapshotDamaged(
+        "; ".join(problems) or f"this process holds no whole snapshot of step {step}"
+    )
+
+
+def _raise(error: Exception) -> bytes:
+    raise error
+
+
+def restore_from_memory(
+    config: Config, checkpoints: Path, abstract_state: Any
+) -> tuple[MemoryRestored | None, str]:
+    """The newest snapshot every process holds whole and verified (its own, else its buddy's
+    copy), in the run's layout and newer than the newest committed checkpoint in `checkpoints`;
+    else None (the disk's turn, for every process alike), with why where snapshots were there
+    ("" where none were)."""
+    if not config.checkpoint.memory_every_steps:
+        return None, ""
+    started = time.perf_counter()
+    vote = process_vote("memory-restore")
+    found = candidates(config, abstract_state)
+    step = agree_min(vote, found.newest())
+    disk_step = agree_max(vote, [max(committed_steps(checkpoints), default=-1)])[0]
+    held_here = bool(found.store and found.store.complete_steps()) or bool(found.held)
+    held_anywhere = agree_any(vote, held_here)
+    if step < 0 or step <= disk_step:
+        if not held_anywhere:
+            return None, ""
+        if step >= 0:
+            return (
+                None,
+                f"the newest whole one (step {step}) is not newer than checkpoint {disk_step}",
+            )
+        return None, found.reason or "not every process holds a whole snapshot"
+    problem, state = None, None
+    try:
+        state, manifest, path, source = read_step(found, step, abstract_state)
+    except SnapshotDamaged as error:
+        problem = str(error)
+    if agree_any(vote, problem is not None):
+        refused = problem or "a snapshot on another process failed its check"
+        return None, f"the snapshot of step {step} is refused: {refused}"
+    snapshot_bytes = sum(entry["bytes"] for entry in manifest["files"])
+    seconds = time.perf_counter() - started
+    restored = MemoryRestored(state, step, manifest["meta"], path, snapshot_bytes, seconds, source)
+    return restored, ""
