@@ -55,11 +55,11 @@ class BuddyLink:
         self.secret = secret
         self.client = client  # jax.distributed's key-value store
         self.run_dir, self.root = run_dir, root
+        self._addresses: list[tuple[str, int]] | None = None  # before the server answers
         self.server = BuddyServer(interface_address(coordinator), secret, self.held_store)
         key = f"{ADDRESS_KEY}/{self.rank}"
         host, port = self.server.address
         client.key_value_set(key, seal(key, json.dumps([host, port]), secret))
-        self._addresses: list[tuple[str, int]] | None = None
 
     def held_store(self, owner: int) -> SnapshotStore:
         """Where this process keeps its copies of owner's snapshots; ValueError for a process

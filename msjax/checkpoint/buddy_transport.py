@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from msjax.checkpoint.snapshots import SnapshotDamaged, SnapshotStore
+from msjax.checkpoint.snapshots import SnapshotStore
 
 MAGIC = b"msjax-buddy-1\n"  # the first bytes of every message
 MAC_BYTES = 32  # an HMAC-SHA256
@@ -176,8 +176,8 @@ class BuddyServer:
             return
         try:
             reply, reply_files = self._answer(header, files)
-        except (OSError, ValueError, KeyError, TypeError, SnapshotDamaged) as error:
-            reply, reply_files = {"error": str(error)}, []
+        except Exception as error:  # answered, so the peer knows at once (its restore goes on)
+            reply, reply_files = {"error": f"{type(error).__name__}: {error}"}, []
         with contextlib.suppress(OSError):
             send_message(sock, self.secret, {**reply, "kind": "reply"}, reply_files)
 
