@@ -27,6 +27,7 @@ MAC_BYTES = 32  # an HMAC-SHA256
 MAX_HEADER_BYTES = 1 << 20  # a header past this is refused before it is read
 IO_TIMEOUT_S = 120.0  # a peer silent this long in the middle of a message: the connection ends
 LOOPBACK = "127.0.0.1"
+MAX_REFUSALS_KEPT = 100  # the newest refusals a server remembers (a flood keeps no more)
 
 Files = list[tuple[str, bytes]]
 
@@ -170,7 +171,10 @@ class BuddyServer:
         try:
             header, files = receive_message(sock, self.secret)
         except (Refused, ValueError, KeyError, TypeError) as error:
-            self.refusals.append(f"{handler.client_address[0]}: {error}")
+            self.refusals = [
+                *self.refusals[-MAX_REFUSALS_KEPT + 1 :],
+                f"{handler.client_address[0]}: {error}",
+            ]
             return  # nothing written, nothing answered
         except OSError:
             return

@@ -174,9 +174,9 @@ def read_step(
         except SnapshotDamaged as error:
             problems.append(str(error))
     if step in found.held and found.link is not None:
-        where = f"{found.link.addresses()[found.link.buddy()][0]}: process {found.link.buddy()}'s"
-        where += f" copy of step {step}"
         try:
+            buddy = found.link.buddy()
+            where = f"{found.link.addresses()[buddy][0]}: process {buddy}'s copy of step {step}"
             files = found.link.fetch(step)
             manifest = found.held[step]
             missing = SnapshotDamaged(f"snapshot {where}: a file is missing")
