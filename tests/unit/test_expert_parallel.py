@@ -4,6 +4,7 @@ run, on expert-parallel meshes equal the single-device run; the exchange's buffe
 from __future__ import annotations
 
 import functools
+import io
 import math
 
 import jax
@@ -14,13 +15,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from mesh_runs import fixed_batches
 
+from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, load_config
 from msjax.models.moe import MoeMLP
+from msjax.observe.metrics import read_metrics
 from msjax.parallel.experts import buffer_rows
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import activation_placement, logical_axis_rules, logical_to_spec
 from msjax.resolve import resolve
 from msjax.step import build_program
+from msjax.train import train
 
 LAYER = [
     "model.embed_dim=16",
@@ -162,3 +166,63 @@ def assert_trains_as_one_device(mesh_sizes) -> None:
 @pytest.mark.parametrize("mesh_sizes", EXPERT_MESHES, ids=lambda m: "d{}-f{}-e{}-t{}".format(*m))
 def test_tiny_moe_on_an_expert_mesh_trains_as_on_one_device(mesh_sizes) -> None:
     assert_trains_as_one_device(mesh_sizes)
+
+
+CHECKPOINTED_RUN = [
+    "train.steps=4",
+    "train.global_batch=8",
+    "train.eval_every=0",
+    "train.peak_tflops=0.5",
+    "data.max_corpus_mib=1",
+    "data.seq_len=16",
+    "model.embed_dim=64",
+    "model.mlp_dim=128",
+    "model.moe.expert_mlp_dim=32",
+    "optim.warmup_steps=2",
+    "checkpoint.every_steps=2",
+    "mesh.tensor=1",
+]
+
+
+def checkpointed_moe_run(run_dir, *overrides: str) -> str:
+    """configs/tiny_moe.yaml trained in-process on all 8 devices; what it printed."""
+    printed = io.StringIO()
+    config = load_config(
+        "configs/tiny_moe.yaml", [*CHECKPOINTED_RUN, f"run.dir={run_dir}", *overrides]
+    )
+    train(config, progress_stream=printed)
+    return printed.getvalue()
+
+
+def step_losses(run_dir) -> dict[int, float]:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+@pytest.mark.slow  # two in-process runs, each compiling its step
+def test_a_run_saved_at_expert_4_resumes_at_expert_2_on_the_same_loss_curve(tmp_path) -> None:
+    """The experts are saved in their global order whatever mesh.expert split them: the
+    checkpoint holds every expert whole, and a run resumed on another split goes on the same."""
+    saved = tmp_path / "expert4"
+    checkpointed_moe_run(saved, "mesh.data=2", "mesh.fsdp=1", "mesh.expert=4")
+    resumed = tmp_path / "expert2"
+    printed = checkpointed_moe_run(
+        resumed,
+        f"checkpoint.resume_from={saved}/checkpoints/2",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.expert=2",
+    )
+    assert f"resumed from {saved}/checkpoints/2 (step 2)" in printed
+    straight, continued = step_losses(saved), step_losses(resumed)
+    assert sorted(continued) == [2, 3]
+    for step in continued:
+        assert continued[step] == pytest.approx(straight[step], rel=1e-5)
+    # the saved arrays are the experts whole: [moe layers, experts, embed, hidden]
+    options = load_config("configs/tiny_moe.yaml").checkpoint
+    checkpointer = Checkpointer(saved / "checkpoints", options, read_only=True)
+    try:
+        saved_arrays = checkpointer.array_metadata(4)
+    finally:
+        checkpointer.close()
+    assert tuple(saved_arrays["params"]["moe_layers"]["mlp"]["gate"].shape) == (3, 8, 64, 32)
