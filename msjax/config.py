@@ -77,13 +77,27 @@ class MeshConfig:
 
     data: int = 2  # data-parallel replicas: the batch is split over data and fsdp together
     fsdp: int = 2  # ZeRO-3: parameters and optimizer state split along embed
+    # expert parallelism (MoE only): devices carved out of the data-parallel ones; the experts
+    # are split over them (tokens reach theirs by all-to-all), everything else is data-parallel
+    # over them too (the batch splits over data x fsdp x expert); divides model.moe.num_experts
+    expert: int = 1
     pipe: int = 1  # pipeline stages (msjax.parallel.pipeline); spans nodes, tensor stays inside
     tensor: int = 2  # Megatron tensor parallelism: heads, MLP units and the vocabulary split
     sequence_parallel: bool = False  # shard activations between blocks along seq over `tensor`
 
     def axis_sizes(self) -> dict[str, int]:
         """Sizes in mesh order, outermost first (msjax.parallel.mesh.MESH_AXES)."""
-        return {"data": self.data, "fsdp": self.fsdp, "pipe": self.pipe, "tensor": self.tensor}
+        return {
+            "data": self.data,
+            "fsdp": self.fsdp,
+            "expert": self.expert,
+            "pipe": self.pipe,
+            "tensor": self.tensor,
+        }
+
+    def batch_split(self) -> int:
+        """Data-parallel ways the batch is split: data x fsdp x expert (resolved sizes)."""
+        return self.data * self.fsdp * self.expert
 
 
 @dataclass(frozen=True)
@@ -160,14 +174,16 @@ class TrainConfig:
     """How long to train, on how much data per step, and how often to evaluate."""
 
     steps: int = 300  # optimizer steps of the whole run
-    global_batch: int = 16  # sequences per step, over all devices; divisible by data x fsdp
+    # sequences per step, over all devices; divisible by data x fsdp x expert
+    global_batch: int = 16
     # gradient accumulation: each step runs its global batch as this many microbatches, one after
     # another inside the compiled step (activations of one microbatch alive at a time, beside a
     # float32 sum of the gradients); the same loss, gradients and update as one pass over the
     # whole batch (each microbatch's loss divided by the whole batch's real tokens). It divides
-    # each replica's batch, global_batch / (data x fsdp); on a pipe mesh pipeline.microbatches
-    # splits what is left. Each microbatch gathers the fsdp weights and reduces its gradients
-    # again: K times one pass's traffic over fsdp and data, which the planner counts
+    # each replica's batch, global_batch / (data x fsdp x expert); on a pipe mesh
+    # pipeline.microbatches splits what is left. Each microbatch gathers the fsdp weights and
+    # reduces its gradients again: K times one pass's traffic over fsdp and data, which the
+    # planner counts
     grad_accum_steps: int = 1
     eval_every: int = 100  # 0: never
     eval_batches: int = 4  # held-out batches per evaluation

@@ -102,6 +102,7 @@ def _check_data(data: DataConfig) -> None:
 def _check_mesh(config: Config) -> None:
     """Mesh sizes positive or one -1, and the sizes the mesh splits divisible by it."""
     sizes = config.mesh.axis_sizes()
+    _check_expert_axis(config, sizes["expert"])
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (the rest)")
@@ -110,6 +111,24 @@ def _check_mesh(config: Config) -> None:
     if config.model.moe.enabled and sizes["pipe"] != 1:
         raise ConfigError("model.moe.num_experts > 0 runs without a pipeline; set mesh.pipe=1")
     check_divisible_by_mesh(config, sizes)
+
+
+def _check_expert_axis(config: Config, expert: int) -> None:
+    """mesh.expert: a positive size (never -1), only with MoE layers, dividing the experts."""
+    num_experts = config.model.moe.num_experts
+    if expert < 1:
+        raise ConfigError(
+            f"mesh.expert={expert} must be a positive size (1: no expert parallelism)"
+        )
+    if expert > 1 and num_experts == 0:
+        raise ConfigError(
+            f"mesh.expert={expert} splits the experts of MoE layers; the model has none "
+            "(model.moe.num_experts=0): set mesh.expert=1"
+        )
+    if num_experts % expert:
+        raise ConfigError(
+            f"model.moe.num_experts={num_experts} is not divisible by mesh.expert={expert}"
+        )
 
 
 def _check_model(model: ModelConfig) -> None:
@@ -370,17 +389,19 @@ def _check_recovery(resilience: ResilienceConfig) -> None:
 def check_divisible_by_mesh(config: Config, sizes: dict[str, int]) -> None:
     """Checks against mesh axes whose sizes are known (an axis of -1 is checked later)."""
     model, mesh = config.model, config.mesh
-    data_parallel = sizes["data"] * sizes["fsdp"]
-    if sizes["data"] > 0 and sizes["fsdp"] > 0 and config.train.global_batch % data_parallel:
+    split_axes = ("data", "fsdp", "expert") if sizes["expert"] > 1 else ("data", "fsdp")
+    data_parallel = math.prod(sizes[axis] for axis in split_axes)
+    split_text = " x ".join(f"mesh.{axis}" for axis in split_axes)
+    if data_parallel > 0 and config.train.global_batch % data_parallel:
         raise ConfigError(
             f"train.global_batch={config.train.global_batch} is not divisible by the "
-            f"data-parallel size mesh.data x mesh.fsdp = {data_parallel}"
+            f"data-parallel size {split_text} = {data_parallel}"
         )
     accum_steps = config.train.grad_accum_steps
     if data_parallel > 0 and (config.train.global_batch // data_parallel) % accum_steps:
         raise ConfigError(
             f"train.grad_accum_steps={accum_steps} does not divide each data-parallel replica's "
-            f"batch (train.global_batch / (mesh.data x mesh.fsdp) = "
+            f"batch (train.global_batch / ({split_text}) = "
             f"{config.train.global_batch // data_parallel}); use a divisor of it"
         )
     tensor = sizes["tensor"]

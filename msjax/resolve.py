@@ -130,8 +130,8 @@ def resolve_mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     elif known != device_count:
         raise ConfigError(
             f"mesh ({shape_text}) has {known} devices but {device_count} are available; "
-            "make mesh.data x mesh.fsdp x mesh.pipe x mesh.tensor equal the device count or set "
-            "one axis to -1"
+            "make mesh.data x mesh.fsdp x mesh.expert x mesh.pipe x mesh.tensor equal the "
+            "device count or set one axis to -1"
         )
     return sizes
 

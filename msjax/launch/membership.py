@@ -27,10 +27,11 @@ class MeshPlan:
     tensor: int
     grad_accum_steps: int
     processes: int
+    expert: int = 1  # kept as pipe and tensor are: the experts stay split the same way
 
     @property
     def replicas(self) -> int:
-        return self.data * self.fsdp
+        return self.data * self.fsdp * self.expert
 
     def overrides(self) -> list[str]:
         """The trainer's overrides that run this plan (after the job's own config)."""
@@ -67,6 +68,7 @@ def full_plan(config: Config, devices_per_proc: int, processes: int) -> MeshPlan
         sizes["tensor"],
         config.train.grad_accum_steps,
         processes,
+        sizes["expert"],
     )
 
 
@@ -110,16 +112,16 @@ def replan_mesh(
         reverse=True,
     )
     for data, fsdp in candidates:
-        devices = data * fsdp * full.pipe * full.tensor
+        replicas = data * fsdp * full.expert
+        devices = replicas * full.pipe * full.tensor
         if devices % devices_per_proc or devices // devices_per_proc > healthy_processes:
             continue
-        if global_batch % (data * fsdp):
+        if global_batch % replicas:
             continue
-        accum_steps = _accum_steps_for(config, full, data * fsdp)
+        accum_steps = _accum_steps_for(config, full, replicas)
         if accum_steps is not None and _fits(config, data, fsdp, accum_steps):
-            return MeshPlan(
-                data, fsdp, full.pipe, full.tensor, accum_steps, devices // devices_per_proc
-            )
+            processes = devices // devices_per_proc
+            return MeshPlan(data, fsdp, full.pipe, full.tensor, accum_steps, processes, full.expert)
     raise MsjaxError(
         f"cannot re-plan the mesh on {healthy_processes} healthy processes x "
         f"{devices_per_proc} devices: pipe x tensor = {full.pipe * full.tensor} is kept, and no "

@@ -150,14 +150,15 @@ class MoeMLP(nnx.Module):
         down = compute_weight(self.shared_down[...], ("mlp", "embed"), dtype)
         return _swiglu(tokens, gate, up, down, "te,em->tm|tm,me->te")
 
+    def _capacity(self, tokens: int) -> int | None:
+        moe = self.moe
+        return expert_capacity(moe.capacity_factor, tokens, moe.experts_per_token, moe.num_experts)
+
     def _routing(self, tokens: jax.Array) -> tuple[Routing, jax.Array]:
         """The routing of tokens [tokens, embed] and which choices fit the capacity [tokens, k]."""
         routing = self.router(tokens)
-        moe = self.moe
-        capacity = expert_capacity(
-            moe.capacity_factor, tokens.shape[0], moe.experts_per_token, moe.num_experts
-        )
-        return routing, kept_choices(routing.experts, moe.num_experts, capacity)
+        capacity = self._capacity(tokens.shape[0])
+        return routing, kept_choices(routing.experts, self.moe.num_experts, capacity)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
         """x [batch, seq, embed] -> (the experts' output, this layer's statistics)."""
@@ -176,6 +177,7 @@ class MoeMLP(nnx.Module):
             up,
             down,
             impl=self.moe.matmul_impl,
+            capacity=self._capacity(tokens.shape[0]),
         ).reshape(tokens.shape)
         combined = combined + self._shared(tokens)
         return combined.reshape(x.shape), _stats(routing, kept)

@@ -72,6 +72,8 @@ def mesh_coordinates(mesh: Any, process_index: int) -> dict[str, list[int]]:
         if mesh.devices[index].process_index == process_index:
             for name, position in zip(mesh.axis_names, index, strict=True):
                 coordinates[name].add(int(position))
+    if mesh.shape.get("expert", 0) == 1:  # named as a mesh without expert parallelism always was
+        del coordinates["expert"]
     return {name: sorted(positions) for name, positions in coordinates.items()}
 
 

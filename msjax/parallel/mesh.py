@@ -1,8 +1,11 @@
-"""The device mesh: axes `data`, `fsdp`, `pipe`, `tensor` (outermost first), from the config.
+"""The device mesh: axes `data`, `fsdp`, `expert`, `pipe`, `tensor` (outermost first), from the
+config.
 
 `tensor` is innermost so that tensor-parallel collectives stay between neighbouring devices
 (within a node on GPUs); `pipe` comes next, so pipeline stages sit on neighbouring nodes and only
 point-to-point transfers cross between them (MegaScale's tensor x pipeline x data layout).
+`expert` is carved out of the data-parallel devices (as MaxText and Megatron do): MoE runs without
+a pipeline, so its all-to-all stays between the devices just outside `tensor`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,18 @@ from jax.sharding import AxisType, Mesh
 
 from msjax.config import MeshConfig
 
-MESH_AXES = ("data", "fsdp", "pipe", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "pipe", "tensor")
+
+
+def named_place(place: Sequence[int], shape: Sequence[int]) -> dict[str, int]:
+    """A device's mesh coordinates (`place`, in MESH_AXES order, on a mesh of `shape`) by axis
+    name, for people and records: all axes but `expert` where it is 1, so a mesh without expert
+    parallelism is named as it always was."""
+    return {
+        axis: int(index)
+        for axis, index, size in zip(MESH_AXES, place, shape, strict=True)
+        if axis != "expert" or size > 1
+    }
 
 
 def configure_cpu_devices(count: int) -> bool:

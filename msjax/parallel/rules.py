@@ -34,7 +34,9 @@ def logical_axis_rules(config: Config) -> Rules:
     - ZeRO-3 (FSDP): parameters and optimizer state are sharded along `embed` over `fsdp`; XLA
       all-gathers a layer's weights before use and reduce-scatters its gradients.
     - Megatron tensor parallelism: `heads`, `kv_heads`, `mlp` and `vocab` split over `tensor`.
-    - Data parallelism: `batch` is split over `data` and `fsdp` together.
+    - Data parallelism: `batch` is split over `data` and `fsdp` together (and `expert`).
+    - Expert parallelism: the experts of MoE layers split over `expert` (tokens reach them by
+      all-to-all, msjax.parallel.experts); the expert devices are data-parallel for the rest.
     - Sequence parallelism (a switch): the residual stream between blocks is split along the
       sequence over `tensor`, so norms and residual adds are not repeated on every tensor rank.
     - Pipeline parallelism: the stacked layers are split over `pipe` (each stage holds its own,
@@ -42,6 +44,7 @@ def logical_axis_rules(config: Config) -> Rules:
     """
     kv_heads_split = config.model.num_kv_heads % config.mesh.tensor == 0
     pipelined = config.mesh.pipe > 1
+    expert_split = config.mesh.expert > 1
     return {
         # parameters
         "vocab": "tensor",
@@ -51,12 +54,12 @@ def logical_axis_rules(config: Config) -> Rules:
         "head_dim": None,
         "mlp": "tensor",
         "layers": "pipe" if pipelined else None,
-        # mixture of experts: experts whole on every device for now (an `expert` mesh axis for
-        # expert parallelism maps here), split along embed over fsdp as every weight
-        "expert": None,
+        # mixture of experts: the experts split over the `expert` axis (whole on every device
+        # without one), each split along embed over fsdp as every weight
+        "expert": "expert" if expert_split else None,
         "expert_mlp": None,
         # activations
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert") if expert_split else ("data", "fsdp"),
         "seq": None,
         "residual_seq": "tensor" if config.mesh.sequence_parallel else None,
         "act_embed": None,

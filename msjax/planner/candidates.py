@@ -27,13 +27,20 @@ class MeshShape:
     fsdp: int
     tensor: int
     pipe: int = 1
+    expert: int = 1  # expert parallelism (MoE): carved out of the data-parallel devices
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.pipe * self.tensor
+        return self.data * self.fsdp * self.expert * self.pipe * self.tensor
 
     def sizes(self) -> dict[str, int]:
-        return {"data": self.data, "fsdp": self.fsdp, "pipe": self.pipe, "tensor": self.tensor}
+        return {
+            "data": self.data,
+            "fsdp": self.fsdp,
+            "expert": self.expert,
+            "pipe": self.pipe,
+            "tensor": self.tensor,
+        }
 
     def __str__(self) -> str:
         if self.pipe == 1:
@@ -43,7 +50,9 @@ class MeshShape:
     def describe(self) -> str:
         """`data 2 x fsdp 2 x pipe 2 x tensor 1` (pipe left out when 1)."""
         return " x ".join(
-            f"{axis} {size}" for axis, size in self.sizes().items() if axis != "pipe" or size > 1
+            f"{axis} {size}"
+            for axis, size in self.sizes().items()
+            if axis not in ("pipe", "expert") or size > 1
         )
 
 

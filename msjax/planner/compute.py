@@ -115,7 +115,7 @@ def estimate_compute(
     """
     config = config_for_mesh(config, mesh, platform)
     model = config.model
-    tokens = config.train.global_batch * config.data.seq_len / (mesh.data * mesh.fsdp)
+    tokens = config.train.global_batch * config.data.seq_len / config.mesh.batch_split()
     layer_runs = float(model.num_layers)  # per token of the replica
     head_runs = 1.0
     if mesh.pipe > 1:

@@ -118,7 +118,7 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
     """Per-device activation sizes of a config made for `mesh` (see `config_for_mesh`)."""
     model, tensor = config.model, mesh.tensor
     accum_steps = config.train.grad_accum_steps
-    replica_batch = config.train.global_batch // (mesh.data * mesh.fsdp) // accum_steps
+    replica_batch = config.train.global_batch // config.mesh.batch_split() // accum_steps
     layers, stage_runs, microbatches = model.num_layers, 1, 1
     if mesh.pipe > 1:
         layout = PipelineLayout.of(config)

@@ -88,8 +88,8 @@ class ReplicaFingerprints:
         self._compiled = self.lower(abstract_state).compile()
 
     def table(self, state: Any) -> np.ndarray:
-        """uint64 [data, fsdp, pipe, tensor, tensors]: each device's fingerprint of each of its
-        blocks of the state, read from this process's own copy of the gathered table."""
+        """uint64 [data, fsdp, expert, pipe, tensor, tensors]: each device's fingerprint of each
+        of its blocks of the state, read from this process's own copy of the gathered table."""
         gathered = (self._compiled or self._program)(state)
         local = np.asarray(gathered.addressable_shards[0].data)  # [devices, K, 2] uint32
         combined = (local[..., 0].astype(np.uint64) << np.uint64(32)) | local[..., 1]
@@ -104,7 +104,7 @@ class Mismatch:
     step: int
     agreed_step: int
     tensor: str  # the first tensor (in the state's order) whose fingerprints differ
-    devices: tuple[tuple[int, ...], ...]  # mesh coordinates (data, fsdp, pipe, tensor) named
+    devices: tuple[tuple[int, ...], ...]  # mesh coordinates (MESH_AXES order) named
     device_ranks: tuple[int, ...]  # the process holding each of them
     majority: bool  # the named devices differ from a majority; else no majority to judge by
     table: np.ndarray
@@ -127,25 +127,27 @@ class Mismatch:
         )
 
     def _coordinates(self, rank: int) -> str:
-        from msjax.parallel.mesh import MESH_AXES
+        from msjax.parallel.mesh import named_place
 
         owned = zip(self.devices, self.device_ranks, strict=True)
         places = [place for place, owner in owned if owner == rank]
+        shape = self.table.shape[:-1]
         return "; ".join(
-            " ".join(f"{axis}={index}" for axis, index in zip(MESH_AXES, place, strict=True))
+            " ".join(f"{axis}={index}" for axis, index in named_place(place, shape).items())
             for place in places
         )
 
     def record(self, event: str) -> dict[str, Any]:
-        from msjax.parallel.mesh import MESH_AXES
+        from msjax.parallel.mesh import named_place
 
+        shape = self.table.shape[:-1]
         return {
             "event": event,
             "step": self.step,
             "window": [self.agreed_step, self.step],
             "tensor": self.tensor,
             "ranks": list(self.ranks),
-            "devices": [dict(zip(MESH_AXES, place, strict=True)) for place in self.devices],
+            "devices": [named_place(place, shape) for place in self.devices],
             "majority": self.majority,
         }
 

@@ -194,6 +194,7 @@ def test_minus_one_fills_the_rest_of_the_devices():
     assert resolve_mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=2), DEVICES) == {
         "data": 2,
         "fsdp": 2,
+        "expert": 1,
         "pipe": 1,
         "tensor": 2,
     }
@@ -212,6 +213,7 @@ def test_an_exact_mesh_is_returned_unchanged():
     assert resolve_mesh_shape(MeshConfig(data=2, fsdp=2, tensor=2), DEVICES) == {
         "data": 2,
         "fsdp": 2,
+        "expert": 1,
         "pipe": 1,
         "tensor": 2,
     }

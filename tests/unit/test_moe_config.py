@@ -1,5 +1,7 @@
 """Specifications of the `model.moe` section: defaults, overrides, round trips and its checks."""
 
+import dataclasses
+
 import pytest
 
 from msjax.config import config_from_dict, load_config
@@ -70,3 +72,40 @@ def test_a_mixture_of_experts_has_no_llama_form_to_export() -> None:
         "model.moe.num_experts=4 (a mixture of experts) has no LlamaForCausalLM form"
     )
     assert unsupported_by_llama(load_config().model) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["mesh.expert=2"], "mesh.expert=2 splits the experts of MoE layers; the model has none"),
+        (["mesh.expert=0"], "mesh.expert=0 must be a positive size (1: no expert parallelism)"),
+        (["mesh.expert=-1"], "mesh.expert=-1 must be a positive size"),
+        (
+            ["model.moe.num_experts=6", "mesh.expert=4", "mesh.data=1", "mesh.fsdp=1"],
+            "model.moe.num_experts=6 is not divisible by mesh.expert=4",
+        ),
+        (
+            ["model.moe.num_experts=4", "mesh.expert=4", "train.global_batch=8"],
+            "train.global_batch=8 is not divisible by the data-parallel size mesh.data x "
+            "mesh.fsdp x mesh.expert = 16",
+        ),
+    ],
+)
+def test_bad_expert_axis_is_one_line_naming_it(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, overrides)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_expert_axis_is_carved_out_of_the_data_parallel_devices() -> None:
+    from msjax.resolve import check_device_count
+
+    config = load_config(
+        None, ["model.moe.num_experts=8", "mesh.data=-1", "mesh.fsdp=1", "mesh.expert=4"]
+    )
+    resolved = check_device_count(dataclasses.replace(config), 8 * config.mesh.tensor)
+    assert resolved.mesh.axis_sizes() == {
+        "data": 2, "fsdp": 1, "expert": 4, "pipe": 1, "tensor": config.mesh.tensor,
+    }  # fmt: skip
+    assert resolved.mesh.batch_split() == 8
