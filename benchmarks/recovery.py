@@ -2,13 +2,14 @@
 without the compilation caches; detection latency, restart-to-first-step, catch-up, goodput.
 
     python benchmarks/recovery.py [--steps 24] [--out DIR]
-    python benchmarks/recovery.py --smoke   # 8 steps, a smaller model, the hang alone, 4 s deadline
+    python benchmarks/recovery.py --smoke   # 8 steps, a smaller model, 1 process, the hang alone
     python benchmarks/recovery.py --bad-slot [--steps 24]   # a crash-looping slot, 4 processes
     python benchmarks/recovery.py --long-drill [--minutes 10]   # a slot crash-looping, 2 bit flips
 
-Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2`. The job with caches
-compiles once (its first attempt fills the caches) and loads on every restart; the other compiles
-on every attempt. Prints one table, both jobs side by side, and the ratio.
+Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2` (one process in the
+smoke form). The job with caches compiles once (its first attempt fills the caches) and loads on
+every restart; the other compiles on every attempt. Prints one table, both jobs side by side, and
+the ratio.
 
 --bad-slot: 4 processes x 2 devices where the slot of rank 3 crashes at every start; excluded
 after 2 faults, it is replaced by a spare (--spares 1), or the mesh shrinks to 2 processes, or
@@ -41,6 +42,17 @@ from msjax.run_dir import RunDir  # noqa: E402
 
 STEP_DEADLINE_S = 10.0
 SMOKE_STEP_DEADLINE_S = 4.0  # the tiny model's steps take milliseconds; the hang costs this
+# the smoke form's job is one process holding both devices (data 2): the hang it injects is
+# rank 0's, found and restarted the same way, for half the processes' start-up and compiles
+SMOKE_MESH = ["mesh.data=2", "mesh.fsdp=1"]
+
+
+def processes(smoke: bool) -> int:
+    return 1 if smoke else 2
+
+
+def job_shape(smoke: bool) -> str:
+    return "1 process x 2 CPU devices" if smoke else "2 processes x 2 CPU devices"
 
 
 def job_args(run_dir: Path, steps: int, cache: bool, step_deadline_s: float, smoke: bool):
@@ -51,6 +63,7 @@ def job_args(run_dir: Path, steps: int, cache: bool, step_deadline_s: float, smo
         "resilience.stop_grace_s=3",
         "resilience.restart_backoff_s=0.5",
         f"resilience.compile_cache={'true' if cache else 'false'}",
+        *(SMOKE_MESH if smoke else []),
     ]
 
 
@@ -68,7 +81,7 @@ def run_job(run_dir: Path, steps: int, cache: bool, smoke: bool) -> dict[str, An
     faults = ";".join(fault_of[cause] for cause in injected_causes(smoke))
     step_deadline_s = SMOKE_STEP_DEADLINE_S if smoke else STEP_DEADLINE_S
     args = job_args(run_dir, steps, cache, step_deadline_s, smoke)
-    return finished_job(run_dir, [f"--fault={faults}"], args)
+    return finished_job(run_dir, [f"--fault={faults}"], args, processes(smoke))
 
 
 def row(name: str, with_cache: float | None, without: float | None, unit: str = "s") -> str:
@@ -86,7 +99,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
     parser.add_argument(
-        "--smoke", action="store_true", help="8 steps, the hang alone, a shorter step deadline"
+        "--smoke",
+        action="store_true",
+        help="8 steps, 1 process, the hang alone, a shorter deadline",
     )
     parser.add_argument("--bad-slot", action="store_true", help="a crash-looping slot instead")
     parser.add_argument(
@@ -119,7 +134,7 @@ def main() -> None:
 
     print()
     print(
-        f"recovery: tiny model, 2 processes x 2 CPU devices, {args.steps} steps, "
+        f"recovery: tiny model, {job_shape(args.smoke)}, {args.steps} steps, "
         f"checkpoint every {args.steps // 4}, step deadline {step_deadline_s:g} s"
     )
     print("| measure | with caches | without | without / with |")

@@ -67,9 +67,12 @@ def incidents(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def finished_job(run_dir: Path, flags: list[str], args: list[str]) -> dict[str, Any]:
-    """A 2-process job that must exit 0: its wall time, incidents and goodput summary."""
-    code, wall_s = launch(run_dir, 2, flags, args)
+def finished_job(
+    run_dir: Path, flags: list[str], args: list[str], nprocs: int = 2
+) -> dict[str, Any]:
+    """A job of nprocs processes that must exit 0: its wall time, incidents and goodput
+    summary."""
+    code, wall_s = launch(run_dir, nprocs, flags, args)
     if code != 0:
         raise SystemExit(f"the job in {run_dir} exited {code}; see {run_dir}.log")
     goodput = json.loads(RunDir(run_dir).goodput.read_text())
