@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -65,22 +64,6 @@ class PreparedRun:
     resilience: WorkerResilience
     progress: ProgressLine
     started: float  # time.perf_counter() when preparing began
-
-    def batches(
-        self, step: int | None = None, first_sample: int | None = None
-    ) -> AbstractContextManager[Any]:
-        """The training batches from `step` (the starting step) on, prefetched onto the devices;
-        first_sample: that step's data position (a replay's checkpoint records it)."""
-        from msjax.data.pipeline import sharded_batches
-
-        return sharded_batches(
-            self.data.train,
-            self.program.batch_sharding,
-            self.start.step if step is None else step,
-            self.config.data.prefetch_batches,
-            self.config.data.num_workers,
-            self.start.first_sample if first_sample is None else first_sample,
-        )
 
 
 def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
