@@ -154,6 +154,8 @@ def build_run(
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
+    import jax
+
     run_dir = joined.run_dir
     compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
     progress = ProgressLine(config.train.steps, stream=progress_stream)
@@ -170,41 +172,23 @@ def build_run(
         train_step, program.eval_step, data.training.validation, program.batch_sharding,
         resilience.step_hooks,
     )  # fmt: skip
-    return PreparedRun(
-        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
-        data=data.training, events=events, results=build_step_results(events, data, resilience),
-        saves=build_saves(config, state, data.corpus, events, message), resilience=resilience,
-        progress=progress, started=joined.started,
-    )  # fmt: skip
-
-
-def build_step_results(
-    events: EventFanOut, data: RunData, resilience: WorkerResilience
-) -> StepResults:
-    """What reports each step's metrics, with what tokens/s and MFU are reckoned from."""
-    import jax
-
-    return StepResults(
+    # what reports each step's metrics, with what tokens/s and MFU are reckoned from
+    results = StepResults(
         events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
         resilience.step_hooks.loss,
     )  # fmt: skip
-
-
-def build_saves(
-    config: Config,
-    state: RunState,
-    corpus: dict[str, Any],
-    events: EventFanOut,
-    message: Callable[[str], None],
-) -> CheckpointSaves:
-    """The run's saves (disk checkpoints and memory snapshots); the drills wait on them too."""
+    # the run's saves (disk checkpoints and memory snapshots); the drills wait on them too
     saves = CheckpointSaves(
         config, state.checkpointer, state.start, events, message,
-        to_canonical=state.program.to_canonical, corpus=corpus,
+        to_canonical=program.to_canonical, corpus=data.corpus,
         allowed_data_changes=state.allowed_data_changes,
     )  # fmt: skip
-    state.resilience.wait_for_saves = saves.wait_for_writes
-    return saves
+    resilience.wait_for_saves = saves.wait_for_writes
+    return PreparedRun(
+        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
+        data=data.training, events=events, results=results, saves=saves, resilience=resilience,
+        progress=progress, started=joined.started,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
