@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING, Any
 from msjax import __version__
 from msjax.checkpoint.commits import DAMAGED_DIR
 from msjax.checkpoint.manager import Checkpointer, Restored
-from msjax.config import Config, config_from_dict
+from msjax.config import Config, config_from_dict, differences
 from msjax.distributed import JobEnv
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_max, process_vote
 from msjax.resilience.heartbeat import note_start
 from msjax.resilience.worker import SavesFailing
-from msjax.run_dir import differences
 from msjax.training.memory_snapshots import (
     MemoryRestored,
     build_memory_snapshots,
