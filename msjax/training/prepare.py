@@ -66,24 +66,6 @@ class PreparedRun:
     started: float  # time.perf_counter() when preparing began
 
 
-def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
-    """XLA's flags, the distributed job, simulated CPU devices, then the run's resolved config
-    (config comes from plan_run: its model filled from model.init_from, run.dir chosen).
-
-    All but the device line and the resolution come before JAX's backend starts; joining the
-    job starts none, so the CPU device count set after it still applies.
-    """
-    import jax
-
-    xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
-    job = JobEnv.read()
-    initialize_distributed(job, config.resilience.peer_timeout_s)
-    configure_cpu_devices(mesh_device_count(config.mesh))
-    announce_devices(job)
-    resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
-    return resolved, job, xla_flags
-
-
 def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
     """What to do with the run dir, and whether checkpoint.resume_from applies: decided here
     only, once, before JAX starts, so a run dir it cannot use fails before anything is written.
@@ -121,11 +103,23 @@ def prepare_run(
     progress_stream: IO[str] | None = None,
     extra_listeners: Sequence[LoopEvents] = (),
 ) -> PreparedRun:
-    """Plan the run dir, join the job, resolve the config, then build everything the loop needs."""
+    """Plan the run dir, join the job, resolve the config, then build everything the loop needs.
+
+    Joining the job sets XLA's flags, joins the distributed job and sets the simulated CPU
+    devices, all before JAX's backend starts (joining starts none, so the device count set after
+    it still applies); the device line and the resolution for the devices start it.
+    """
+    import jax
 
     started = time.perf_counter()
     config, plan, resume = plan_run(config)
-    config, job, xla_flags = join_job(config)
+    xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
+    job = JobEnv.read()
+    initialize_distributed(job, config.resilience.peer_timeout_s)
+    configure_cpu_devices(mesh_device_count(config.mesh))
+    announce_devices(job)
+    # the run's resolved config (plan_run has filled its model from model.init_from, and run.dir)
+    config = resolve_for_devices(config, jax.device_count(), jax.default_backend())
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
