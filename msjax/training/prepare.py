@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from msjax.allocator import allocator_record
@@ -84,13 +85,16 @@ def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
 @dataclass(frozen=True)
 class JoinedJob:
     """What is settled before a run's parts are built: the job, XLA's flags, the run dir's plan
-    and lock, checkpoint.resume_from where it applies, and when preparing began."""
+    and lock, checkpoint.resume_from where it applies, the compile cache, the mesh, and when
+    preparing began."""
 
     job: JobEnv
     xla_flags: XlaFlagsRecord
     plan: RunDirPlan
     resume: ResumeSource | None
     lock: RunDirLock
+    compile_cache: Path | None  # the signed executables' directory (None: off)
+    mesh: Any  # jax.sharding.Mesh, from mesh.*
     started: float  # time.perf_counter()
 
     @property
@@ -123,8 +127,11 @@ def prepare_run(
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
-        joined = JoinedJob(job, xla_flags, plan, resume, lock, started)
-        return build_run(config, joined, progress_stream, extra_listeners)
+        compile_cache = enable_compile_cache(config.resilience, plan.path, job.launched)
+        progress = ProgressLine(config.train.steps, stream=progress_stream)
+        mesh = build_mesh(config.mesh)
+        joined = JoinedJob(job, xla_flags, plan, resume, lock, compile_cache, mesh, started)
+        return build_run(config, joined, progress, extra_listeners)
     except BaseException:
         lock.release()
         raise
@@ -144,16 +151,13 @@ def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
 def build_run(
     config: Config,
     joined: JoinedJob,
-    progress_stream: IO[str] | None,
+    progress: ProgressLine,
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
     import jax
 
-    run_dir = joined.run_dir
-    compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
-    progress = ProgressLine(config.train.steps, stream=progress_stream)
-    mesh = build_mesh(config.mesh)
+    run_dir, mesh = joined.run_dir, joined.mesh
     message = progress.message
     data = build_data(config, joined, message)
     record_run(config, joined, data.facts, mesh, message)
@@ -161,7 +165,7 @@ def build_run(
     describe_data(data.training, config.train, state.start, message)
     program, resilience = state.program, state.resilience
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
-    train_step = start_and_compile(events, state, compile_cache, message)
+    train_step = start_and_compile(events, state, joined.compile_cache, message)
     steps = LoopSteps(
         train_step, program.eval_step, data.training.validation, program.batch_sharding,
         resilience.step_hooks,
