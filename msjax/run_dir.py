@@ -1,9 +1,10 @@
 """The run directory: `RunDir` names every file and folder in it; choosing, creating and saving.
 
 Rerunning a command with the same `run.dir` continues that run. A config that differs in what
-defines the run (model, data, optimizer, batch, seed) is refused unless `run.overwrite=true`,
-which moves the earlier run's files into `previous-<UTC timestamp>/` inside the directory. A
-directory is a run only if msjax wrote it, and msjax never follows a symbolic link in it.
+defines the run (model, data, optimizer, batch, seed: `msjax.config.differences`) is refused
+unless `run.overwrite=true`, which moves the earlier run's files into `previous-<UTC timestamp>/`
+inside the directory. A directory is a run only if msjax wrote it, and msjax never follows a
+symbolic link in it.
 Nothing outside this module spells a run directory's file names.
 """
 
@@ -19,42 +20,12 @@ from typing import Any
 
 import yaml
 
-from msjax.config import Config, config_from_dict
+from msjax.config import MAY_CHANGE_ON_RESUME, Config, config_from_dict, differences
 from msjax.errors import ConfigError, MsjaxError
 from msjax.resolve import utc_stamp
 from msjax.writable import check_writable_dir, is_temporary_name, read_no_follow
 from msjax.writable import write_text_atomically as write_text_atomically
 
-# Keys that may change between the runs that share a run directory (a resume may run on another
-# mesh, train longer, evaluate differently, or run the same math through another kernel);
-# everything else defines the run.
-MAY_CHANGE_ON_RESUME = frozenset(
-    {
-        "mesh",
-        "pipeline",
-        "checkpoint",
-        "model.init_from",  # where a new run's weights came from; a resumed run restores its own
-        "model.from_hf",
-        "observe",
-        "resilience",
-        "run.dir",
-        "run.name",
-        "run.overwrite",
-        "train.steps",
-        "train.grad_accum_steps",  # the same batch, loss and update, in fewer or more passes
-        "train.eval_every",
-        "train.eval_batches",
-        "train.peak_tflops",
-        "data.prefetch_batches",
-        "data.num_workers",
-        "data.cache_dir",
-        "data.allow_changed",
-        "model.attention_impl",
-        "model.norm_impl",
-        "model.loss_impl",
-        "model.moe.matmul_impl",
-    }
-)
 PREVIOUS_PREFIX = "previous-"
 _MISSING = object()  # an own file that is not there (not: there, and empty)
 
@@ -402,25 +373,6 @@ class RunDirPlan:
     @property
     def path(self) -> Path:
         return self.run_dir.path
-
-
-def differences(before: Config, after: Config) -> list[str]:
-    """`section.key: old -> new` for each key that defines the run and differs."""
-    changed = []
-    old, new = before.to_dict(), after.to_dict()
-    for section, values in new.items():
-        if section in MAY_CHANGE_ON_RESUME:
-            continue
-        for key, value in values.items():
-            name, old_value = f"{section}.{key}", old[section].get(key)
-            pairs = [(name, old_value, value)]
-            if isinstance(value, dict):  # a section inside a section (model.moe): key by key
-                inner = old_value if isinstance(old_value, dict) else {}
-                pairs = [(f"{name}.{k}", inner.get(k), v) for k, v in value.items()]
-            for pair_name, was, now in pairs:
-                if pair_name not in MAY_CHANGE_ON_RESUME and was != now:
-                    changed.append(f"{pair_name}: {was!r} -> {now!r}")
-    return changed
 
 
 def check_output_dirs(config: Config) -> None:

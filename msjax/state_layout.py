@@ -1,6 +1,6 @@
-"""The train state's layout: what it holds, its abstract arrays and their logical axes, and the
-shardings those axes give on a mesh; nothing allocated. The steps that read and write it are
-`msjax.step`'s.
+"""The train state's layout: what it holds, its abstract arrays and their logical axes; no mesh,
+nothing allocated. The shardings those axes give on a mesh, and the steps that read and write the
+state, are `msjax.step`'s.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from msjax.config import ModelConfig, OptimConfig
 from msjax.models.transformer import Transformer
 from msjax.optim import make_optimizer, stacked_over_layers, weight_decay_mask
 from msjax.parallel.context import LogicalAxes
-from msjax.parallel.rules import logical_axes_of, logical_to_spec, shardings_for
+from msjax.parallel.rules import logical_axes_of
 
 Batch = dict[str, jax.Array]  # msjax.batch.BATCH_FIELDS: [batch, seq] int32
 Params = dict[str, Any]  # a pure nested dict of float32 arrays
@@ -85,14 +84,3 @@ def state_layout(model: ModelConfig, optim: OptimConfig, total_steps: int) -> St
     return StateLayout(
         graphdef, abstract_params, param_axes, optimizer, opt_state_shapes, opt_state_axes
     )
-
-
-def state_shardings_of(layout: StateLayout, mesh: Mesh, rules: dict[str, Any]) -> TrainState:
-    """Where each array of the state lives on `mesh` under the logical-axis `rules`: the step
-    counter replicated, parameters and optimizer state as their logical axes say."""
-    param_shardings = shardings_for(layout.param_axes, mesh, rules)
-    opt_shardings = jax.tree.map(
-        lambda axes: NamedSharding(mesh, logical_to_spec(axes.names, rules)),
-        layout.opt_state_axes,
-    )
-    return TrainState(NamedSharding(mesh, PartitionSpec()), param_shardings, opt_shardings)

@@ -1,9 +1,9 @@
 """The compiled train and eval steps, and the train state created already sharded.
 
 Everything here is pure: a step maps (state, batch) to (state, metrics) as one `jax.jit` program
-with explicit input and output shardings and a donated state. The state's layout (its arrays, their
-logical axes and shardings) is `msjax.state_layout`'s; the loop that feeds the step lives in
-`msjax.train`.
+with explicit input and output shardings and a donated state. The state's layout (its arrays and
+their logical axes) is `msjax.state_layout`'s, its shardings on the mesh are made here
+(`build_program`); the loop that feeds the step lives in `msjax.train`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,7 @@ from msjax.batch import BATCH_FIELDS
 from msjax.config import Config
 from msjax.models import moe as moe_layers
 from msjax.models.transformer import Transformer, apply_layer_stack, enclosing_checkpoint_policy
-from msjax.optim import (
-    advance_schedule,
-    learning_rate_schedule,
-    stacked_over_layers,
-)
+from msjax.optim import advance_schedule, learning_rate_schedule, stacked_over_layers
 from msjax.parallel.context import WeightGather, constrain, use_weight_gather
 from msjax.parallel.microbatches import (
     arrange_microbatches,
@@ -52,11 +48,13 @@ from msjax.parallel.rules import (
     activation_placement,
     gathered_stage_weights,
     logical_axis_rules,
+    logical_to_spec,
     placement_within_replica,
+    shardings_for,
     split_over_pipe,
     weight_gather,
 )
-from msjax.state_layout import Batch, Params, TrainState, state_layout, state_shardings_of
+from msjax.state_layout import Batch, Params, TrainState, state_layout
 
 
 def update_is_finite(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
@@ -485,16 +483,18 @@ def build_program(config: Config, mesh: Mesh) -> TrainProgram:
     layout = state_layout(config.model, config.optim, config.train.steps)
     schedule = learning_rate_schedule(config.optim, config.train.steps)
     rules = logical_axis_rules(config)
-    state_shardings = state_shardings_of(layout, mesh, rules)
+    # the step counter replicated; parameters and optimizer state as their logical axes say
+    state_shardings = TrainState(
+        NamedSharding(mesh, PartitionSpec()),
+        shardings_for(layout.param_axes, mesh, rules),
+        jax.tree.map(
+            lambda axes: NamedSharding(mesh, logical_to_spec(axes.names, rules)),
+            layout.opt_state_axes,
+        ),
+    )
     batch_sharding = NamedSharding(mesh, PartitionSpec(rules["batch"], None))
     return TrainProgram(
-        config=config,
-        mesh=mesh,
-        graphdef=layout.graphdef,
-        abstract_params=layout.abstract_params,
-        logical_axes=layout.param_axes,
-        optimizer=layout.optimizer,
-        schedule=schedule,
-        state_shardings=state_shardings,
-        batch_sharding=batch_sharding,
-    )
+        config=config, mesh=mesh, graphdef=layout.graphdef, abstract_params=layout.abstract_params,
+        logical_axes=layout.param_axes, optimizer=layout.optimizer, schedule=schedule,
+        state_shardings=state_shardings, batch_sharding=batch_sharding,
+    )  # fmt: skip

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from msjax.resilience.replica_guard import Replay
     from msjax.training.decisions import Decider
     from msjax.training.prepare import PreparedRun
-    from msjax.training.replica_checks import ReplicaChecks, Segment
+    from msjax.training.replica_checks import ReplicaChecks
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def train(
     """
     from msjax.training.decisions import Decider
     from msjax.training.prepare import prepare_run
-    from msjax.training.replica_checks import ReplicaChecks, Segment, replay_start
+    from msjax.training.replica_checks import ReplicaChecks
     from msjax.training.stop_signal import StopSignal
 
     run = prepare_run(config, progress_stream, listeners)
@@ -144,6 +145,15 @@ def train(
             replay, ended = ended.replay, None  # the diverged state is dropped before restoring
             segment = replay_start(run, replay)  # a replica mismatch: replay its window
         return end_run(run, ended.state, ended.stopped_by, eval_loss)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where the loop (re)starts: the state, its step, and the data position of that step."""
+
+    state: Any
+    step: int
+    first_sample: int
 
 
 @dataclass
@@ -166,7 +176,7 @@ def train_segment(
     events, results, steps, state = run.events, run.results, run.steps, segment.state
     in_flight = None  # the dispatched step whose metrics are not read yet
     ended = SegmentEnd(state)
-    with run.batches(segment.step, segment.first_sample) as batches:
+    with training_batches(run, segment) as batches:
         for step in range(segment.step, run.config.train.steps):
             events.step_begin(step)
             if steps.skips(step):
@@ -203,6 +213,21 @@ def train_segment(
     return ended
 
 
+def training_batches(run: PreparedRun, segment: Segment) -> AbstractContextManager[Any]:
+    """The training batches from segment.step on, prefetched onto the devices, starting at that
+    step's data position (segment.first_sample: a replay's checkpoint records it)."""
+    from msjax.data.pipeline import sharded_batches
+
+    return sharded_batches(
+        run.data.train,
+        run.program.batch_sharding,
+        segment.step,
+        run.config.data.prefetch_batches,
+        run.config.data.num_workers,
+        segment.first_sample,
+    )
+
+
 def evaluate(run: PreparedRun, state: Any, step: int) -> float:
     """The mean loss over the validation batches, after `step`."""
     run.events.eval_begin(step)
@@ -210,6 +235,49 @@ def evaluate(run: PreparedRun, state: Any, step: int) -> float:
     run.events.eval_end(step, loss)
     run.results.restart_clock()  # evaluation time is not the next step's time
     return loss
+
+
+def replay_start(run: PreparedRun, replay: Replay) -> Segment:
+    """The state to replay from: the newest checkpoint at or before replay.at_most whose
+    replicas agreed (a fresh state where the run began from step 0 and saved none before)."""
+    import jax
+
+    from msjax.resilience.replica_guard import SilentCorruption
+    from msjax.training.checkpoints import init_from_hf
+
+    message = run.progress.message
+    run.resilience.beat("restore")
+    checkpointer = run.saves.checkpointer
+    checkpointer.wait()  # the saves in flight are on disk: the newest one may be the one
+    restored = checkpointer.restore_newest_valid(
+        run.program.abstract_state(), message, at_most=replay.at_most
+    )
+    if restored is not None:
+        state = run.program.from_canonical(restored.state)
+        step = int(jax.device_get(state.step))
+        samples_seen = restored.meta.get("data", {}).get("samples_seen")
+        first_sample = (
+            step * run.config.train.global_batch if samples_seen is None else samples_seen
+        )
+        where = f"checkpoint {restored.path}"
+    elif run.start.restored is None and run.start.step == 0:
+        state = (
+            init_from_hf(run.config, run.program, message)
+            if run.config.model.init_from
+            else (run.program.init_state())
+        )
+        step, first_sample, where = 0, 0, "the initial state"
+    else:
+        raise SilentCorruption(
+            f"the replicas differ after step {replay.until}, and no checkpoint at or before "
+            f"step {replay.at_most} is left to replay from",
+            (),
+        )
+    message(
+        f"replica mismatch: replaying steps {step}..{replay.until} from {where}, checking the "
+        "replicas after every step"
+    )
+    return Segment(state, step, int(first_sample))
 
 
 def end_run(

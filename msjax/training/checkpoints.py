@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING, Any
 from msjax import __version__
 from msjax.checkpoint.commits import DAMAGED_DIR
 from msjax.checkpoint.manager import Checkpointer, Restored
-from msjax.config import Config, config_from_dict
+from msjax.config import Config, config_from_dict, differences
 from msjax.distributed import JobEnv
 from msjax.errors import MsjaxError
 from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_max, process_vote
 from msjax.resilience.heartbeat import note_start
 from msjax.resilience.worker import SavesFailing
-from msjax.run_dir import differences
 from msjax.training.memory_restore import MemoryRestored, restore_from_memory
 from msjax.training.memory_snapshots import build_memory_snapshots
 from msjax.training.save_schedule import NOT_FINISHED, SaveProposal, SaveSchedule
@@ -56,7 +55,6 @@ def restore_or_init(
     resume: checkpoint.resume_from as msjax.checkpoint.commits.resume_source parsed it, or None
     where it does not apply.
     """
-    import jax
 
     memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
     if memory is not None:
@@ -78,20 +76,11 @@ def restore_or_init(
             f"restored step {restored.step} from disk: its checkpoint of {checkpoint_bytes} "
             f"bytes (each process reads its own shards) in {seconds:.2f} s"
         )
-    if restored is None:
-        refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
-        if config.model.init_from is not None:
-            return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
-        return StartingPoint(program.init_state(), 0, 0, None)
-    check_same_model(config, restored)
-    message(f"resumed from {restored.path} (step {restored.step})")
-    step = int(jax.device_get(restored.state.step))
-    # The data position is a global sample position, independent of processes and workers.
-    samples_seen = restored.meta.get("data", {}).get("samples_seen")
-    first_sample = step * config.train.global_batch if samples_seen is None else int(samples_seen)
-    # checkpoints hold layers in canonical order; this run's pipeline may keep another
-    state = program.from_canonical(restored.state)
-    return StartingPoint(state, step, first_sample, restored)
+        return start_from_disk(config, restored, program, message)
+    refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
+    if config.model.init_from is not None:
+        return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
+    return StartingPoint(program.init_state(), 0, 0, None)
 
 
 def start_from_memory(
@@ -109,6 +98,23 @@ def start_from_memory(
     )
     samples_seen = memory.meta["data"]["samples_seen"]
     return StartingPoint(memory.state, memory.step, int(samples_seen), restored)
+
+
+def start_from_disk(
+    config: Config, restored: Restored, program: Any, message: Callable[[str], None]
+) -> StartingPoint:
+    """The starting point a checkpoint gives: its state in this run's layer order."""
+    import jax
+
+    check_same_model(config, restored)
+    message(f"resumed from {restored.path} (step {restored.step})")
+    step = int(jax.device_get(restored.state.step))
+    # The data position is a global sample position, independent of processes and workers.
+    samples_seen = restored.meta.get("data", {}).get("samples_seen")
+    first_sample = step * config.train.global_batch if samples_seen is None else int(samples_seen)
+    # checkpoints hold layers in canonical order; this run's pipeline may keep another
+    state = program.from_canonical(restored.state)
+    return StartingPoint(state, step, first_sample, restored)
 
 
 def directory_bytes(path: Path) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from msjax.allocator import allocator_record
@@ -66,40 +66,6 @@ class PreparedRun:
     progress: ProgressLine
     started: float  # time.perf_counter() when preparing began
 
-    def batches(
-        self, step: int | None = None, first_sample: int | None = None
-    ) -> AbstractContextManager[Any]:
-        """The training batches from `step` (the starting step) on, prefetched onto the devices;
-        first_sample: that step's data position (a replay's checkpoint records it)."""
-        from msjax.data.pipeline import sharded_batches
-
-        return sharded_batches(
-            self.data.train,
-            self.program.batch_sharding,
-            self.start.step if step is None else step,
-            self.config.data.prefetch_batches,
-            self.config.data.num_workers,
-            self.start.first_sample if first_sample is None else first_sample,
-        )
-
-
-def join_job(config: Config) -> tuple[Config, JobEnv, XlaFlagsRecord]:
-    """XLA's flags, the distributed job, simulated CPU devices, then the run's resolved config
-    (config comes from plan_run: its model filled from model.init_from, run.dir chosen).
-
-    All but the device line and the resolution come before JAX's backend starts; joining the
-    job starts none, so the CPU device count set after it still applies.
-    """
-    import jax
-
-    xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
-    job = JobEnv.read()
-    initialize_distributed(job, config.resilience.peer_timeout_s)
-    configure_cpu_devices(mesh_device_count(config.mesh))
-    announce_devices(job)
-    resolved = resolve_for_devices(config, jax.device_count(), jax.default_backend())
-    return resolved, job, xla_flags
-
 
 def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
     """What to do with the run dir, and whether checkpoint.resume_from applies: decided here
@@ -119,13 +85,16 @@ def plan_run(config: Config) -> tuple[Config, RunDirPlan, ResumeSource | None]:
 @dataclass(frozen=True)
 class JoinedJob:
     """What is settled before a run's parts are built: the job, XLA's flags, the run dir's plan
-    and lock, checkpoint.resume_from where it applies, and when preparing began."""
+    and lock, checkpoint.resume_from where it applies, the compile cache, the mesh, and when
+    preparing began."""
 
     job: JobEnv
     xla_flags: XlaFlagsRecord
     plan: RunDirPlan
     resume: ResumeSource | None
     lock: RunDirLock
+    compile_cache: Path | None  # the signed executables' directory (None: off)
+    mesh: Any  # jax.sharding.Mesh, from mesh.*
     started: float  # time.perf_counter()
 
     @property
@@ -138,16 +107,31 @@ def prepare_run(
     progress_stream: IO[str] | None = None,
     extra_listeners: Sequence[LoopEvents] = (),
 ) -> PreparedRun:
-    """Plan the run dir, join the job, resolve the config, then build everything the loop needs."""
+    """Plan the run dir, join the job, resolve the config, then build everything the loop needs.
+
+    Joining the job sets XLA's flags, joins the distributed job and sets the simulated CPU
+    devices, all before JAX's backend starts (joining starts none, so the device count set after
+    it still applies); the device line and the resolution for the devices start it.
+    """
+    import jax
 
     started = time.perf_counter()
     config, plan, resume = plan_run(config)
-    config, job, xla_flags = join_job(config)
+    xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
+    job = JobEnv.read()
+    initialize_distributed(job, config.resilience.peer_timeout_s)
+    configure_cpu_devices(mesh_device_count(config.mesh))
+    announce_devices(job)
+    # the run's resolved config (plan_run has filled its model from model.init_from, and run.dir)
+    config = resolve_for_devices(config, jax.device_count(), jax.default_backend())
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
-        joined = JoinedJob(job, xla_flags, plan, resume, lock, started)
-        return build_run(config, joined, progress_stream, extra_listeners)
+        compile_cache = enable_compile_cache(config.resilience, plan.path, job.launched)
+        progress = ProgressLine(config.train.steps, stream=progress_stream)
+        mesh = build_mesh(config.mesh)
+        joined = JoinedJob(job, xla_flags, plan, resume, lock, compile_cache, mesh, started)
+        return build_run(config, joined, progress, extra_listeners)
     except BaseException:
         lock.release()
         raise
@@ -167,14 +151,13 @@ def job_lock(plan: RunDirPlan, job: JobEnv) -> RunDirLock:
 def build_run(
     config: Config,
     joined: JoinedJob,
-    progress_stream: IO[str] | None,
+    progress: ProgressLine,
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
-    run_dir = joined.run_dir
-    compile_cache = enable_compile_cache(config.resilience, run_dir.path, joined.job.launched)
-    progress = ProgressLine(config.train.steps, stream=progress_stream)
-    mesh = build_mesh(config.mesh)
+    import jax
+
+    run_dir, mesh = joined.run_dir, joined.mesh
     message = progress.message
     data = build_data(config, joined, message)
     record_run(config, joined, data.facts, mesh, message)
@@ -182,46 +165,28 @@ def build_run(
     describe_data(data.training, config.train, state.start, message)
     program, resilience = state.program, state.resilience
     events = build_events(config.observe, joined, mesh, progress, [resilience, *extra_listeners])
-    train_step = start_and_compile(events, state, compile_cache, message)
+    train_step = start_and_compile(events, state, joined.compile_cache, message)
     steps = LoopSteps(
         train_step, program.eval_step, data.training.validation, program.batch_sharding,
         resilience.step_hooks,
     )  # fmt: skip
-    return PreparedRun(
-        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
-        data=data.training, events=events, results=build_step_results(events, data, resilience),
-        saves=build_saves(config, state, data.corpus, events, message), resilience=resilience,
-        progress=progress, started=joined.started,
-    )  # fmt: skip
-
-
-def build_step_results(
-    events: EventFanOut, data: RunData, resilience: WorkerResilience
-) -> StepResults:
-    """What reports each step's metrics, with what tokens/s and MFU are reckoned from."""
-    import jax
-
-    return StepResults(
+    # what reports each step's metrics, with what tokens/s and MFU are reckoned from
+    results = StepResults(
         events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
         resilience.step_hooks.loss,
     )  # fmt: skip
-
-
-def build_saves(
-    config: Config,
-    state: RunState,
-    corpus: dict[str, Any],
-    events: EventFanOut,
-    message: Callable[[str], None],
-) -> CheckpointSaves:
-    """The run's saves (disk checkpoints and memory snapshots); the drills wait on them too."""
+    # the run's saves (disk checkpoints and memory snapshots); the drills wait on them too
     saves = CheckpointSaves(
         config, state.checkpointer, state.start, events, message,
-        to_canonical=state.program.to_canonical, corpus=corpus,
+        to_canonical=program.to_canonical, corpus=data.corpus,
         allowed_data_changes=state.allowed_data_changes,
     )  # fmt: skip
-    state.resilience.wait_for_saves = saves.wait_for_writes
-    return saves
+    resilience.wait_for_saves = saves.wait_for_writes
+    return PreparedRun(
+        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
+        data=data.training, events=events, results=results, saves=saves, resilience=resilience,
+        progress=progress, started=joined.started,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,9 @@
 """The loop's side of the corruption guard: which steps are checked (replica fingerprints and the
-known-answer check of every device), what checkpoints record of it, and the in-process replay a
-mismatch asks for (msjax.resilience.replica_guard compares)."""
+known-answer check of every device) and what checkpoints record of it.
+msjax.resilience.replica_guard compares; the loop (msjax.train) replays what a mismatch asks for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from msjax.parallel.agreement import agree_any, process_vote
@@ -18,20 +17,10 @@ from msjax.resilience.replica_guard import (
     SilentCorruption,
     compare,
 )
-from msjax.training.checkpoints import init_from_hf
 
 if TYPE_CHECKING:
     from msjax.training.decisions import Decision
     from msjax.training.prepare import PreparedRun
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Where the loop (re)starts: the state, its step, and the data position of that step."""
-
-    state: Any
-    step: int
-    first_sample: int
 
 
 class ReplicaChecks:
@@ -138,43 +127,3 @@ class ReplicaChecks:
         if not self.enabled:
             return {"checked": False}
         return {"checked": True, "agreed": self.agreed_at == step}
-
-
-def replay_start(run: PreparedRun, replay: Replay) -> Segment:
-    """The state to replay from: the newest checkpoint at or before replay.at_most whose
-    replicas agreed (a fresh state where the run began from step 0 and saved none before)."""
-    import jax
-
-    message = run.progress.message
-    run.resilience.beat("restore")
-    checkpointer = run.saves.checkpointer
-    checkpointer.wait()  # the saves in flight are on disk: the newest one may be the one
-    restored = checkpointer.restore_newest_valid(
-        run.program.abstract_state(), message, at_most=replay.at_most
-    )
-    if restored is not None:
-        state = run.program.from_canonical(restored.state)
-        step = int(jax.device_get(state.step))
-        samples_seen = restored.meta.get("data", {}).get("samples_seen")
-        first_sample = (
-            step * run.config.train.global_batch if samples_seen is None else samples_seen
-        )
-        where = f"checkpoint {restored.path}"
-    elif run.start.restored is None and run.start.step == 0:
-        state = (
-            init_from_hf(run.config, run.program, message)
-            if run.config.model.init_from
-            else (run.program.init_state())
-        )
-        step, first_sample, where = 0, 0, "the initial state"
-    else:
-        raise SilentCorruption(
-            f"the replicas differ after step {replay.until}, and no checkpoint at or before "
-            f"step {replay.at_most} is left to replay from",
-            (),
-        )
-    message(
-        f"replica mismatch: replaying steps {step}..{replay.until} from {where}, checking the "
-        "replicas after every step"
-    )
-    return Segment(state, step, int(first_sample))

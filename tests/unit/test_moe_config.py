@@ -55,7 +55,7 @@ def test_bad_moe_key_is_one_line_naming_it(override: str, message: str) -> None:
 
 
 def test_a_resume_names_a_changed_moe_key_and_lets_the_kernel_choice_change() -> None:
-    from msjax.run_dir import differences
+    from msjax.config import differences
 
     before = load_config(None, ["model.moe.num_experts=4"])
     more_experts = load_config(None, ["model.moe.num_experts=8"])
