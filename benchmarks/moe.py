@@ -34,6 +34,11 @@ from pathlib import Path
 from typing import Any
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+# the smoke form compiles seven programs: XLA's CPU backend without its costly LLVM passes makes
+# that seconds each (same HLO, so the same FLOPs and collectives; slower steps)
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "--smoke" in sys.argv:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip()
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -46,6 +51,7 @@ from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.observe.flops import count_params, flops_per_step  # noqa: E402
 from msjax.planner.aot import CompiledStep, compile_step  # noqa: E402
 from msjax.planner.candidates import MeshShape  # noqa: E402
+from msjax.planner.compute import estimate_compute  # noqa: E402
 from pallas_kernels import grouped_matmul as kernels  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny_moe.yaml"
@@ -57,6 +63,12 @@ FSDP_MESH = MeshShape(2, 4, 1)
 EXPERT_MESH = MeshShape(2, 1, 1, expert=4)
 MESHES = (ONE_DEVICE, FSDP_MESH, EXPERT_MESH)
 WARMUP_STEPS = 1  # run before the timed rounds (first dispatch)
+
+
+def mesh_name(mesh: MeshShape) -> str:
+    """`data 2 x expert 4`: the axes longer than 1, or `1 device`."""
+    axes = [f"{axis} {size}" for axis, size in mesh.sizes().items() if size > 1]
+    return " x ".join(axes) or "1 device"
 
 
 def matched_mlp_dim(model: ModelConfig) -> int:
@@ -76,7 +88,7 @@ def matched_mlp_dim(model: ModelConfig) -> int:
 class Variant:
     """One model on one mesh: its compiled step, live state and batches on the devices."""
 
-    label: str
+    source_config: Config  # as loaded, its kernels not yet resolved for this host
     step: CompiledStep
     state: Any
     batches: list[dict]
@@ -87,7 +99,7 @@ class Variant:
         return self.step.config
 
 
-def prepare(label: str, config: Config, mesh: MeshShape, steps: int) -> Variant:
+def prepare(config: Config, mesh: MeshShape, steps: int) -> Variant:
     """Compile config's step on mesh once, stage steps batches there and run the warm-up."""
     step = compile_step(config, mesh)
     program = step.program
@@ -100,7 +112,7 @@ def prepare(label: str, config: Config, mesh: MeshShape, steps: int) -> Variant:
     for batch in batches[:WARMUP_STEPS]:
         state, metrics = step.compiled(state, batch)
     jax.block_until_ready(metrics)
-    return Variant(label, step, state, batches, [])
+    return Variant(config, step, state, batches, [])
 
 
 def time_round(variant: Variant) -> None:
@@ -122,8 +134,8 @@ def print_throughput(variants: dict[str, Variant]) -> None:
         dense_mesh = mesh if mesh.expert == 1 else FSDP_MESH
         moe = statistics.median(variants[f"moe {mesh}"].tokens_per_s)
         dense = statistics.median(variants[f"dense {dense_mesh}"].tokens_per_s)
-        note = "" if dense_mesh == mesh else f"   (dense on {dense_mesh.describe()})"
-        print(f"{mesh.describe():<20} {moe:14,.1f} {dense:16,.1f} {moe / dense:12.3f}{note}")
+        note = "" if dense_mesh == mesh else f"   (dense on {mesh_name(dense_mesh)})"
+        print(f"{mesh_name(mesh):<20} {moe:14,.1f} {dense:16,.1f} {moe / dense:12.3f}{note}")
 
 
 def cost_analysis_flops(compiled: Any) -> float:
@@ -135,20 +147,31 @@ def cost_analysis_flops(compiled: Any) -> float:
 
 
 def print_flops(variants: dict[str, Variant]) -> None:
-    """Table 2: compiled FLOPs over model FLOPs of each model on one device, with the goal."""
+    """Table 2: compiled FLOPs over model FLOPs of each model on one device, with the goal and
+    the planner's prediction (msjax.planner.compute) on CPU and on a GPU."""
     print(f"\ncompiled FLOPs / model FLOPs on 1 device, remat=none (goal <= {FLOPS_GOAL:.2f})")
     print(
-        f"{'model':<8} {'model GFLOP':>12} {'XLA GFLOP':>10} {'ratio':>7} {'dots GFLOP':>11} {'ratio':>7}"
+        f"{'model':<6} {'model GFLOP':>12} {'XLA cost GFLOP':>15} {'ratio':>6} "
+        f"{'dots GFLOP':>11} {'ratio':>6} {'planner cpu':>12} {'planner gpu':>12}"
     )
     for name in ("moe", "dense"):
         variant = variants[f"{name} {ONE_DEVICE}"]
         model = flops_per_step(variant.config)
         xla = cost_analysis_flops(variant.step.compiled)
         dots = variant.step.flops.total
+        planned = {
+            platform: estimate_compute(variant.source_config, ONE_DEVICE, platform).ratio
+            for platform in ("cpu", "gpu")
+        }
         print(
-            f"{name:<8} {model / 1e9:12.4f} {xla / 1e9:10.4f} {xla / model:7.3f} "
-            f"{dots / 1e9:11.4f} {dots / model:7.3f}"
+            f"{name:<6} {model / 1e9:12.4f} {xla / 1e9:15.4f} {xla / model:6.3f} "
+            f"{dots / 1e9:11.4f} {dots / model:6.3f} {planned['cpu']:12.3f} {planned['gpu']:12.3f}"
         )
+    print(
+        "  dots: msjax.observe.compiled_flops, every dot times its loop trips; XLA's cost\n"
+        "  analysis counts a while loop's body (the scanned layers) once. On CPU ragged_dot runs\n"
+        "  every expert on every routed row (num_experts x the grouped work); a GPU groups them"
+    )
 
 
 def print_all_to_all(variant: Variant) -> None:
@@ -156,7 +179,7 @@ def print_all_to_all(variant: Variant) -> None:
     step = variant.step
     stats = step.collectives["all-to-all"]
     sent = step.sent_by_axes
-    print(f"\nall-to-all on {step.mesh.describe()}, per step, from the compiled program")
+    print(f"\nall-to-all on {mesh_name(step.mesh)}, per step, from the compiled program")
     print(f"  all-to-all ops {stats.ops}, runs per step {stats.executions}")
     print(f"  result bytes per device      {stats.result_bytes:14,d}")
     print(f"  sent over expert per device  {sent.get('expert', 0.0):14,.0f} bytes")
@@ -263,9 +286,9 @@ def main() -> None:
     )
     variants: dict[str, Variant] = {}
     for mesh in MESHES:
-        variants[f"moe {mesh}"] = prepare("moe", moe_config, mesh, args.steps)
+        variants[f"moe {mesh}"] = prepare(moe_config, mesh, args.steps)
         if mesh.expert == 1:
-            variants[f"dense {mesh}"] = prepare("dense", dense_config, mesh, args.steps)
+            variants[f"dense {mesh}"] = prepare(dense_config, mesh, args.steps)
     for _ in range(args.rounds):
         for variant in variants.values():
             time_round(variant)
