@@ -50,6 +50,7 @@ SMOKES = [
     # its other parts: tests/jobs/test_gpu_suite.py; {tmp} is the test's own directory
     Smoke("gpu_suite.py", ("--smoke", "--parts", "ceilings", "--out", "{tmp}/suite")),
     Smoke("kernels_gpu.py"),
+    Smoke("moe.py"),
     Smoke("observe_overhead.py"),
     Smoke("pipeline.py", slow=True),
     Smoke("recovery.py", slow=True),
@@ -169,6 +170,45 @@ def check_kernels_gpu(out: str, _: Path) -> None:
 KERNELS = {"flash_attention", "rms_norm", "add_rms_norm", "cross_entropy"}
 
 
+MOE_MESHES = ("1 device", "data 2 x fsdp 4", "data 2 x expert 4")
+
+
+def check_moe(out: str, _: Path) -> None:
+    for mesh in MOE_MESHES:
+        row = rf"\n{mesh}\s+{{N}}\s+[\d,.]+\s+[\d.]+"
+        moe = number(row, out)
+        dense = number(rf"\n{mesh}\s+[\d,.]+\s+{{N}}\s+[\d.]+", out)
+        assert_ratio(number(rf"\n{mesh}\s+[\d,.]+\s+[\d,.]+\s+{{N}}", out), moe, dense, 3, 1)
+    # the expert mesh's dense figure is the dense model's on data 2 x fsdp 4
+    assert number(r"\ndata 2 x expert 4\s+[\d,.]+\s+{N}", out) == number(
+        r"\ndata 2 x fsdp 4\s+[\d,.]+\s+{N}", out
+    )
+    # the smoke model: 1 dense layer of 128 and 1 MoE layer of 2 + 1 experts of 32
+    assert "dense: mlp_dim 112 = (1 x 128 + 1 x 3 x 32) / 2" in out
+    assert "(goal <= 1.10)" in out
+    for model in ("moe", "dense"):
+        columns = [float(value) for value in re.search(rf"\n{model} +(\d.*)", out)[1].split()]
+        model_gflop, xla_gflop, xla_ratio, dots_gflop, dots_ratio, planned_cpu, _ = columns
+        assert_ratio(xla_ratio, xla_gflop, model_gflop, 3, 4)
+        assert_ratio(dots_ratio, dots_gflop, model_gflop, 3, 4)
+        # at least the model's work, and what the planner predicts for this CPU step
+        assert 1.0 <= dots_ratio == pytest.approx(planned_cpu, rel=0.05)
+    # one MoE layer: its tokens out and back, forward and backward
+    assert number(r"all-to-all ops \d+, runs per step {N}", out) >= 4
+    result_bytes = number(r"result bytes per device\s+{N}", out)
+    expert_bytes = number(r"sent over expert per device\s+{N} bytes", out)
+    assert 0 < expert_bytes <= result_bytes
+    assert expert_bytes <= number(r"sent over all axes per device\s+{N} bytes", out)
+    dense_ms = number(r"dense reference \(masked\)\s+[\d.e+-]+\s+{N}", out)
+    for impl in (r"jax.lax.ragged_dot", r"pallas \(interpreted\)"):
+        error, ms, ratio = (
+            float(value) for value in re.search(rf"\n{impl}\s+(\S+)\s+(\S+)\s+(\S+)", out).groups()
+        )
+        assert 0 <= error <= 1e-4
+        assert_ratio(ratio, ms, dense_ms, 3, 3)
+    assert "(smoke: tiny model)" in out
+
+
 def check_observe_overhead(out: str, _: Path) -> None:
     off = number(r"flight recorder off\s+{N} tokens/s", out)
     on = number(r"flight recorder on\s+{N} tokens/s", out)
@@ -275,6 +315,7 @@ CHECKS = {
     "generate.py": check_generate,
     "gpu_suite.py": check_gpu_suite,
     "kernels_gpu.py": check_kernels_gpu,
+    "moe.py": check_moe,
     "observe_overhead.py": check_observe_overhead,
     "pipeline.py": check_pipeline,
     "recovery.py": check_recovery,
