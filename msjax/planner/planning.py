@@ -272,6 +272,8 @@ class StateBytes:
     layer_gathered: int  # one layer's parameters as gathered over fsdp (still split by tensor)
     fsdp_gathered: int  # all parameters as gathered over fsdp
     stage_gathered: int  # this device's stacked layers as gathered over fsdp
+    experts: int = 0  # of params, this device's share of the MoE layers' experts (split over
+    # the `expert` axis as well as fsdp)
 
 
 def state_bytes(config: Config, mesh: MeshShape) -> StateBytes:
@@ -293,6 +295,9 @@ def state_bytes(config: Config, mesh: MeshShape) -> StateBytes:
         layer_gathered=layer_gathered // (config.model.num_layers // mesh.pipe),  # per layer
         stage_gathered=layer_gathered,
         fsdp_gathered=sum(_shard_elements(a, rules, unsharded) * a.itemsize for a in params),
+        experts=sum(
+            _shard_elements(a, rules, sizes) * a.itemsize for a in params if "expert" in a.axes
+        ),
     )
 
 
