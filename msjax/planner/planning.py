@@ -21,7 +21,9 @@ from flax import nnx
 
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
+from msjax.models.moe import expert_capacity
 from msjax.parallel.context import LogicalAxes
+from msjax.parallel.experts import buffer_rows
 from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
@@ -343,6 +345,11 @@ def estimate_memory(
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
         head += dims.stage_runs * dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
     saved = dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + pipeline_saved
+    exchange = _exchange_buffers(config, mesh, dims)
+    if remat == "none":  # every MoE layer keeps its exchange's buffers for the backward pass
+        saved += (config.model.num_layers - config.model.moe.first_dense_layers) * exchange
+    else:  # the layer running backward rebuilds its own
+        pipeline_working += exchange
     if table is not None and table.runs_backward:
         saved, head, pipeline_working = _one_f_one_b_buffers(config, dims, state, remat)
     return MemoryEstimate(
@@ -357,6 +364,31 @@ def estimate_memory(
         working_bytes=round(_working_set(dims, remat) + gathered + pipeline_working),
         update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
     )
+
+
+# What one MoE layer's token exchange (msjax.parallel.experts) keeps for its backward pass, in
+# buffers of [expert x buffer_rows] rows: the token rows received, the same grouped by expert,
+# the experts' outputs and those sent back ([.., embed]); the gate, up, silu and product
+# ([.., expert_mlp]). Counted from the program, not yet fitted to XLA's buffer assignment.
+EXCHANGE_EMBED_BUFFERS = 4
+EXCHANGE_HIDDEN_BUFFERS = 4
+
+
+def _exchange_buffers(config: Config, mesh: MeshShape, dims: LocalDims) -> float:
+    """Bytes of one MoE layer's exchange buffers on a device (0 without expert parallelism):
+    dense [expert, buffer_rows, ...] buffers, worst case when dropless (msjax.parallel.experts)."""
+    moe = config.model.moe
+    if mesh.expert == 1 or not moe.enabled:
+        return 0.0
+    k = moe.experts_per_token
+    layer_tokens = dims.batch * dims.seq * config.mesh.batch_split()
+    capacity = expert_capacity(moe.capacity_factor, layer_tokens, k, moe.num_experts)
+    rows = mesh.expert * buffer_rows(
+        dims.batch * dims.seq * k, moe.num_experts // mesh.expert, capacity
+    )
+    hidden = moe.expert_mlp_dim or config.model.mlp_dim
+    widths = EXCHANGE_EMBED_BUFFERS * dims.embed + EXCHANGE_HIDDEN_BUFFERS * hidden
+    return rows * widths * dims.act_bytes
 
 
 def _loop_weights(config: Config, dims: LocalDims, state: StateBytes) -> float:
