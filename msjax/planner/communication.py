@@ -118,12 +118,8 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
     state = state_bytes(config, mesh)
     fsdp_bytes, gather_bytes = _fsdp_bytes(config, mesh, dims, state) if mesh.fsdp > 1 else (0, 0)
     if mesh.tensor > 1 and state.experts:
-        # Every tensor rank runs its experts whole on the same tokens, and XLA reduces their
-        # gradients by one all-reduce over fsdp x tensor, not a reduce-scatter over fsdp (read
-        # off the compiled step at fsdp 2 x expert 2 x tensor 2): counted on tensor
-        experts = state.experts * mesh.fsdp * _grad_itemsize(config, dims) / F32_BYTES
-        fsdp_bytes -= ring_all_gather_bytes(experts, mesh.fsdp)
-        tensor_bytes += ring_all_reduce_bytes(experts, mesh.fsdp * mesh.tensor)
+        off_fsdp, on_tensor = _expert_grads_over_tensor(config, mesh, dims, state)
+        fsdp_bytes, tensor_bytes = fsdp_bytes - off_fsdp, tensor_bytes + on_tensor
     # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
     tables = state.params - state.stacked
     if split > 1:  # sequence-parallel lookups: each tensor rank's gradient of the whole table
@@ -168,6 +164,20 @@ def _expert_bytes(config: Config, mesh: MeshShape, dims: LocalDims) -> float:
     recomputes = 0 if config.model.remat == "none" else 1
     per_layer = (1 + recomputes) * (2 * sent_rows + sent_ids) + 2 * sent_rows
     return (config.model.num_layers - moe.first_dense_layers) * per_layer
+
+
+def _expert_grads_over_tensor(
+    config: Config, mesh: MeshShape, dims: LocalDims, state: StateBytes
+) -> tuple[float, float]:
+    """(bytes no longer sent over fsdp, bytes sent over tensor instead) per pass: every tensor
+    rank runs its experts whole on the same tokens, and XLA reduces their gradients by one
+    all-reduce over fsdp x tensor, not a reduce-scatter over fsdp (read off the compiled step at
+    fsdp 2 x expert 2 x tensor 2), counted on tensor."""
+    experts = state.experts * mesh.fsdp * _grad_itemsize(config, dims) / F32_BYTES
+    return (
+        ring_all_gather_bytes(experts, mesh.fsdp),
+        ring_all_reduce_bytes(experts, mesh.fsdp * mesh.tensor),
+    )
 
 
 def _grad_itemsize(config: Config, dims: LocalDims) -> int:

@@ -345,11 +345,8 @@ def estimate_memory(
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
         head += dims.stage_runs * dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
     saved = dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + pipeline_saved
-    exchange = _exchange_buffers(config, mesh, dims)
-    if remat == "none":  # every MoE layer keeps its exchange's buffers for the backward pass
-        saved += (config.model.num_layers - config.model.moe.first_dense_layers) * exchange
-    else:  # the layer running backward rebuilds its own
-        pipeline_working += exchange
+    exchange_saved, exchange_working = _exchanges(config, mesh, dims, remat)
+    saved, pipeline_working = saved + exchange_saved, pipeline_working + exchange_working
     if table is not None and table.runs_backward:
         saved, head, pipeline_working = _one_f_one_b_buffers(config, dims, state, remat)
     return MemoryEstimate(
@@ -372,6 +369,15 @@ def estimate_memory(
 # ([.., expert_mlp]). Counted from the program, not yet fitted to XLA's buffer assignment.
 EXCHANGE_EMBED_BUFFERS = 4
 EXCHANGE_HIDDEN_BUFFERS = 4
+
+
+def _exchanges(config: Config, mesh: MeshShape, dims: LocalDims, remat: str) -> tuple[float, float]:
+    """(saved, working) bytes of the MoE layers' exchange buffers: every MoE layer keeps its own
+    for the backward pass, or under remat the layer running backward rebuilds its own."""
+    exchange = _exchange_buffers(config, mesh, dims)
+    if remat == "none":
+        return (config.model.num_layers - config.model.moe.first_dense_layers) * exchange, 0.0
+    return 0.0, exchange
 
 
 def _exchange_buffers(config: Config, mesh: MeshShape, dims: LocalDims) -> float:
