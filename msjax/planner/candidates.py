@@ -77,18 +77,34 @@ def parse_mesh(text: str) -> MeshShape:
     return MeshShape(data, fsdp, tensor, pipe)
 
 
-def factorisations(device_count: int, pipe: bool = True) -> list[MeshShape]:
-    """Every (data, fsdp, pipe, tensor) whose product is device_count (pipe 1 only unless `pipe`),
-    most data-parallel first."""
+def factorisations(
+    device_count: int, pipe: bool = True, experts: tuple[int, ...] = (1,)
+) -> list[MeshShape]:
+    """Every (data, fsdp, expert, pipe, tensor) whose product is device_count (pipe 1 only
+    unless `pipe`; expert sizes from `experts`), most data-parallel first."""
     divisors = [size for size in range(1, device_count + 1) if device_count % size == 0]
     meshes = [
-        MeshShape(data, fsdp, device_count // (data * fsdp * stages), stages)
+        MeshShape(data, fsdp, device_count // (data * fsdp * stages * expert), stages, expert)
         for data in divisors
         for fsdp in divisors
+        for expert in experts
         for stages in (divisors if pipe else [1])
-        if device_count % (data * fsdp * stages) == 0
+        if device_count % (data * fsdp * stages * expert) == 0
     ]
     return sorted(meshes, reverse=True)
+
+
+def expert_sizes(config: Config, device_count: int) -> tuple[int, ...]:
+    """The `expert` axis sizes to try: those dividing both the MoE layers' experts and the
+    devices (1 alone for a dense model)."""
+    num_experts = config.model.moe.num_experts
+    if num_experts == 0:
+        return (1,)
+    return tuple(
+        size
+        for size in range(1, num_experts + 1)
+        if num_experts % size == 0 and device_count % size == 0
+    )
 
 
 def config_for_mesh(config: Config, mesh: MeshShape, backend: str = PLANNED_BACKEND) -> Config:
@@ -111,9 +127,10 @@ def valid_meshes(
 ) -> list[MeshShape]:
     """The factorisations of device_count that pass the config's checks; with pipe sizes only
     when the config asks for a pipeline (mesh.pipe other than 1), since the step-time prediction
-    does not price the pipeline's bubble yet."""
+    does not price the pipeline's bubble yet; with expert sizes for a MoE model."""
     valid = []
-    for mesh in factorisations(device_count, pipe=config.mesh.pipe != 1):
+    pipe = config.mesh.pipe != 1
+    for mesh in factorisations(device_count, pipe, expert_sizes(config, device_count)):
         try:
             config_for_mesh(config, mesh, backend)
         except ConfigError:

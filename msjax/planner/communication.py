@@ -1,7 +1,8 @@
 """The analytical bytes one device sends per step over each mesh axis, with no devices.
 
-Ring collectives (all-reduce, all-gather, reduce-scatter) and the pipeline's collective permutes,
-counted from the shard sizes of msjax.planner.planning;
+Ring collectives (all-reduce, all-gather, reduce-scatter), the pipeline's collective permutes and
+the all-to-alls of expert-parallel MoE layers, counted from the shard sizes of
+msjax.planner.planning;
 `tests/unit/test_communication_model.py` holds them to the collectives of XLA's compiled programs.
 """
 
@@ -12,11 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from msjax.config import Config
+from msjax.models.moe import expert_capacity
+from msjax.parallel.experts import buffer_rows
 from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
 from msjax.parallel.schedules import ScheduleTable
 from msjax.planner.candidates import MeshShape, config_for_mesh
 from msjax.planner.planning import (
     F32_BYTES,
+    INT32_BYTES,
     LocalDims,
     StateBytes,
     head_param_bytes,
@@ -27,22 +31,33 @@ from msjax.planner.planning import (
 
 @dataclass(frozen=True)
 class CommEstimate:
-    """Bytes one device sends per step over each mesh axis (ring collectives, permutes)."""
+    """Bytes one device sends per step over each mesh axis (ring collectives, permutes,
+    all-to-alls)."""
 
     tensor_bytes: int  # Megatron all-reduces of activations
     fsdp_bytes: int  # weight all-gathers and gradient reduce-scatters
-    data_bytes: int  # gradient all-reduce across replicas
+    # gradient all-reduce across replicas: over data x expert for the weights every expert
+    # device holds, over data for the experts (each expert device holds its own)
+    data_bytes: int
     pipe_bytes: int = 0  # stage-to-stage activations and their gradients (collective permutes)
     fsdp_gather_bytes: int = 0  # of fsdp_bytes, the weight all-gathers
+    expert_bytes: int = 0  # MoE token exchange: all-to-alls over `expert`, each way and back
 
     @property
     def total_bytes(self) -> int:
-        return self.tensor_bytes + self.fsdp_bytes + self.data_bytes + self.pipe_bytes
+        return (
+            self.tensor_bytes
+            + self.fsdp_bytes
+            + self.data_bytes
+            + self.pipe_bytes
+            + self.expert_bytes
+        )
 
     def by_axis(self) -> dict[str, int]:
         return {
             "tensor": self.tensor_bytes,
             "fsdp": self.fsdp_bytes,
+            "expert": self.expert_bytes,
             "pipe": self.pipe_bytes,
             "data": self.data_bytes,
         }
@@ -56,6 +71,11 @@ def ring_all_reduce_bytes(size_bytes: float, group: int) -> float:
 def ring_all_gather_bytes(gathered_bytes: float, group: int) -> float:
     """Bytes one member sends to gather gathered_bytes (also a reduce-scatter of that size)."""
     return (group - 1) / group * gathered_bytes
+
+
+def all_to_all_bytes(size_bytes: float, group: int) -> float:
+    """Bytes one member sends in an all-to-all of its size_bytes buffer: all but its own block."""
+    return (group - 1) / group * size_bytes
 
 
 def forward_passes(remat: str) -> int:
@@ -97,13 +117,18 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         )
     state = state_bytes(config, mesh)
     fsdp_bytes, gather_bytes = _fsdp_bytes(config, mesh, dims, state) if mesh.fsdp > 1 else (0, 0)
+    if mesh.tensor > 1 and state.experts:
+        off_fsdp, on_tensor = _expert_grads_over_tensor(config, mesh, dims, state)
+        fsdp_bytes, tensor_bytes = fsdp_bytes - off_fsdp, tensor_bytes + on_tensor
     # GPipe and circular reduce the tables' gradients over data x pipe (see _pipe_bytes)
     tables = state.params - state.stacked
     if split > 1:  # sequence-parallel lookups: each tensor rank's gradient of the whole table
         tables += (split - 1) * dims.vocab * dims.embed / mesh.fsdp * F32_BYTES
     split_head = table is not None and not table.runs_backward
-    data_reduced = state.params - (tables if split_head else 0)
-    data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data) if mesh.data > 1 else 0.0
+    data_reduced = state.params - (tables if split_head else 0) - state.experts
+    # the expert devices are data-parallel replicas for every weight but the experts
+    data_bytes = ring_all_reduce_bytes(data_reduced, mesh.data * mesh.expert)
+    data_bytes += ring_all_reduce_bytes(state.experts, mesh.data)
     pipe_bytes = 0.0
     if table is not None:
         pipe_bytes = _pipe_bytes(table, dims, stream, replica_stream, tables, mesh)
@@ -114,7 +139,53 @@ def estimate_communication(config: Config, mesh: MeshShape) -> CommEstimate:
         round(passes_per_step * data_bytes),
         pipe_bytes=round(passes_per_step * pipe_bytes),
         fsdp_gather_bytes=round(passes_per_step * gather_bytes),
+        expert_bytes=round(passes_per_step * _expert_bytes(config, mesh, dims)),
     )
+
+
+def _expert_bytes(config: Config, mesh: MeshShape, dims: LocalDims) -> float:
+    """Bytes a device sends over `expert` per pass: its MoE layers' token exchanges
+    (msjax.parallel.experts), dense buffers of [expert, buffer_rows, embed] each way.
+
+    Per MoE layer and forward pass, the token rows sent to their experts' devices, their int32
+    expert ids beside them, and the outputs sent back; the backward pass sends both rows'
+    gradients the other way (the ids have none). A recomputing remat policy runs the forward's
+    exchanges again: their results are neither dots nor kept.
+    """
+    moe = config.model.moe
+    if mesh.expert == 1 or not moe.enabled:
+        return 0.0
+    k = moe.experts_per_token
+    pass_tokens = dims.replica_batch * dims.seq * config.mesh.batch_split()  # the layer's tokens
+    capacity = expert_capacity(moe.capacity_factor, pass_tokens, k, moe.num_experts)
+    rows = buffer_rows(dims.batch * dims.seq * k, moe.num_experts // mesh.expert, capacity)
+    sent_rows = all_to_all_bytes(mesh.expert * rows * dims.embed * dims.act_bytes, mesh.expert)
+    sent_ids = all_to_all_bytes(mesh.expert * rows * INT32_BYTES, mesh.expert)
+    recomputes = 0 if config.model.remat == "none" else 1
+    per_layer = (1 + recomputes) * (2 * sent_rows + sent_ids) + 2 * sent_rows
+    return (config.model.num_layers - moe.first_dense_layers) * per_layer
+
+
+def _expert_grads_over_tensor(
+    config: Config, mesh: MeshShape, dims: LocalDims, state: StateBytes
+) -> tuple[float, float]:
+    """(bytes no longer sent over fsdp, bytes sent over tensor instead) per pass: every tensor
+    rank runs its experts whole on the same tokens, and XLA reduces their gradients by one
+    all-reduce over fsdp x tensor, not a reduce-scatter over fsdp (read off the compiled step at
+    fsdp 2 x expert 2 x tensor 2), counted on tensor."""
+    experts = state.experts * mesh.fsdp * _grad_itemsize(config, dims) / F32_BYTES
+    return (
+        ring_all_gather_bytes(experts, mesh.fsdp),
+        ring_all_reduce_bytes(experts, mesh.fsdp * mesh.tensor),
+    )
+
+
+def _grad_itemsize(config: Config, dims: LocalDims) -> int:
+    """Bytes per element of the gradients reduced over fsdp: optim.grad_reduce_dtype's under a
+    narrower compute dtype, float32's otherwise."""
+    if dims.act_bytes < F32_BYTES:
+        return np.dtype(config.optim.grad_reduce_dtype).itemsize
+    return F32_BYTES
 
 
 def _fsdp_bytes(
@@ -143,7 +214,7 @@ def _fsdp_bytes(
     stacked = state.stage_gathered  # this device's stacked layers, whole over fsdp
     tables = state.fsdp_gathered - stacked
     reduce_itemsize = np.dtype(config.optim.grad_reduce_dtype).itemsize
-    grad_itemsize = reduce_itemsize if narrow else F32_BYTES
+    grad_itemsize = _grad_itemsize(config, dims)
     # a stage run gathers what it runs: one repeat's chunk of the device's layers under circular
     chunk, stacked_runs = stacked, 1
     if table is not None and (dims.layers > 1 or table.repeats > 1):

@@ -121,17 +121,21 @@ def format_plan(rows: list[PlanRow], own: MeshShape | None, memory_gib: float | 
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
     with_xla = any(row.xla_total_bytes is not None for row in rows)
     mesh_title = "mesh d,f,t" if all(row.mesh.pipe == 1 for row in rows) else "mesh d,f[,p],t"
+    with_experts = any(row.mesh.expert > 1 for row in rows)
     header = (
-        f"{mesh_title:>14} {'state':>8} {'grads':>8} {'activ.':>8} {'working':>8} "
-        f"{'total':>8} {'fits':>4}"
+        f"{mesh_title:>14}"
+        + (f" {'expert':>6}" if with_experts else "")
+        + f" {'state':>8} {'grads':>8} {'activ.':>8} {'working':>8} {'total':>8} {'fits':>4}"
         + (f" {'XLA':>8} {'ratio':>6} {'work':>5} {'XLA':>5}" if with_xla else "")
-        + f" | {'tensor':>8} {'fsdp':>8} {'pipe':>8} {'data':>8} | {'step s':>19} {'MFU %':>11}"
+        + f" | {'tensor':>8} {'fsdp':>8}"
+        + (f" {'expert':>8}" if with_experts else "")
+        + f" {'pipe':>8} {'data':>8} | {'step s':>19} {'MFU %':>11}"
     )
     lines = [
         f"per device, {unit}: memory (model) and bytes sent per step by axis (ring); step time "
         "serial..overlapped",
         header,
-        *(_plan_line(row, own, scale, with_xla) for row in rows),
+        *(_plan_line(row, own, scale, with_xla, with_experts) for row in rows),
     ]
     notes = ["state: parameters + optimizer moments (float32)"]
     if with_xla:
@@ -147,10 +151,15 @@ def format_plan(rows: list[PlanRow], own: MeshShape | None, memory_gib: float | 
     return "\n".join(lines)
 
 
-def _plan_line(row: PlanRow, own: MeshShape | None, scale: int, with_xla: bool) -> str:
+def _plan_line(
+    row: PlanRow, own: MeshShape | None, scale: int, with_xla: bool, with_experts: bool = False
+) -> str:
+    """One mesh's row of `format_plan`; with_experts: the expert size and traffic columns."""
     memory, comm = row.memory, row.comm
     fits = "-" if row.fits is None else ("yes" if row.fits else "NO")
     label = f"{row.mesh}{'*' if row.mesh == own else ''}"
+    if with_experts:
+        label = f"{label:>14} {row.mesh.expert:>6}"
     xla = ""
     if with_xla:
         total = row.xla_total_bytes
@@ -168,6 +177,8 @@ def _plan_line(row: PlanRow, own: MeshShape | None, scale: int, with_xla: bool) 
         memory.total_bytes,
     ]
     traffic = [comm.tensor_bytes, comm.fsdp_bytes, comm.pipe_bytes, comm.data_bytes]
+    if with_experts:
+        traffic.insert(2, comm.expert_bytes)
     return (
         f"{label:>14} "
         + " ".join(f"{size / scale:>8.2f}" for size in sizes)

@@ -21,7 +21,9 @@ from flax import nnx
 
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
+from msjax.models.moe import expert_capacity
 from msjax.parallel.context import LogicalAxes
+from msjax.parallel.experts import buffer_rows
 from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
 from msjax.parallel.rules import logical_axis_rules, logical_to_spec
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
@@ -272,6 +274,8 @@ class StateBytes:
     layer_gathered: int  # one layer's parameters as gathered over fsdp (still split by tensor)
     fsdp_gathered: int  # all parameters as gathered over fsdp
     stage_gathered: int  # this device's stacked layers as gathered over fsdp
+    experts: int = 0  # of params, this device's share of the MoE layers' experts (split over
+    # the `expert` axis as well as fsdp)
 
 
 def state_bytes(config: Config, mesh: MeshShape) -> StateBytes:
@@ -293,6 +297,9 @@ def state_bytes(config: Config, mesh: MeshShape) -> StateBytes:
         layer_gathered=layer_gathered // (config.model.num_layers // mesh.pipe),  # per layer
         stage_gathered=layer_gathered,
         fsdp_gathered=sum(_shard_elements(a, rules, unsharded) * a.itemsize for a in params),
+        experts=sum(
+            _shard_elements(a, rules, sizes) * a.itemsize for a in params if "expert" in a.axes
+        ),
     )
 
 
@@ -338,6 +345,8 @@ def estimate_memory(
     if mesh.fsdp > 1 and dims.act_bytes < F32_BYTES and remat == "none":
         head += dims.stage_runs * dims.layers * state.layer_gathered * dims.act_bytes / F32_BYTES
     saved = dims.stage_runs * dims.layers * _saved_per_layer(dims, remat) + pipeline_saved
+    exchange_saved, exchange_working = _exchanges(config, mesh, dims, remat)
+    saved, pipeline_working = saved + exchange_saved, pipeline_working + exchange_working
     if table is not None and table.runs_backward:
         saved, head, pipeline_working = _one_f_one_b_buffers(config, dims, state, remat)
     return MemoryEstimate(
@@ -352,6 +361,40 @@ def estimate_memory(
         working_bytes=round(_working_set(dims, remat) + gathered + pipeline_working),
         update_bytes=OPTIMIZER_PHASE_COPIES * state.params,
     )
+
+
+# What one MoE layer's token exchange (msjax.parallel.experts) keeps for its backward pass, in
+# buffers of [expert x buffer_rows] rows: the token rows received, the same grouped by expert,
+# the experts' outputs and those sent back ([.., embed]); the gate, up, silu and product
+# ([.., expert_mlp]). Counted from the program, not yet fitted to XLA's buffer assignment.
+EXCHANGE_EMBED_BUFFERS = 4
+EXCHANGE_HIDDEN_BUFFERS = 4
+
+
+def _exchanges(config: Config, mesh: MeshShape, dims: LocalDims, remat: str) -> tuple[float, float]:
+    """(saved, working) bytes of the MoE layers' exchange buffers: every MoE layer keeps its own
+    for the backward pass, or under remat the layer running backward rebuilds its own."""
+    exchange = _exchange_buffers(config, mesh, dims)
+    if remat == "none":
+        return (config.model.num_layers - config.model.moe.first_dense_layers) * exchange, 0.0
+    return 0.0, exchange
+
+
+def _exchange_buffers(config: Config, mesh: MeshShape, dims: LocalDims) -> float:
+    """Bytes of one MoE layer's exchange buffers on a device (0 without expert parallelism):
+    dense [expert, buffer_rows, ...] buffers, worst case when dropless (msjax.parallel.experts)."""
+    moe = config.model.moe
+    if mesh.expert == 1 or not moe.enabled:
+        return 0.0
+    k = moe.experts_per_token
+    layer_tokens = dims.batch * dims.seq * config.mesh.batch_split()
+    capacity = expert_capacity(moe.capacity_factor, layer_tokens, k, moe.num_experts)
+    rows = mesh.expert * buffer_rows(
+        dims.batch * dims.seq * k, moe.num_experts // mesh.expert, capacity
+    )
+    hidden = moe.expert_mlp_dim or config.model.mlp_dim
+    widths = EXCHANGE_EMBED_BUFFERS * dims.embed + EXCHANGE_HIDDEN_BUFFERS * hidden
+    return rows * widths * dims.act_bytes
 
 
 def _loop_weights(config: Config, dims: LocalDims, state: StateBytes) -> float:

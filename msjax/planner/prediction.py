@@ -142,16 +142,17 @@ def _prediction(
 
 
 def predict_mesh_step(config: Config, mesh: MeshShape, hardware: Hardware) -> StepPrediction:
-    """msjax's own layout: data x fsdp x pipe x tensor, tensor innermost (ConfigError if
+    """msjax's own layout: data x fsdp x expert x pipe x tensor, tensor innermost (ConfigError if
     invalid). A pipe mesh adds its bubble: (P - 1) / (R M) of the compute (R = 1 for gpipe and
     1F1B), the iterations in which stages run on nothing."""
     config = config_for_mesh(config, mesh)
     comm = estimate_communication(config, mesh)
-    strides = {
+    strides = {  # mesh order: data, fsdp, expert, pipe, tensor (innermost)
         "tensor": 1,
         "pipe": mesh.tensor,
-        "fsdp": mesh.tensor * mesh.pipe,
-        "data": mesh.tensor * mesh.pipe * mesh.fsdp,
+        "expert": mesh.tensor * mesh.pipe,
+        "fsdp": mesh.tensor * mesh.pipe * mesh.expert,
+        "data": mesh.tensor * mesh.pipe * mesh.expert * mesh.fsdp,
     }
     sizes = mesh.sizes()
     inside = {axis: _inside_node(strides[axis], sizes[axis], hardware) for axis in strides}

@@ -12,7 +12,7 @@ import pytest
 from msjax.config import load_config
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.aot import compile_step
-from msjax.planner.candidates import parse_mesh
+from msjax.planner.candidates import MeshShape, parse_mesh
 from msjax.planner.communication import estimate_communication, ring_all_gather_bytes
 
 CIRCULAR = "pipeline.schedule=circular pipeline.repeats=2"
@@ -214,3 +214,58 @@ def test_fsdp_gather_once_moves_the_stages_weights_over_fsdp_outside_the_pipelin
     for step in (per_iteration, once):
         planned = estimate_communication(step.config, step.mesh).fsdp_bytes
         assert planned == pytest.approx(step.sent_by_axes["fsdp"], rel=0.10)
+
+
+# Expert-parallel MoE (configs/tiny_moe.yaml, one dense and one MoE layer of 8 experts, top-2):
+# name: (mesh, overrides)
+MOE_MESHES = {
+    "data4-expert2": (MeshShape(data=4, fsdp=1, tensor=1, expert=2), ""),
+    "data2-expert4": (MeshShape(data=2, fsdp=1, tensor=1, expert=4), ""),
+    "fsdp2-expert2-tensor2": (MeshShape(data=1, fsdp=2, tensor=2, expert=2), ""),
+    # capacity-sized buffers: half the worst case's rows
+    "expert2-capacity0.5": (
+        MeshShape(data=1, fsdp=1, tensor=1, expert=2),
+        "model.moe.capacity_factor=0.5",
+    ),
+    # the forward's exchanges run again in the recomputed forward
+    "data4-expert2-remat-full": (MeshShape(data=4, fsdp=1, tensor=1, expert=2), "model.remat=full"),
+}
+MOE_RUN = ["train.global_batch=8", "data.seq_len=32", "model.num_layers=2", "mesh.tensor=1"]
+
+
+def _moe_planned_and_compiled(name: str):
+    mesh, overrides = MOE_MESHES[name]
+    config = load_config("configs/tiny_moe.yaml", [*MOE_RUN, *overrides.split()])
+    return estimate_communication(config, mesh).by_axis(), compile_step(config, mesh)
+
+
+def _exchanged_bytes(step) -> float:
+    """What the compiled step's all-to-alls send over `expert` (ring: all but a device's own
+    block of each buffer)."""
+    expert = step.mesh.expert
+    return step.collectives["all-to-all"].result_bytes * (expert - 1) / expert
+
+
+@pytest.mark.parametrize("name", MOE_MESHES)
+def test_planned_expert_all_to_all_and_gradient_bytes_are_within_10_percent_of_compiled(name):
+    """The all-to-alls over `expert` against the planned exchange; every other collective over
+    data, fsdp and expert (the expert devices being data-parallel replicas for all weights but
+    the experts) against the planned gradient reductions and gathers."""
+    planned, step = _moe_planned_and_compiled(name)
+    exchanged = _exchanged_bytes(step)
+    assert step.sent_by_axes["expert"] >= exchanged > 0  # the all-to-alls span expert alone
+    others: dict[str, float] = {}
+    for key, sent_bytes in step.sent_by_axes.items():
+        axes = [axis for axis in key.split("+") if axis != "expert"] or ["data"]
+        renamed = "+".join(["data", *axes] if "expert" in key and "data" not in axes else axes)
+        others[renamed] = others.get(renamed, 0.0) + sent_bytes
+    others["data"] -= exchanged
+    compiled = _by_planned_axis(others, planned)
+    compiled["expert"] = exchanged
+    if planned["data"] and planned["fsdp"]:
+        planned = dict(planned, **{"data+fsdp": planned["data"] + planned["fsdp"]})
+        del planned["data"], planned["fsdp"]
+    moving = {axis for axis, sent_bytes in planned.items() if sent_bytes}
+    assert moving == {axis for axis, sent_bytes in compiled.items() if sent_bytes > 1e4}
+    for axis in moving:
+        assert planned[axis] == pytest.approx(compiled[axis], rel=0.10), axis
