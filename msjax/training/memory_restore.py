@@ -2,19 +2,25 @@
 process agrees on the newest step that each holds whole (its own snapshot, else the copy its
 buddy holds for it), in the layout the run has now, and newer than the newest committed disk
 checkpoint; each restores that step from wherever its own part is whole and verified, else all
-go to the disk together."""
+go to the disk together. The state's `state_layout` and this process's `buddy_link` live here,
+where the restore needs them first; the snapshots' writer (msjax.training.memory_snapshots)
+takes them from here."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msjax.checkpoint.buddies import BuddyLink
+from msjax.checkpoint.buddies import BuddyLink, coordinator_address
 from msjax.checkpoint.buddy_transport import Refused
 from msjax.checkpoint.commits import committed_steps
+from msjax.checkpoint.fingerprint import leaf_name
 from msjax.checkpoint.snapshots import (
+    SHARED_MEMORY,
     ShardFile,
     SnapshotDamaged,
     SnapshotStore,
@@ -23,12 +29,82 @@ from msjax.checkpoint.snapshots import (
 )
 from msjax.config import Config
 from msjax.observe.goodput import read_records
-from msjax.parallel.agreement import ForgedValue, agree_any, agree_max, agree_min, process_vote
+from msjax.parallel.agreement import (
+    JOB_SECRET,
+    ForgedValue,
+    agree_any,
+    agree_max,
+    agree_min,
+    job_secret,
+    process_vote,
+)
 from msjax.run_dir import RunDir
-from msjax.training.memory_buddy import buddy_link
-from msjax.training.memory_snapshots import state_layout
 
 BUDDY_FAILURES = (OSError, Refused, ForgedValue, ValueError, KeyError, TypeError)
+
+
+_links: dict[str, BuddyLink] = {}  # run dir -> this process's link, made at its first use
+
+
+def buddy_link(config: Config, run_dir: Path) -> tuple[BuddyLink | None, str]:
+    """This process's link to its buddy, or None with why there is none ("" where none is asked
+    for: no snapshots, checkpoint.memory_buddy=false, or one process). Every process of the job
+    decides alike (the same config, process count and job secret), so either all publish their
+    server's address or none does."""
+    import jax
+    from jax._src.distributed import global_state
+
+    checkpoint = config.checkpoint
+    if not checkpoint.memory_every_steps or not checkpoint.memory_buddy:
+        return None, ""
+    if jax.process_count() < 2:
+        return None, ""
+    secret = job_secret()
+    if secret is None:
+        return None, f"no job secret to seal them with ({JOB_SECRET}; msjax.launch gives one)"
+    key = str(Path(run_dir).absolute())
+    if key not in _links:
+        _links[key] = BuddyLink(
+            Path(run_dir),
+            SHARED_MEMORY,
+            secret,
+            global_state.client,
+            coordinator_address(),
+            jax.process_index(),
+            jax.process_count(),
+        )
+    return _links[key], ""
+
+
+def state_layout(tree: Any) -> dict[str, Any]:
+    """How this process holds the state: the process count and index, the mesh, and a hash of
+    every leaf's shape, dtype and the index each local device holds. Works on arrays and on
+    jax.ShapeDtypeStruct leaves with a sharding alike, so a snapshot's layout can be held
+    against the state a run is about to restore into."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    described = []
+    for path, leaf in leaves:
+        indices = leaf.sharding.addressable_devices_indices_map(leaf.shape)
+        local = sorted(
+            (
+                device.id,
+                [
+                    list(part.indices(size))[:2]
+                    for part, size in zip(index, leaf.shape, strict=True)
+                ],
+            )
+            for device, index in indices.items()
+        )
+        described.append([leaf_name(path), list(leaf.shape), str(leaf.dtype), local])
+    mesh = getattr(leaves[0][1].sharding, "mesh", None) if leaves else None
+    return {
+        "process_count": jax.process_count(),
+        "process_index": jax.process_index(),
+        "mesh": dict(mesh.shape) if mesh is not None else {},
+        "leaves_sha256": hashlib.sha256(json.dumps(described).encode()).hexdigest(),
+    }
 
 
 @dataclass(frozen=True)
