@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msjax.checkpoint.buddies import BuddyLink, coordinator_address
-from msjax.checkpoint.buddy_transport import Refused
+from msjax.checkpoint.buddies import BuddyLink, Refused, coordinator_address
 from msjax.checkpoint.commits import committed_steps
 from msjax.checkpoint.fingerprint import leaf_name
 from msjax.checkpoint.snapshots import (

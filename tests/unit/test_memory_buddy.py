@@ -17,11 +17,12 @@ import pytest
 from test_memory_snapshot_votes import PROCESSES, clients  # noqa: F401 (a fixture)
 from test_memory_snapshots import abstract, sharded_state, write
 
-from msjax.checkpoint.buddies import BuddyLink, buddy_of
-from msjax.checkpoint.buddy_transport import (
+from msjax.checkpoint.buddies import (
     MAGIC,
+    BuddyLink,
     BuddyServer,
     Refused,
+    buddy_of,
     interface_address,
     request,
     send_message,
