@@ -212,6 +212,7 @@ class Candidates:
     held: dict[int, Any]
     link: BuddyLink | None
     reason: str  # why the newest is not usable, where it is not
+    held_here: bool  # whether this process holds any whole snapshot, usable or not
 
     def newest(self) -> int:
         return max([*self.own, *self.held], default=-1)
@@ -232,7 +233,8 @@ def candidates(config: Config, abstract_state: Any) -> Candidates:
     corruption = after_corruption(run_dir)
     if corruption:
         own, held, reason = [], {}, corruption
-    return Candidates(store, own, held, link, reason)
+    held_here = bool(store and store.complete_steps()) or bool(held)
+    return Candidates(store, own, held, link, reason, held_here)
 
 
 def read_step(
@@ -285,8 +287,7 @@ def restore_from_memory(
     found = candidates(config, abstract_state)
     step = agree_min(vote, found.newest())
     disk_step = agree_max(vote, [max(committed_steps(checkpoints), default=-1)])[0]
-    held_here = bool(found.store and found.store.complete_steps()) or bool(found.held)
-    held_anywhere = agree_any(vote, held_here)
+    held_anywhere = agree_any(vote, found.held_here)
     if step < 0 or step <= disk_step:
         if not held_anywhere:
             return None, ""
