@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from msjax.config import Config
-from msjax.data.batches import GlobalBatches, eval_batch_list
+from msjax.data.batches import Batch, GlobalBatches, PackedSource, eval_batch_list
 from msjax.data.identity import corpus_identity
-from msjax.data.packing import Batch, PackedSource
 from msjax.data.sources import SourceStreams, load_sources
 from msjax.data.tokenizer import Tokenizer, load_tokenizer
 from msjax.errors import MsjaxError

@@ -2,8 +2,8 @@
 
 Each `data.sources` entry becomes a `SourceStreams` of train and eval `TokenStore` pieces, every
 document's tokens followed by EOS. A text or stdlib source says what its cache key and documents
-are; `token_store.cached_stores` keeps them tokenized. Packing the streams into sequences is
-`pipeline.py`'s job.
+are; `token_store.cached_stores` keeps them tokenized. Packing the streams into rows is
+`batches.py`'s job.
 """
 
 from __future__ import annotations
