@@ -24,6 +24,8 @@ from msjax.checkpoint.snapshots import (
     SnapshotDamaged,
     SnapshotStore,
     process_snapshot_store,
+    usable_in,
+    usable_steps,
     verified_shards,
 )
 from msjax.config import Config
@@ -119,44 +121,6 @@ class MemoryRestored:
     source: str = "own"  # own: this process's snapshot; buddy: the copy its buddy held
 
 
-def usable_steps(store: SnapshotStore | None, layout: dict[str, Any]) -> tuple[list[int], str]:
-    """The whole snapshots whose layout is the run's now, oldest first, and why the newest whole
-    one is not usable ("" when it is, or there is none)."""
-    if store is None:
-        return [], "no writable /dev/shm on this node"
-    manifests: dict[int, dict[str, Any] | SnapshotDamaged] = {}
-    for step in store.complete_steps():
-        try:
-            manifests[step] = store.manifest(step)
-        except SnapshotDamaged as error:
-            manifests[step] = error
-    return usable_in(manifests, layout)
-
-
-def usable_in(
-    manifests: dict[int, dict[str, Any] | SnapshotDamaged], layout: dict[str, Any]
-) -> tuple[list[int], str]:
-    """The steps of `manifests` (a damaged one as its error) saved in `layout`, oldest first,
-    and why the newest is not usable ("" when it is, or there is none)."""
-    usable, reason = [], ""
-    for step, manifest in sorted(manifests.items()):
-        if isinstance(manifest, SnapshotDamaged):
-            reason = str(manifest)
-            continue
-        saved = manifest.get("layout", {})
-        if saved == layout:
-            usable.append(step)
-            reason = ""
-        elif saved.get("process_count") != layout["process_count"]:
-            reason = f"the process count changed ({saved.get('process_count')} -> now "
-            reason += f"{layout['process_count']})"
-        elif saved.get("mesh") != layout["mesh"]:
-            reason = f"the mesh changed ({saved.get('mesh')} -> now {layout['mesh']})"
-        else:
-            reason = "the state's layout on this process's devices changed"
-    return usable, reason
-
-
 def buddy_steps(link: BuddyLink | None, layout: dict[str, Any]) -> tuple[dict[int, Any], str]:
     """The manifests of the usable copies this process's buddy holds for it, by step, and why
     there are none where it was asked ("" when it has some, or was not asked)."""
@@ -225,9 +189,9 @@ def candidates(config: Config, abstract_state: Any) -> Candidates:
     run_dir = Path(config.run.dir or ".")
     store = process_snapshot_store(run_dir, jax.process_index())
     layout = state_layout(abstract_state)
-    own, reason = usable_steps(store, layout)
     link, _ = buddy_link(config, run_dir)
     held, held_reason = buddy_steps(link, layout)
+    own, reason = usable_steps(store, layout)
     if not own and not held:
         reason = "; ".join(part for part in (reason, held_reason) if part)
     corruption = after_corruption(run_dir)
