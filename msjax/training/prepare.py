@@ -18,7 +18,7 @@ from msjax.checkpoint.commits import resume_source
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
-from msjax.data.identity import allowed_corpus_changes
+from msjax.data.identity import allowed_corpus_changes, corpus_facts, corpus_identity
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, announce_devices, initialize_distributed
 from msjax.llama_config import model_from_init
@@ -225,7 +225,7 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     with watch:
         data = build_training_data(config, message)
-    facts, corpus = data.facts(), data.identity()
+    facts, corpus = corpus_facts(data), corpus_identity(data.tokenizer.name, data.sources)
     return RunData(data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
 
 
