@@ -24,9 +24,8 @@ from msjax.distributed import JobEnv, announce_devices, initialize_distributed
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
-from msjax.observe.loop_observer import LoopObserver
+from msjax.observe.loop_observer import LoopObserver, ProfileCapture
 from msjax.observe.metrics import ProgressLine
-from msjax.observe.profiles import ProfileCapture
 from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
 from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
