@@ -14,10 +14,10 @@ import json
 import os
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,16 @@ class SourceStreams:
     facts: dict[str, Any]  # JSON-able, for the run record: kind, files, documents, tokens, cache
 
 
+class TokenizedSource(NamedTuple):
+    """A text or stdlib source as token_store.cached_stores takes it: its label, its cache key,
+    its facts, and its documents (read only on a cache miss)."""
+
+    label: str
+    key: dict[str, Any]
+    facts: dict[str, Any]
+    documents: Callable[[], Iterator[Document]]
+
+
 def resolve_cache_dir(data: DataConfig) -> Path:
     """data.cache_dir, else $MSJAX_CACHE_DIR, else ~/.cache/msjax."""
     configured = data.cache_dir or os.environ.get("MSJAX_CACHE_DIR") or "~/.cache/msjax"
@@ -69,19 +79,22 @@ def load_sources(
     streams = []
     for source in data.sources:
         if source.path == "stdlib":
-            streams.append(_stdlib_source(data, tokenizer, cache_dir, report))
-            continue
-        files = _match_files(source.path)
-        kinds = {_file_kind(path) for path, _ in files}
-        if kinds == {"tokens"}:
-            streams.append(_token_file_source(source, data, files, vocab_size, cache_dir))
-        elif "tokens" in kinds:
-            raise MsjaxError(
-                f"data.sources path {source.path!r} mixes text files and token files "
-                f"({', '.join(TOKEN_SUFFIXES)}); give them as separate sources"
-            )
+            tokenized = _stdlib_source(data, tokenizer, report)
         else:
-            streams.append(_text_source(source, data, files, tokenizer, cache_dir, report))
+            files = _match_files(source.path)
+            kinds = {_file_kind(path) for path, _ in files}
+            if kinds == {"tokens"}:
+                streams.append(_token_file_source(source, data, files, vocab_size, cache_dir))
+                continue
+            if "tokens" in kinds:
+                raise MsjaxError(
+                    f"data.sources path {source.path!r} mixes text files and token files "
+                    f"({', '.join(TOKEN_SUFFIXES)}); give them as separate sources"
+                )
+            tokenized = _text_source(source, data, files, tokenizer, cache_dir, report)
+        label, key, facts, documents = tokenized
+        stored = cached_stores(label, key, facts, documents, tokenizer, cache_dir, report)
+        streams.append(SourceStreams(label, *stored))
     return streams
 
 
@@ -150,7 +163,8 @@ def _text_source(
     tokenizer: Tokenizer,
     cache_dir: Path,
     report: Report,
-) -> SourceStreams:
+) -> TokenizedSource:
+    """A text source's cache key, facts and documents (its files hashed, remembered by stat)."""
     hashes = [(relative, _file_sha256(path, cache_dir)) for path, relative in files]
     key = {
         "kind": "text",
@@ -173,8 +187,7 @@ def _text_source(
                 _report_replaced(report, path, replaced_in_file)
 
     facts = {"kind": "text", "num_files": len(files), "files": files_facts}
-    stored = cached_stores(source.path, key, facts, documents, tokenizer, cache_dir, report)
-    return SourceStreams(source.path, *stored)
+    return TokenizedSource(source.path, key, facts, documents)
 
 
 def _report_replaced(report: Report, path: Path, replaced: int) -> None:
@@ -202,9 +215,8 @@ def _file_sha256(path: Path, cache_dir: Path) -> str:
 # --- the stdlib source -------------------------------------------------------------------------
 
 
-def _stdlib_source(
-    data: DataConfig, tokenizer: Tokenizer, cache_dir: Path, report: Report
-) -> SourceStreams:
+def _stdlib_source(data: DataConfig, tokenizer: Tokenizer, report: Report) -> TokenizedSource:
+    """The stdlib source's cache key, facts and documents (the files data.max_corpus_mib keeps)."""
     root, selected = select_stdlib_documents(data.max_corpus_mib)
     listing = []
     for relative, size_bytes in selected:
@@ -240,8 +252,7 @@ def _stdlib_source(
                 _report_replaced(report, root / relative, replaced)
             yield held_out, text, replaced
 
-    stored = cached_stores("stdlib", key, facts, documents, tokenizer, cache_dir, report)
-    return SourceStreams("stdlib", *stored)
+    return TokenizedSource("stdlib", key, facts, documents)
 
 
 # --- pre-tokenized sources: read in place ------------------------------------------------------
