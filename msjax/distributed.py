@@ -158,7 +158,7 @@ def initialize_distributed(
     # gloo carries CPU collectives across processes (the default in newer JAX); GPUs use NCCL
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX's preemption service installs its own SIGTERM handler, which swallows the signal;
-    # msjax answers SIGTERM itself (msjax.training.stop_signal) and never asks that service
+    # msjax answers SIGTERM itself (msjax.training.decisions) and never asks that service
     with contextlib.suppress(AttributeError):  # a JAX without the option has no such handler
         jax.config.update("jax_enable_preemption_service", False)
     # the slot's own devices; None lets JAX choose (under Slurm: GPU SLURM_LOCALID alone)

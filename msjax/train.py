@@ -27,7 +27,7 @@ from msjax.resilience.crash_records import record_crash
 from msjax.resilience.fault_kinds import kind_of_error
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import dump_stacks_from_start
-from msjax.training.stop_signal import (
+from msjax.training.decisions import (
     forget_stop_signals_from_start,
     remember_stop_signals_from_start,
 )
@@ -123,14 +123,13 @@ def train(
 
     listeners: more `LoopEvents` to tell what happens around each step, after msjax's own.
     """
-    from msjax.training.decisions import Decider
+    from msjax.training.decisions import Decider, StopSignal
     from msjax.training.prepare import prepare_run
     from msjax.training.replica_checks import ReplicaChecks
-    from msjax.training.stop_signal import StopSignal
 
     run = prepare_run(config, progress_stream, listeners)
     # the stop signal's handler stays installed through end_run: a SIGTERM during the final
-    # save only repeats the request to stop (msjax.training.stop_signal)
+    # save only repeats the request to stop (msjax.training.decisions)
     grace_s = run.config.resilience.checkpoint_deadline_s
     with run.events, StopSignal(grace_s) as stop:
         decide = Decider(run.config, stop, bool(run.steps.validation), run.saves)

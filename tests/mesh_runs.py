@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from msjax.config import Config, config_from_dict
-from msjax.data.packing import pack_rows
+from msjax.data.batches import pack_rows
 from msjax.data.tokenizer import ByteTokenizer
 from msjax.parallel.mesh import build_mesh
 from msjax.resolve import resolve

@@ -3,8 +3,10 @@ shared-memory filesystem, so they outlive a killed worker; written, listed and v
 
 A snapshot is a directory `step-STEP` of raw shard files and a `manifest.json` naming each file
 with its sha256, written under a temporary name and renamed once whole (a peer could later copy
-such a directory as it is). When and from which thread they are written is the loop's
-(msjax.training.memory_snapshots), and so is restoring them.
+such a directory as it is). Which of them were saved in the layout a run has now is
+told here too (`usable_steps`, `usable_in`: a manifest records its layout). When and from which
+thread they are written is the loop's (msjax.training.memory_snapshots), and so is restoring them
+(msjax.training.memory_restore).
 """
 
 from __future__ import annotations
@@ -282,6 +284,44 @@ class SnapshotStore:
                 ) from None
 
         return manifest, verified_shards(manifest, file_data, str(self.path(step)))
+
+
+def usable_steps(store: SnapshotStore | None, layout: dict[str, Any]) -> tuple[list[int], str]:
+    """The whole snapshots whose layout is the run's now, oldest first, and why the newest whole
+    one is not usable ("" when it is, or there is none)."""
+    if store is None:
+        return [], "no writable /dev/shm on this node"
+    manifests: dict[int, dict[str, Any] | SnapshotDamaged] = {}
+    for step in store.complete_steps():
+        try:
+            manifests[step] = store.manifest(step)
+        except SnapshotDamaged as error:
+            manifests[step] = error
+    return usable_in(manifests, layout)
+
+
+def usable_in(
+    manifests: dict[int, dict[str, Any] | SnapshotDamaged], layout: dict[str, Any]
+) -> tuple[list[int], str]:
+    """The steps of `manifests` (a damaged one as its error) saved in `layout`, oldest first,
+    and why the newest is not usable ("" when it is, or there is none)."""
+    usable, reason = [], ""
+    for step, manifest in sorted(manifests.items()):
+        if isinstance(manifest, SnapshotDamaged):
+            reason = str(manifest)
+            continue
+        saved = manifest.get("layout", {})
+        if saved == layout:
+            usable.append(step)
+            reason = ""
+        elif saved.get("process_count") != layout["process_count"]:
+            reason = f"the process count changed ({saved.get('process_count')} -> now "
+            reason += f"{layout['process_count']})"
+        elif saved.get("mesh") != layout["mesh"]:
+            reason = f"the mesh changed ({saved.get('mesh')} -> now {layout['mesh']})"
+        else:
+            reason = "the state's layout on this process's devices changed"
+    return usable, reason
 
 
 def is_snapshot_file(name: str) -> bool:

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from msjax.config import Config
-from msjax.data.batches import GlobalBatches, eval_batch_list
-from msjax.data.identity import corpus_identity
-from msjax.data.packing import Batch, PackedSource
+from msjax.data.batches import Batch, GlobalBatches, PackedSource, eval_batch_list
 from msjax.data.sources import SourceStreams, load_sources
 from msjax.data.tokenizer import Tokenizer, load_tokenizer
 from msjax.errors import MsjaxError
@@ -26,20 +23,6 @@ class TrainingData:
     train: GlobalBatches
     validation: list[Batch]  # [global_batch, seq] arrays; empty when nothing is held out
     sources: list[SourceStreams]
-
-    def identity(self) -> dict[str, Any]:
-        """The corpus as a checkpoint records it (msjax.data.identity)."""
-        return corpus_identity(self.tokenizer.name, self.sources)
-
-    def facts(self) -> dict[str, Any]:
-        """What each source holds, for the run record."""
-        return {
-            "tokenizer": self.tokenizer.name,
-            "sources": [
-                {"path": streams.label, **streams.facts, "train_sequences": packed.num_sequences}
-                for streams, packed in zip(self.sources, self.train.sources, strict=True)
-            ],
-        }
 
 
 def build_training_data(config: Config, report: Callable[[str], None]) -> TrainingData:

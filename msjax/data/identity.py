@@ -1,4 +1,5 @@
-"""What a corpus is, as a checkpoint records it, and what changed between two of them.
+"""What a corpus is, as a checkpoint records it, and what changed between two of them; and what
+each source holds, as the run record tells it (`corpus_facts`).
 
 Per source: its files with their sha256 (text) or size (token files, read in place), or the
 stdlib listing's digest, and the token-store key; plus the tokenizer. A resumed run compares
@@ -9,10 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msjax.data.sources import SourceStreams
 from msjax.errors import MsjaxError
+
+if TYPE_CHECKING:
+    from msjax.data.dataset import TrainingData
+
+
+def corpus_facts(data: TrainingData) -> dict[str, Any]:
+    """What each source of the run's data holds, for the run record (data_facts.json)."""
+    return {
+        "tokenizer": data.tokenizer.name,
+        "sources": [
+            {"path": streams.label, **streams.facts, "train_sequences": packed.num_sequences}
+            for streams, packed in zip(data.sources, data.train.sources, strict=True)
+        ],
+    }
 
 
 def corpus_identity(tokenizer_name: str, sources: list[SourceStreams]) -> dict[str, Any]:

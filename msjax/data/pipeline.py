@@ -22,8 +22,7 @@ import grain
 import jax
 import numpy as np
 
-from msjax.data.batches import GlobalBatches
-from msjax.data.packing import Batch
+from msjax.data.batches import Batch, GlobalBatches
 
 _NO_END = 2**62  # steps of the row stream: it ends when training does
 ORPHAN_CHECK_S = 0.5  # how often a Grain data process checks that its worker is still there

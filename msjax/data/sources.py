@@ -2,17 +2,15 @@
 
 Each `data.sources` entry becomes a `SourceStreams` of train and eval `TokenStore` pieces, every
 document's tokens followed by EOS. A text or stdlib source says what its cache key and documents
-are; `token_store.cached_stores` keeps them tokenized. Packing the streams into sequences is
-`pipeline.py`'s job.
+are; `token_store.cached_stores` keeps them tokenized. Packing the streams into rows is
+`batches.py`'s job.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
-import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,16 +21,17 @@ import numpy as np
 
 from msjax.config import DataConfig, SourceConfig
 from msjax.data.progress import report_progress
-from msjax.data.stdlib_corpus import is_eval_document, select_stdlib_documents
-from msjax.data.text_files import decode_utf8, text_documents
+from msjax.data.stdlib_corpus import stdlib_source
+from msjax.data.text_files import report_replaced, text_documents
 from msjax.data.token_store import (
     Document,
     Report,
+    TokenizedSource,
     TokenStore,
     cached_stores,
     write_atomically,
 )
-from msjax.data.tokenizer import ByteTokenizer, Tokenizer, check_tokenizer_spec
+from msjax.data.tokenizer import Tokenizer, check_tokenizer_spec
 from msjax.errors import MsjaxError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
@@ -68,20 +67,23 @@ def load_sources(
     cache_dir = resolve_cache_dir(data)
     streams = []
     for source in data.sources:
-        if source.path == "stdlib":
-            streams.append(_stdlib_source(data, tokenizer, cache_dir, report))
-            continue
-        files = _match_files(source.path)
-        kinds = {_file_kind(path) for path, _ in files}
-        if kinds == {"tokens"}:
-            streams.append(_token_file_source(source, data, files, vocab_size, cache_dir))
-        elif "tokens" in kinds:
-            raise MsjaxError(
-                f"data.sources path {source.path!r} mixes text files and token files "
-                f"({', '.join(TOKEN_SUFFIXES)}); give them as separate sources"
-            )
+        if source.path != "stdlib":
+            files = _match_files(source.path)
+            kinds = {_file_kind(path) for path, _ in files}
+            if kinds == {"tokens"}:
+                streams.append(_token_file_source(source, data, files, vocab_size, cache_dir))
+                continue
+            if "tokens" in kinds:
+                raise MsjaxError(
+                    f"data.sources path {source.path!r} mixes text files and token files "
+                    f"({', '.join(TOKEN_SUFFIXES)}); give them as separate sources"
+                )
+            tokenized = _text_source(source, data, files, tokenizer, cache_dir, report)
         else:
-            streams.append(_text_source(source, data, files, tokenizer, cache_dir, report))
+            tokenized = stdlib_source(data, tokenizer, report)
+        label, key, facts, documents = tokenized
+        stored = cached_stores(label, key, facts, documents, tokenizer, cache_dir, report)
+        streams.append(SourceStreams(label, *stored))
     return streams
 
 
@@ -150,7 +152,8 @@ def _text_source(
     tokenizer: Tokenizer,
     cache_dir: Path,
     report: Report,
-) -> SourceStreams:
+) -> TokenizedSource:
+    """A text source's cache key, facts and documents (its files hashed, remembered by stat)."""
     hashes = [(relative, _file_sha256(path, cache_dir)) for path, relative in files]
     key = {
         "kind": "text",
@@ -170,15 +173,10 @@ def _text_source(
                 held_out = zlib.crc32(f"{relative}:{index}".encode()) < data.eval_fraction * 2**32
                 yield held_out, text, replaced
             if replaced_in_file:
-                _report_replaced(report, path, replaced_in_file)
+                report_replaced(report, path, replaced_in_file)
 
     facts = {"kind": "text", "num_files": len(files), "files": files_facts}
-    stored = cached_stores(source.path, key, facts, documents, tokenizer, cache_dir, report)
-    return SourceStreams(source.path, *stored)
-
-
-def _report_replaced(report: Report, path: Path, replaced: int) -> None:
-    report(f"{path}: replaced {replaced} undecodable byte sequences with U+FFFD")
+    return TokenizedSource(source.path, key, facts, documents)
 
 
 def _file_sha256(path: Path, cache_dir: Path) -> str:
@@ -197,51 +195,6 @@ def _file_sha256(path: Path, cache_dir: Path) -> str:
             report_progress(len(chunk))
     write_atomically(memo, digest.hexdigest().encode())
     return digest.hexdigest()
-
-
-# --- the stdlib source -------------------------------------------------------------------------
-
-
-def _stdlib_source(
-    data: DataConfig, tokenizer: Tokenizer, cache_dir: Path, report: Report
-) -> SourceStreams:
-    root, selected = select_stdlib_documents(data.max_corpus_mib)
-    listing = []
-    for relative, size_bytes in selected:
-        listing.append((relative, size_bytes, (root / relative).stat().st_mtime_ns))
-    key = {
-        "kind": "stdlib",
-        "tokenizer": tokenizer.name,
-        "root": str(root),
-        "eval_fraction": data.eval_fraction,
-        "files": listing,
-    }
-    # Thousands of files: the facts carry a digest of the listing rather than the listing.
-    facts = {
-        "kind": "stdlib",
-        "root": str(root),
-        "python_version": sys.version.split()[0],
-        "num_files": len(listing),
-        "files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(),
-    }
-    # The byte tokenizer takes the raw bytes, as load_corpus does: a few stdlib test files are
-    # deliberately not UTF-8, and their bytes stay exact.
-    raw_bytes = isinstance(tokenizer, ByteTokenizer)
-
-    def documents() -> Iterator[Document]:
-        for relative, _, _ in listing:
-            raw = (root / relative).read_bytes()
-            held_out = is_eval_document(relative, data.eval_fraction)
-            if raw_bytes:
-                yield held_out, raw, 0
-                continue
-            text, replaced = decode_utf8(raw)
-            if replaced:
-                _report_replaced(report, root / relative, replaced)
-            yield held_out, text, replaced
-
-    stored = cached_stores("stdlib", key, facts, documents, tokenizer, cache_dir, report)
-    return SourceStreams("stdlib", *stored)
 
 
 # --- pre-tokenized sources: read in place ------------------------------------------------------

@@ -2,22 +2,28 @@
 
 It exists on every machine without a download. Library modules come first and tests fill the rest
 of the `data.max_corpus_mib` budget; ~`data.eval_fraction` of documents are held out by path hash.
-`sources.py` tokenizes the same documents, split the same way, with any tokenizer.
+`stdlib_source` gives the same documents, split the same way, to be tokenized with any tokenizer
+(msjax.data.sources, msjax.data.token_store).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from msjax.config import DataConfig
-from msjax.data.tokenizer import ByteTokenizer
+from msjax.data.text_files import decode_utf8, report_replaced
+from msjax.data.token_store import Document, Report, TokenizedSource
+from msjax.data.tokenizer import ByteTokenizer, Tokenizer
 from msjax.errors import MsjaxError
 
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -127,3 +133,43 @@ def _token_stream(contents: list[bytes]) -> np.ndarray:
     stream[~is_byte] = ByteTokenizer.eos_id
     stream[is_byte] = np.frombuffer(b"".join(contents), dtype=np.uint8)
     return stream
+
+
+def stdlib_source(data: DataConfig, tokenizer: Tokenizer, report: Report) -> TokenizedSource:
+    """The stdlib source's cache key, facts and documents (the files data.max_corpus_mib keeps)."""
+    root, selected = select_stdlib_documents(data.max_corpus_mib)
+    listing = []
+    for relative, size_bytes in selected:
+        listing.append((relative, size_bytes, (root / relative).stat().st_mtime_ns))
+    key = {
+        "kind": "stdlib",
+        "tokenizer": tokenizer.name,
+        "root": str(root),
+        "eval_fraction": data.eval_fraction,
+        "files": listing,
+    }
+    # Thousands of files: the facts carry a digest of the listing rather than the listing.
+    facts = {
+        "kind": "stdlib",
+        "root": str(root),
+        "python_version": sys.version.split()[0],
+        "num_files": len(listing),
+        "files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(),
+    }
+    # The byte tokenizer takes the raw bytes, as load_corpus does: a few stdlib test files are
+    # deliberately not UTF-8, and their bytes stay exact.
+    raw_bytes = isinstance(tokenizer, ByteTokenizer)
+
+    def documents() -> Iterator[Document]:
+        for relative, _, _ in listing:
+            raw = (root / relative).read_bytes()
+            held_out = is_eval_document(relative, data.eval_fraction)
+            if raw_bytes:
+                yield held_out, raw, 0
+                continue
+            text, replaced = decode_utf8(raw)
+            if replaced:
+                report_replaced(report, root / relative, replaced)
+            yield held_out, text, replaced
+
+    return TokenizedSource("stdlib", key, facts, documents)

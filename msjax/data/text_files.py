@@ -7,7 +7,7 @@ import codecs
 import gzip
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from msjax.data.progress import report_progress
@@ -132,6 +132,11 @@ def _read_text_file(path: Path) -> tuple[TextPieces, int]:
     if pending:
         pieces.append(pending)
     return tuple(pieces), replaced + decoded.count("\ufffd")
+
+
+def report_replaced(report: Callable[[str], None], path: Path, replaced: int) -> None:
+    """Tell how many undecodable byte sequences of `path` became U+FFFD."""
+    report(f"{path}: replaced {replaced} undecodable byte sequences with U+FFFD")
 
 
 def decode_utf8(raw: bytes) -> tuple[str, int]:

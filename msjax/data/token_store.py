@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,16 @@ TOKENIZE_PIECE_CHARS = 2**20
 
 Report = Callable[[str], None]
 Document = tuple[bool, str | bytes | TextPieces, int]  # held out, its text, sequences replaced
+
+
+class TokenizedSource(NamedTuple):
+    """A text or stdlib source as cached_stores takes it: its label, its cache key,
+    its facts, and its documents (read only on a cache miss)."""
+
+    label: str
+    key: dict[str, Any]
+    facts: dict[str, Any]
+    documents: Callable[[], Iterator[Document]]
 
 
 def _writer_prefix(path: Path) -> str:

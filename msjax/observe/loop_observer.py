@@ -1,5 +1,11 @@
-"""Per-rank timing (rank_timing.py) and the flight recorder (flight_recorder.py) as one listener
-of the train loop's events."""
+"""The listeners that observe each rank's loop: per-rank timing (rank_timing.py) and the flight
+recorder (flight_recorder.py) as one listener (`LoopObserver`), and JAX profiler traces of chosen
+steps (`ProfileCapture`, `observe.profile_steps=[first, last]`).
+
+Each rank writes its own trace into RUN_DIR/profiles/rank<r>/ (TensorBoard's profile plugin or
+Perfetto read it). The trace starts at the top of step `first` and stops once step `last`'s
+result is read back, so it covers the steps' device work.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax.config import ObserveConfig
-from msjax.loop_events import LoopEvents
+from msjax.loop_events import LoopEvents, StepRecord
 from msjax.observe.flight_recorder import FlightRecorder
 from msjax.observe.rank_timing import RankTiming, mesh_coordinates
 
@@ -100,3 +106,41 @@ class LoopObserver(LoopEvents):
             self.recorder.close(event, final_step)
         if self.timing is not None:
             self.timing.close()
+
+
+class ProfileCapture(LoopEvents):
+    """Starts and stops the JAX profiler around a range of steps."""
+
+    def __init__(self, directory: Path, first: int, last: int):
+        self.directory = directory
+        self.first, self.last = first, last
+        self.tracing = False
+
+    def step_begin(self, step: int) -> None:
+        if step == self.first and not self.tracing:
+            import jax
+
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory))
+            self.tracing = True
+
+    def step_end(self, record: StepRecord) -> None:
+        if record["step"] >= self.last:
+            self._stop()
+
+    def step_skipped(self, step: int) -> None:
+        if step >= self.last:
+            self._stop()
+
+    def run_end(self, final_step: int) -> None:
+        self._stop()  # the run ended (or resumed past `first`) before `last`
+
+    def run_failed(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self.tracing:
+            import jax
+
+            jax.profiler.stop_trace()
+            self.tracing = False

@@ -2,33 +2,110 @@
 process agrees on the newest step that each holds whole (its own snapshot, else the copy its
 buddy holds for it), in the layout the run has now, and newer than the newest committed disk
 checkpoint; each restores that step from wherever its own part is whole and verified, else all
-go to the disk together."""
+go to the disk together. The state's `state_layout` and this process's `buddy_link` live here,
+where the restore needs them first; the snapshots' writer (msjax.training.memory_snapshots)
+takes them from here."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from msjax.checkpoint.buddies import BuddyLink
-from msjax.checkpoint.buddy_transport import Refused
+from msjax.checkpoint.buddies import BuddyLink, Refused, coordinator_address
 from msjax.checkpoint.commits import committed_steps
+from msjax.checkpoint.fingerprint import leaf_name
 from msjax.checkpoint.snapshots import (
+    SHARED_MEMORY,
     ShardFile,
     SnapshotDamaged,
     SnapshotStore,
     process_snapshot_store,
+    usable_in,
+    usable_steps,
     verified_shards,
 )
 from msjax.config import Config
 from msjax.observe.goodput import read_records
-from msjax.parallel.agreement import ForgedValue, agree_any, agree_max, agree_min, process_vote
+from msjax.parallel.agreement import (
+    JOB_SECRET,
+    ForgedValue,
+    agree_any,
+    agree_max,
+    agree_min,
+    job_secret,
+    process_vote,
+)
 from msjax.run_dir import RunDir
-from msjax.training.memory_buddy import buddy_link
-from msjax.training.memory_snapshots import state_layout
 
 BUDDY_FAILURES = (OSError, Refused, ForgedValue, ValueError, KeyError, TypeError)
+
+
+_links: dict[str, BuddyLink] = {}  # run dir -> this process's link, made at its first use
+
+
+def buddy_link(config: Config, run_dir: Path) -> tuple[BuddyLink | None, str]:
+    """This process's link to its buddy, or None with why there is none ("" where none is asked
+    for: no snapshots, checkpoint.memory_buddy=false, or one process). Every process of the job
+    decides alike (the same config, process count and job secret), so either all publish their
+    server's address or none does."""
+    import jax
+    from jax._src.distributed import global_state
+
+    checkpoint = config.checkpoint
+    if not checkpoint.memory_every_steps or not checkpoint.memory_buddy:
+        return None, ""
+    if jax.process_count() < 2:
+        return None, ""
+    secret = job_secret()
+    if secret is None:
+        return None, f"no job secret to seal them with ({JOB_SECRET}; msjax.launch gives one)"
+    key = str(Path(run_dir).absolute())
+    if key not in _links:
+        _links[key] = BuddyLink(
+            Path(run_dir),
+            SHARED_MEMORY,
+            secret,
+            global_state.client,
+            coordinator_address(),
+            jax.process_index(),
+            jax.process_count(),
+        )
+    return _links[key], ""
+
+
+def state_layout(tree: Any) -> dict[str, Any]:
+    """How this process holds the state: the process count and index, the mesh, and a hash of
+    every leaf's shape, dtype and the index each local device holds. Works on arrays and on
+    jax.ShapeDtypeStruct leaves with a sharding alike, so a snapshot's layout can be held
+    against the state a run is about to restore into."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    described = []
+    for path, leaf in leaves:
+        indices = leaf.sharding.addressable_devices_indices_map(leaf.shape)
+        local = sorted(
+            (
+                device.id,
+                [
+                    list(part.indices(size))[:2]
+                    for part, size in zip(index, leaf.shape, strict=True)
+                ],
+            )
+            for device, index in indices.items()
+        )
+        described.append([leaf_name(path), list(leaf.shape), str(leaf.dtype), local])
+    mesh = getattr(leaves[0][1].sharding, "mesh", None) if leaves else None
+    return {
+        "process_count": jax.process_count(),
+        "process_index": jax.process_index(),
+        "mesh": dict(mesh.shape) if mesh is not None else {},
+        "leaves_sha256": hashlib.sha256(json.dumps(described).encode()).hexdigest(),
+    }
 
 
 @dataclass(frozen=True)
@@ -42,44 +119,6 @@ class MemoryRestored:
     snapshot_bytes: int  # read from shared memory (own) or received from the buddy
     seconds: float
     source: str = "own"  # own: this process's snapshot; buddy: the copy its buddy held
-
-
-def usable_steps(store: SnapshotStore | None, layout: dict[str, Any]) -> tuple[list[int], str]:
-    """The whole snapshots whose layout is the run's now, oldest first, and why the newest whole
-    one is not usable ("" when it is, or there is none)."""
-    if store is None:
-        return [], "no writable /dev/shm on this node"
-    manifests: dict[int, dict[str, Any] | SnapshotDamaged] = {}
-    for step in store.complete_steps():
-        try:
-            manifests[step] = store.manifest(step)
-        except SnapshotDamaged as error:
-            manifests[step] = error
-    return usable_in(manifests, layout)
-
-
-def usable_in(
-    manifests: dict[int, dict[str, Any] | SnapshotDamaged], layout: dict[str, Any]
-) -> tuple[list[int], str]:
-    """The steps of `manifests` (a damaged one as its error) saved in `layout`, oldest first,
-    and why the newest is not usable ("" when it is, or there is none)."""
-    usable, reason = [], ""
-    for step, manifest in sorted(manifests.items()):
-        if isinstance(manifest, SnapshotDamaged):
-            reason = str(manifest)
-            continue
-        saved = manifest.get("layout", {})
-        if saved == layout:
-            usable.append(step)
-            reason = ""
-        elif saved.get("process_count") != layout["process_count"]:
-            reason = f"the process count changed ({saved.get('process_count')} -> now "
-            reason += f"{layout['process_count']})"
-        elif saved.get("mesh") != layout["mesh"]:
-            reason = f"the mesh changed ({saved.get('mesh')} -> now {layout['mesh']})"
-        else:
-            reason = "the state's layout on this process's devices changed"
-    return usable, reason
 
 
 def buddy_steps(link: BuddyLink | None, layout: dict[str, Any]) -> tuple[dict[int, Any], str]:
@@ -137,6 +176,7 @@ class Candidates:
     held: dict[int, Any]
     link: BuddyLink | None
     reason: str  # why the newest is not usable, where it is not
+    held_here: bool  # whether this process holds any whole snapshot, usable or not
 
     def newest(self) -> int:
         return max([*self.own, *self.held], default=-1)
@@ -149,15 +189,16 @@ def candidates(config: Config, abstract_state: Any) -> Candidates:
     run_dir = Path(config.run.dir or ".")
     store = process_snapshot_store(run_dir, jax.process_index())
     layout = state_layout(abstract_state)
-    own, reason = usable_steps(store, layout)
     link, _ = buddy_link(config, run_dir)
     held, held_reason = buddy_steps(link, layout)
+    own, reason = usable_steps(store, layout)
     if not own and not held:
         reason = "; ".join(part for part in (reason, held_reason) if part)
     corruption = after_corruption(run_dir)
     if corruption:
         own, held, reason = [], {}, corruption
-    return Candidates(store, own, held, link, reason)
+    held_here = bool(store and store.complete_steps()) or bool(held)
+    return Candidates(store, own, held, link, reason, held_here)
 
 
 def read_step(
@@ -210,8 +251,7 @@ def restore_from_memory(
     found = candidates(config, abstract_state)
     step = agree_min(vote, found.newest())
     disk_step = agree_max(vote, [max(committed_steps(checkpoints), default=-1)])[0]
-    held_here = bool(found.store and found.store.complete_steps()) or bool(found.held)
-    held_anywhere = agree_any(vote, held_here)
+    held_anywhere = agree_any(vote, found.held_here)
     if step < 0 or step <= disk_step:
         if not held_anywhere:
             return None, ""

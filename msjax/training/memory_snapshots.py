@@ -2,14 +2,12 @@
 copied on its devices, and a background thread brings this process's shards to the host, writes
 them to the snapshot store (msjax.checkpoint.snapshots) and sends a copy to the process's buddy
 (checkpoint.memory_buddy), overlapping the next steps. Restoring them is
-msjax.training.memory_restore's; both hold a snapshot against the same `state_layout`, so it
-lives here once."""
+msjax.training.memory_restore's, which also holds what both use: the state's `state_layout` and
+this process's `buddy_link`."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import shutil
 import threading
 import time
@@ -18,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from msjax.checkpoint.buddies import BuddyLink
-from msjax.checkpoint.fingerprint import leaf_name
 from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotStore,
@@ -33,38 +30,7 @@ from msjax.parallel.agreement import (
     agree_max,
     process_vote,
 )
-from msjax.training.memory_buddy import buddy_link
-
-
-def state_layout(tree: Any) -> dict[str, Any]:
-    """How this process holds the state: the process count and index, the mesh, and a hash of
-    every leaf's shape, dtype and the index each local device holds. Works on arrays and on
-    jax.ShapeDtypeStruct leaves with a sharding alike, so a snapshot's layout can be held
-    against the state a run is about to restore into."""
-    import jax
-
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    described = []
-    for path, leaf in leaves:
-        indices = leaf.sharding.addressable_devices_indices_map(leaf.shape)
-        local = sorted(
-            (
-                device.id,
-                [
-                    list(part.indices(size))[:2]
-                    for part, size in zip(index, leaf.shape, strict=True)
-                ],
-            )
-            for device, index in indices.items()
-        )
-        described.append([leaf_name(path), list(leaf.shape), str(leaf.dtype), local])
-    mesh = getattr(leaves[0][1].sharding, "mesh", None) if leaves else None
-    return {
-        "process_count": jax.process_count(),
-        "process_index": jax.process_index(),
-        "mesh": dict(mesh.shape) if mesh is not None else {},
-        "leaves_sha256": hashlib.sha256(json.dumps(described).encode()).hexdigest(),
-    }
+from msjax.training.memory_restore import buddy_link, state_layout
 
 
 def host_shards(copied_leaves: list[Any]) -> list[ShardFile]:
@@ -191,9 +157,9 @@ def build_memory_snapshots(
     if not every_steps:
         return None
     snapshot_bytes = addressable_bytes(jax.tree.leaves(state))
+    buddy, no_buddy = buddy_link(config, run_dir)
     store = writable_snapshot_store(run_dir, jax.process_index())
     budget_vote = process_vote("memory-budget")
-    buddy, no_buddy = buddy_link(config, run_dir)
     # a peer's copies are as large as its own snapshots: the largest of any process, per owner
     largest_bytes = agree_max(budget_vote, [snapshot_bytes])[0]
     held_bytes = len(buddy.owners()) * largest_bytes if buddy is not None else 0

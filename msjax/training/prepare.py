@@ -18,15 +18,14 @@ from msjax.checkpoint.commits import resume_source
 from msjax.checkpoint.manager import Checkpointer
 from msjax.config import Config, ObserveConfig, TrainConfig
 from msjax.data.dataset import TrainingData, build_training_data
-from msjax.data.identity import allowed_corpus_changes
+from msjax.data.identity import allowed_corpus_changes, corpus_facts, corpus_identity
 from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, announce_devices, initialize_distributed
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
 from msjax.observe.flops import flops_per_step, peak_tflops_per_device
-from msjax.observe.loop_observer import LoopObserver
+from msjax.observe.loop_observer import LoopObserver, ProfileCapture
 from msjax.observe.metrics import ProgressLine
-from msjax.observe.profiles import ProfileCapture
 from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
 from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
@@ -225,7 +224,7 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
     peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
     with watch:
         data = build_training_data(config, message)
-    facts, corpus = data.facts(), data.identity()
+    facts, corpus = corpus_facts(data), corpus_identity(data.tokenizer.name, data.sources)
     return RunData(data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
 
 

@@ -33,7 +33,6 @@ class ReplicaChecks:
         import jax
 
         resilience, mesh = run.config.resilience, run.program.mesh
-        vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
         self.every = resilience.replica_check_every
         self.total_steps = run.config.train.steps
         self.enabled = self.every > 0 and mesh.shape["data"] > 1
@@ -55,11 +54,13 @@ class ReplicaChecks:
             run.run_dir.path,
             jax.process_index() == 0,
             run.progress.message,
-            barrier=lambda: agree_any(vote, False),
+            barrier=lambda: agree_any(self.vote, False),
         )
         self.machine = RerunStateMachine(
             resilience.on_corruption, run.start.step, self.log, self.failing_ranks
         )
+        # the mismatch log's barrier: every process waits there until its writer has written
+        self.vote = process_vote("replica_guard", resilience.checkpoint_deadline_s)
         self.devices = mesh.devices
         self.agreed_at: int | None = None  # the step of the last check that agreed
         run.saves.replica_record = self.record  # every checkpoint records its replicas' check

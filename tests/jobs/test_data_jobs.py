@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from msjax.data.batches import GlobalBatches
-from msjax.data.packing import PackedSource
+from msjax.data.batches import PackedSource
 from msjax.data.pipeline import local_row_blocks, sharded_batches
 from msjax.data.token_store import TokenStore
 

@@ -35,7 +35,7 @@ from msjax.launch.job_options import job_config
 from msjax.launch.workers import WorkerProcess, stop_workers
 from msjax.resilience import exit_codes
 from msjax.run_dir import RunDir
-from msjax.training.stop_signal import StopSignal
+from msjax.training.decisions import StopSignal
 
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 SMALL = [

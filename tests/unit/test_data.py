@@ -12,8 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from msjax.config import DataConfig
-from msjax.data.batches import GlobalBatches, eval_batch_list
-from msjax.data.packing import PackedSource
+from msjax.data.batches import GlobalBatches, PackedSource, eval_batch_list
 from msjax.data.pipeline import local_row_blocks, place_global_batch, sharded_batches
 from msjax.data.stdlib_corpus import is_eval_document, load_corpus, stdlib_source_paths
 from msjax.data.token_store import TokenStore

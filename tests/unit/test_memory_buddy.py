@@ -17,11 +17,12 @@ import pytest
 from test_memory_snapshot_votes import PROCESSES, clients  # noqa: F401 (a fixture)
 from test_memory_snapshots import abstract, sharded_state, write
 
-from msjax.checkpoint.buddies import BuddyLink, buddy_of
-from msjax.checkpoint.buddy_transport import (
+from msjax.checkpoint.buddies import (
     MAGIC,
+    BuddyLink,
     BuddyServer,
     Refused,
+    buddy_of,
     interface_address,
     request,
     send_message,
@@ -168,7 +169,7 @@ def test_a_restore_uses_its_buddys_copy_bitwise_and_refuses_a_flipped_byte(
         held = links[0].held_manifests()
         assert held == {4: store.manifest(4)}
         # process 0's own snapshot is gone (its node's memory): the copy process 1 holds is used
-        found = Candidates(None, [], held, links[0], "")
+        found = Candidates(None, [], held, links[0], "", held_here=True)
         restored, manifest, _, source = read_step(found, 4, abstract(state))
         assert (source, manifest) == ("buddy", store.manifest(4))
         for name, leaf in state.items():

@@ -30,14 +30,15 @@ from msjax.checkpoint.snapshots import (
     SnapshotStore,
     run_snapshots_dir,
     shared_memory_root,
+    usable_steps,
 )
 from msjax.config import load_config
 from msjax.loop_events import LoopEvents
 from msjax.observe.goodput import read_records
 from msjax.run_dir import RunDir
 from msjax.train import train
-from msjax.training.memory_restore import after_corruption, place_shards, usable_steps
-from msjax.training.memory_snapshots import MemorySnapshots, host_shards, state_layout
+from msjax.training.memory_restore import after_corruption, place_shards, state_layout
+from msjax.training.memory_snapshots import MemorySnapshots, host_shards
 
 
 def sharded_state(scale: float = 1.0) -> dict[str, jax.Array]:

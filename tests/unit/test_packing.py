@@ -9,7 +9,7 @@ from test_data import EOS, SEQ_LEN, token_store
 from test_data import store_dir as store_dir  # a fixture, re-exported for pytest
 
 from msjax.config import ModelConfig
-from msjax.data.packing import PackedSource, pack_rows
+from msjax.data.batches import PackedSource, pack_rows
 from msjax.models.transformer import Transformer
 from msjax.resolve import resolve_model
 
