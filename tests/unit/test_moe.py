@@ -168,6 +168,7 @@ def trained_moe(data: int, fsdp: int, accum_steps: int = 1, **moe) -> tuple[list
     return metrics, jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.slow  # two compiles of the 4-layer model; the fast tier checks the layer on meshes
 def test_tiny_moe_trains_the_same_on_one_device_and_on_data2_fsdp2():
     single, single_params = trained_moe(1, 1)
     meshed, meshed_params = trained_moe(2, 2)
@@ -194,6 +195,7 @@ def test_bias_balancing_moves_the_routing_bias_from_the_load_in_training():
     assert bias.sum(axis=0)[np.argmin(load)] > bias.sum(axis=0)[np.argmax(load)]
 
 
+@pytest.mark.slow  # two compiles of the 4-layer model (tests/unit/test_grad_accum.py's kind)
 def test_accumulated_moe_step_equals_the_plain_step():
     """Microbatches sum the token-weighted z-loss and the token counts to the whole batch's (the
     load-balancing loss, a product of batch means, is each microbatch's own: weight 0 here)."""
