@@ -246,9 +246,11 @@ def test_each_process_holds_only_the_shards_of_its_own_devices(two_process_resto
     for seen in two_process_restore.seen:
         # mesh 1,2,4: the fsdp axis runs across the two processes; mesh 4,1,2: the data axis does,
         # and parameters are not split over data
-        # mesh axes data, fsdp, pipe (1), tensor
-        assert seen["meshes"]["1,2,4"]["mesh_process_ids"] == [[[[0] * 4], [[1] * 4]]]
-        assert seen["meshes"]["4,1,2"]["mesh_process_ids"] == [[[[0, 0]]]] * 2 + [[[[1, 1]]]] * 2
+        # mesh axes data, fsdp, expert (1), pipe (1), tensor
+        assert seen["meshes"]["1,2,4"]["mesh_process_ids"] == [[[[[0] * 4]], [[[1] * 4]]]]
+        assert (
+            seen["meshes"]["4,1,2"]["mesh_process_ids"] == [[[[[0, 0]]]]] * 2 + [[[[[1, 1]]]]] * 2
+        )
         split = seen["meshes"]["1,2,4"]["arrays"]
         replicated = seen["meshes"]["4,1,2"]["arrays"]
         for name, array in split.items():

@@ -30,8 +30,8 @@ NAMES = ("params/embedding", "params/layers/mlp/up", "params/layers/mlp/down", "
 
 
 def table(data: int, tensor: int = 1) -> np.ndarray:
-    """[data, fsdp 1, pipe 1, tensor, 4 tensors] of equal replicas."""
-    places = np.arange(tensor * len(NAMES), dtype=np.uint64).reshape(1, 1, tensor, len(NAMES))
+    """[data, fsdp 1, expert 1, pipe 1, tensor, 4 tensors] of equal replicas (MESH_AXES order)."""
+    places = np.arange(tensor * len(NAMES), dtype=np.uint64).reshape(1, 1, 1, tensor, len(NAMES))
     return np.repeat(places[None] * np.uint64(7919) + np.uint64(1), data, axis=0)
 
 
@@ -49,10 +49,10 @@ def test_equal_replicas_are_no_mismatch():
 
 def test_a_replica_off_the_majority_is_named_with_its_rank_place_tensor_and_window():
     fingerprints = table(3, tensor=2)
-    fingerprints[1, 0, 0, 1, 2] ^= np.uint64(1 << 20)
+    fingerprints[1, 0, 0, 0, 1, 2] ^= np.uint64(1 << 20)
     mismatch = compare(fingerprints, 200, 100, NAMES, rank_of)
     assert mismatch is not None and mismatch.majority
-    assert mismatch.devices == ((1, 0, 0, 1),) and mismatch.ranks == (1,)
+    assert mismatch.devices == ((1, 0, 0, 0, 1),) and mismatch.ranks == (1,)
     assert mismatch.tensor == "params/layers/mlp/down"
     text = mismatch.describe()
     assert "rank 1 (data=1 fsdp=0 pipe=0 tensor=1) differs" in text
@@ -61,7 +61,7 @@ def test_a_replica_off_the_majority_is_named_with_its_rank_place_tensor_and_wind
 
 def test_two_replicas_that_disagree_are_both_named_for_want_of_a_majority():
     fingerprints = table(2)
-    fingerprints[1, 0, 0, 0, 0] += np.uint64(1)
+    fingerprints[1, 0, 0, 0, 0, 0] += np.uint64(1)
     mismatch = compare(fingerprints, 8, 4, NAMES, rank_of)
     assert mismatch is not None and not mismatch.majority
     assert mismatch.ranks == (0, 1) and mismatch.tensor == "params/embedding"
@@ -83,7 +83,7 @@ def observed(state_machine: RerunStateMachine, step: int, fingerprints: np.ndarr
 
 def corrupted(data: int, replica: int, amount: int = 1) -> np.ndarray:
     fingerprints = table(data)
-    fingerprints[replica, 0, 0, 0, 1] += np.uint64(amount)
+    fingerprints[replica, 0, 0, 0, 0, 1] += np.uint64(amount)
     return fingerprints
 
 
