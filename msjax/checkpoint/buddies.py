@@ -266,9 +266,14 @@ class BuddyLink:
             for rank in range(self.processes):
                 key = f"{ADDRESS_KEY}/{rank}"
                 wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-                host, port = json.loads(
-                    unseal(key, self.client.blocking_key_value_get(key, wait_ms), self.secret)
-                )
+                try:
+                    sealed = self.client.blocking_key_value_get(key, wait_ms)
+                except Exception as error:  # the client's own timeout or a closed service
+                    raise TimeoutError(
+                        f"process {rank} published no snapshot-copy address within "
+                        f"{PEER_WAIT_S:g} s ({error})"
+                    ) from error
+                host, port = json.loads(unseal(key, sealed, self.secret))
                 found.append((str(host), int(port)))
             self._addresses = found
         return self._addresses
