@@ -330,8 +330,9 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     assert spare.exit_code == 0, spare.output[-4000:]
     assert "spare slot 4 takes rank 3, the mesh is unchanged" in spare.output
     incidents = spare.jsonl("incidents.jsonl")
-    assert [(i["cause"], i["rank"]) for i in incidents] == [("crash", 3)] * FAULTS_PER_SLOT
-    membership = incidents[-1]["membership"]
+    causes = [(i["cause"], i["rank"]) for i in incidents]
+    assert causes == [("crash", 3)] * FAULTS_PER_SLOT, unexpected_incidents(spare, incidents)
+    membership = incidents[FAULTS_PER_SLOT - 1]["membership"]
     assert (membership["action"], membership["slot"], membership["spare_slot"]) == ("spare", 3, 4)
     assert membership["slots"]["active"] == [0, 1, 2, 4]
     assert membership["first_fault_to_new_mesh_s"] > 0
@@ -363,6 +364,19 @@ def test_spare_takes_the_excluded_slots_rank_and_the_run_is_bitwise_the_uninterr
     losses, expected = spare.losses(), reference.losses()
     assert sorted(losses) == list(range(STEPS))
     assert [losses[s] for s in range(STEPS)] == [expected[s] for s in range(STEPS)]  # bitwise
+
+
+def unexpected_incidents(job: Finished, incidents: list[dict]) -> str:
+    """What a failed assertion shows of the incidents past the injected ones: each record whole,
+    and the end of its rank's log in the attempt it happened in."""
+    described = []
+    for incident in incidents[FAULTS_PER_SLOT:]:
+        log = job.run_dir / "logs" / f"rank{incident['rank']}.log"
+        text = log.read_text() if log.exists() else "(no log)"
+        after_header = text.split(f"=== msjax.launch: attempt {incident['attempt']}, ")[-1]
+        attempt = after_header.split("=== msjax.launch: attempt ")[0]
+        described.append(f"{json.dumps(incident)}\n{attempt[-3000:]}")
+    return "\n\n".join(described)
 
 
 def first_number(output: str) -> int | None:
