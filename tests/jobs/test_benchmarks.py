@@ -50,6 +50,7 @@ SMOKES = [
     # its other parts: tests/jobs/test_gpu_suite.py; {tmp} is the test's own directory
     Smoke("gpu_suite.py", ("--smoke", "--parts", "ceilings", "--out", "{tmp}/suite")),
     Smoke("kernels_gpu.py"),
+    Smoke("memory_snapshots.py", slow=True),
     Smoke("moe.py"),
     Smoke("observe_overhead.py"),
     Smoke("pipeline.py", slow=True),
@@ -168,6 +169,28 @@ def check_kernels_gpu(out: str, _: Path) -> None:
 
 
 KERNELS = {"flash_attention", "rms_norm", "add_rms_norm", "cross_entropy"}
+
+
+def check_memory_snapshots(out: str, _: Path) -> None:
+    without = number(r"\| no snapshots \(memory_every_steps=0\) \| {N} ms", out)
+    every = number(r"\| a snapshot every step \(memory_every_steps=1\) \| {N} ms", out)
+    assert_ratio(
+        number(r"snapshot every step / none, median step time: {N}", out), every, without, 3, 2
+    )
+    assert number(r"\| a snapshot every step [^|]+\| [\d.]+ ms \| {N} \|", out) >= 1
+    assert positive(number(r"per-snapshot bytes: {N}", out))
+    # the smoke form's two 1-process jobs, each checked by the script to have restored as named
+    rows = re.findall(
+        r"\n\| (own snapshot|buddy's copy|disk) \| crash \| ([\d.]+) s \| ([\d,]+) \| (\d+) \|", out
+    )
+    assert [row[0] for row in rows] == ["own snapshot", "disk"], out
+    (own_s, own_bytes, own_lost), (disk_s, disk_bytes, _) = (row[1:] for row in rows)
+    assert positive(float(own_bytes.replace(",", "")), float(disk_bytes.replace(",", "")))
+    assert int(own_lost) <= 1  # a snapshot every step
+    ratio = number(r"memory / disk restore seconds \(own snapshot\): {N}", out)
+    assert_ratio(ratio, float(own_s), float(disk_s), 3, 3)
+    assert number(r"\(3\) steps lost per fault: with snapshots {N}", out) == int(own_lost)
+    assert "(smoke: tiny model)" in out and "1 process x 2 CPU devices" in out
 
 
 MOE_MESHES = ("1 device", "data 2 x fsdp 4", "data 2 x expert 4")
@@ -315,6 +338,7 @@ CHECKS = {
     "generate.py": check_generate,
     "gpu_suite.py": check_gpu_suite,
     "kernels_gpu.py": check_kernels_gpu,
+    "memory_snapshots.py": check_memory_snapshots,
     "moe.py": check_moe,
     "observe_overhead.py": check_observe_overhead,
     "pipeline.py": check_pipeline,
