@@ -1,5 +1,7 @@
-"""In-memory snapshots (checkpoint.memory_every_steps): what they cost the training loop and how
-much faster a restart restores from them than from disk.
+"""In-memory snapshots: the training loop's stall, and a restart's restore from memory vs disk.
+
+checkpoint.memory_every_steps: what the snapshots cost the loop and how much faster a restart
+restores from them than from disk.
 
     python benchmarks/memory_snapshots.py [--steps 20] [--global-batch 1] [--seq-len 256]
         [--out DIR]
