@@ -1,19 +1,24 @@
-"""In-memory snapshots under a worker's crash: a 2-process msjax.launch job snapshotting every
-step restarts from memory (losing at most one step, bitwise on the uninterrupted run's losses),
-restores a process whose node lost its memory (the fault injector's memory_loss) from the copy
-its buddy holds, refuses a snapshot with a flipped byte (snapshot_bitflip) and goes to the disk,
-and leaves no snapshot behind."""
+"""In-memory snapshots under a worker's death: a 4-process msjax.launch job snapshotting every
+step, one worker SIGKILLed from outside at a step drawn from a fixed seed, restarts from memory on
+every process (0 bytes read from the checkpoint directory, at most one step lost, bitwise on the
+uninterrupted 4-process run's losses); a 2-process job restores a process whose node lost its
+memory (the fault injector's memory_loss) from the copy its buddy holds, refuses a snapshot with a
+flipped byte (snapshot_bitflip) and goes to the disk; no job leaves a snapshot behind."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from harness import Finished, launch_command, run_to_end
+from harness import Finished, LaunchJob, launch_command, run_to_end
 from small_runs import QUICK_RUN
 
 from msjax.checkpoint.snapshots import SHARED_MEMORY, run_snapshots_dir
+from msjax.resilience.heartbeat import HeartbeatRecord
 from msjax.run_dir import RunDir
 
 pytestmark = pytest.mark.skipif(
@@ -33,10 +38,32 @@ OVERRIDES = [
     "resilience.heartbeat_every_s=0.05",
     "resilience.stop_grace_s=2",
 ]
-CRASH = [f"--fault=crash@step={CRASH_STEP},rank=1"]
 DAMAGED = [f"--fault=snapshot_bitflip@step={CRASH_STEP},rank=1"]
 # rank 1's snapshots, and the copies it holds for rank 0, are deleted; then it is killed
 NODE_LOSS = [f"--fault=memory_loss@step={CRASH_STEP},rank=1"]
+
+# The 4-process job killed from outside: data 2 x fsdp 2, one device per process
+KILL_PROCESSES, KILL_STEPS, KILL_SAVE_EVERY = 4, 10, 5  # disk saves at step 5 and at the end
+KILL_SEED = 20261205  # fixed: every run kills the same rank at the same step
+_draw = random.Random(KILL_SEED)
+KILLED_RANK = _draw.randrange(KILL_PROCESSES)
+# at least two steps past the disk save (a snapshot one step behind the kill is still newer than
+# it) and two before the end (the kill lands before the run's last save)
+KILL_STEP = _draw.randint(KILL_SAVE_EVERY + 2, KILL_STEPS - 2)
+KILLED = f"(seed {KILL_SEED}: rank {KILLED_RANK} SIGKILLed once its heartbeat showed {KILL_STEP})"
+KILL_OVERRIDES = [
+    *QUICK_RUN,
+    "train.eval_every=0",
+    f"train.steps={KILL_STEPS}",
+    f"checkpoint.every_steps={KILL_SAVE_EVERY}",
+    "checkpoint.memory_every_steps=1",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=1",
+    "resilience.heartbeat_every_s=0.05",
+    "resilience.stop_grace_s=2",
+    "resilience.restart_backoff_s=0.1",
+]
 
 
 @dataclass(frozen=True)
@@ -46,10 +73,11 @@ class Ended:
     run_dir: Path
     exit_code: int
     output: str
+    processes: int = 2
 
     def worker_logs(self) -> str:
         run = RunDir(self.run_dir)
-        return "".join(run.log(rank).read_text() for rank in (0, 1))
+        return "".join(run.log(rank).read_text() for rank in range(self.processes))
 
     def losses(self) -> dict[int, float]:
         return Finished(self.run_dir, self.exit_code, self.output).losses()
@@ -70,9 +98,39 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Ended:
 
 
 @pytest.fixture(scope="module")
-def crashed(tmp_path_factory: pytest.TempPathFactory) -> Ended:
-    """Rank 1 crashes before step CRASH_STEP; the restart finds the snapshots whole."""
-    return run_job(tmp_path_factory.mktemp("crashed") / "run", CRASH, 0.1)
+def killed_reference(tmp_path_factory: pytest.TempPathFactory) -> Ended:
+    """The 4-process job, never interrupted."""
+    run_dir = tmp_path_factory.mktemp("killed_reference") / "run"
+    command = launch_command(run_dir, KILL_OVERRIDES, nprocs=KILL_PROCESSES)
+    done = run_to_end(command)
+    return Ended(run_dir, done.returncode, done.stdout + done.stderr, KILL_PROCESSES)
+
+
+def reached(job: LaunchJob, rank: int, step: int) -> HeartbeatRecord | None:
+    """An event: rank's heartbeat shows it training at `step` or past it in attempt 0."""
+    record = job.heartbeat(rank)
+    if record is None or (record.attempt, record.phase) != (0, "step"):
+        return None
+    return record if record.step >= step else None
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Ended:
+    """The 4-process job, rank KILLED_RANK SIGKILLed from outside (os.kill, no injected fault:
+    nothing waits for its snapshot being written) once its heartbeat shows step KILL_STEP."""
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    job = LaunchJob.start(run_dir, KILL_OVERRIDES, nprocs=KILL_PROCESSES)
+    try:
+        beat = job.wait_for(
+            lambda: reached(job, KILLED_RANK, KILL_STEP),
+            f"rank {KILLED_RANK} training at step {KILL_STEP} in attempt 0 {KILLED}",
+        )
+        os.kill(beat.pid, signal.SIGKILL)
+    except BaseException:
+        job.stop(signal.SIGTERM)  # the launcher stops its workers
+        raise
+    done = job.finish()
+    return Ended(run_dir, done.exit_code, done.output, KILL_PROCESSES)
 
 
 @pytest.fixture(scope="module")
@@ -118,40 +176,70 @@ def test_a_run_restored_from_a_buddys_copy_ends_with_the_uninterrupted_runs_loss
     assert not run_snapshots_dir(node_lost.run_dir, SHARED_MEMORY).exists()
 
 
-def test_a_restart_after_a_crash_restores_from_memory_losing_at_most_one_step(crashed: Ended):
-    assert crashed.exit_code == 0, crashed.output[-3000:]
-    logs = crashed.worker_logs()
-    restored = [line for line in logs.splitlines() if "from memory:" in line]
-    assert len(restored) == 2, logs[-3000:]  # one line per process
-    step = int(restored[0].split("restored step ")[1].split()[0])
-    assert CRASH_STEP - 1 <= step <= CRASH_STEP  # snapshots every step: at most one lost
-    assert all("0 bytes read from the checkpoint directory" in line for line in restored)
-    assert "from disk" not in logs
-    (incident,) = Finished(crashed.run_dir, 0, "").incidents()
-    assert (incident["cause"], incident["rank"]) == ("crash", 1)
-    assert (incident["resumed_from"], incident["resumed_from_step"]) == ("memory", step)
-    # the launcher saw the fault at the step of the heartbeat it read last
-    assert incident["steps_lost"] == max(incident["step"] - step, 0) <= 1
-    assert "memory_not_used" not in incident
+def snapshots_skipped(ended: Ended) -> dict[int, int]:
+    """The snapshots skipped so far, by snapshot step, as process 0 counted them."""
+    records = Finished(ended.run_dir, 0, "").metrics()
+    return {
+        r["step"]: r["memory_snapshots_skipped"] for r in records if "memory_snapshot_bytes" in r
+    }
 
 
-def test_a_run_restored_from_memory_ends_with_the_uninterrupted_runs_losses(
-    crashed: Ended, reference: Ended
+def test_a_restart_after_a_worker_is_killed_restores_from_memory_losing_at_most_one_step(
+    killed: Ended,
 ):
-    assert reference.exit_code == 0, reference.output[-3000:]
-    expected, actual = reference.losses(), crashed.losses()
-    assert sorted(actual) == sorted(expected) == list(range(8))
-    assert actual == expected  # bitwise: JSON keeps every bit of a float
+    assert killed.exit_code == 0, f"{KILLED}\n{killed.output[-3000:]}"
+    logs = killed.worker_logs()
+    restored = [line for line in logs.splitlines() if "from memory:" in line]
+    assert len(restored) == KILL_PROCESSES, f"{KILLED}\n{logs[-3000:]}"  # one per process
+    steps = {int(line.split("restored step ")[1].split()[0]) for line in restored}
+    assert len(steps) == 1, (KILLED, restored)  # every process restores the same step
+    (step,) = steps
+    # snapshots every step: the one before the kill's step is whole wherever it landed
+    assert step >= KILL_STEP - 1, (KILLED, restored)
+    assert step > KILL_SAVE_EVERY  # newer than the newest disk save, which it is preferred to
+    assert all("bytes of this process's snapshot" in line for line in restored), restored
+    assert all("0 bytes read from the checkpoint directory" in line for line in restored)
+    assert "from disk" not in logs, KILLED
+    (incident,) = Finished(killed.run_dir, 0, "").incidents()
+    assert (incident["cause"], incident["rank"]) == ("crash", KILLED_RANK), (KILLED, incident)
+    # (where rank 0 is the one killed, the detail adds that it hosted the coordinator)
+    assert incident["detail"].startswith("killed by SIGKILL"), (KILLED, incident)
+    assert incident["step"] >= KILL_STEP, (KILLED, incident)
+    assert (incident["resumed_from"], incident["resumed_from_step"]) == ("memory", step)
+    # the launcher saw the fault at the newest step any heartbeat it read showed; a snapshot
+    # skipped (the one before still being written when it was due) would show in `skipped`
+    skipped = snapshots_skipped(killed)
+    assert incident["steps_lost"] == max(incident["step"] - step, 0) <= 1, (
+        KILLED,
+        incident,
+        skipped,
+    )
+    assert "memory_not_used" not in incident, (KILLED, incident)
+    by_rank = incident["restored_by_rank"]
+    assert sorted(by_rank) == [str(rank) for rank in range(KILL_PROCESSES)], by_rank
+    assert {by_rank[rank]["source"] for rank in by_rank} == {"own"}, (KILLED, by_rank)
+    sizes = {by_rank[rank]["bytes"] for rank in by_rank}
+    assert len(sizes) == 1 and min(sizes) > 0, by_rank  # a quarter of the state each, in memory
 
 
-def test_the_launcher_removes_the_snapshots_when_the_job_ends(crashed: Ended):
-    assert not run_snapshots_dir(crashed.run_dir, SHARED_MEMORY).exists()
+def test_a_run_restored_from_memory_after_a_kill_ends_with_the_uninterrupted_runs_losses(
+    killed: Ended, killed_reference: Ended
+):
+    assert killed_reference.exit_code == 0, killed_reference.output[-3000:]
+    expected, actual = killed_reference.losses(), killed.losses()
+    assert sorted(actual) == sorted(expected) == list(range(KILL_STEPS)), KILLED
+    assert actual == expected, KILLED  # bitwise: JSON keeps every bit of a float
 
 
-def test_every_step_records_the_snapshots_stall_and_bytes(crashed: Ended):
-    records = [
-        r for r in Finished(crashed.run_dir, 0, "").metrics() if "memory_snapshot_bytes" in r
-    ]
+def test_the_launcher_removes_the_snapshots_when_the_job_ends(
+    killed: Ended, killed_reference: Ended
+):
+    assert not run_snapshots_dir(killed.run_dir, SHARED_MEMORY).exists(), KILLED
+    assert not run_snapshots_dir(killed_reference.run_dir, SHARED_MEMORY).exists()
+
+
+def test_every_step_records_the_snapshots_stall_and_bytes(killed: Ended):
+    records = [r for r in Finished(killed.run_dir, 0, "").metrics() if "memory_snapshot_bytes" in r]
     taken = [r for r in records if r["memory_snapshot_bytes"] > 0]
     assert taken and all(r["memory_snapshot_stall_s"] >= 0 for r in records)
     assert len({r["memory_snapshot_bytes"] for r in taken}) == 1  # the same shards every time
