@@ -45,9 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
 from benchmarks.supervised_job import finished_job, tiny_job_args  # noqa: E402
-from msjax.config import load_config  # noqa: E402
-from msjax.observe.metrics import read_metrics  # noqa: E402
-from msjax.train import train  # noqa: E402
+from benchmarks.train_timing import quiet_run_records  # noqa: E402
 
 WARMUP_STEPS = 2
 SMOKE_STEPS = 6
@@ -66,12 +64,7 @@ def snapshot_step_times(overrides: list[str]) -> dict[str, float]:
     """Median step time (warm-up left out) of an in-process run; its snapshots taken and skipped
     (one due while the last is still being written is skipped), their bytes and the loop's mean
     stall for one."""
-    with tempfile.TemporaryDirectory() as root:
-        run_dir = Path(root) / "run"
-        config = load_config(REPO / "configs" / "small.yaml", [*overrides, f"run.dir={run_dir}"])
-        with open(os.devnull, "w") as quiet:
-            train(config, progress_stream=quiet)
-        records = read_metrics(run_dir / "metrics.jsonl")
+    records = quiet_run_records(REPO / "configs" / "small.yaml", overrides)
     steps = [r for r in records if "loss" in r][WARMUP_STEPS:]
     # a snapshot record's step counts updates: the one after loss step s is s + 1
     snapshots = [r for r in records if "memory_snapshot_bytes" in r]
