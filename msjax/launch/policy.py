@@ -111,9 +111,12 @@ def bad_slot(
     elif len(in_a_row) >= limit and not only_slot:
         incidents = ", ".join(str(f.incident) for f in in_a_row)
         causes = ", ".join(f.cause for f in in_a_row)
+        several = len(in_a_row) > 1
+        faults = f"{len(in_a_row)} faults in a row" if several else "1 fault"
+        named = "incidents" if several else "incident"
         why = (
-            f"the named cause of {len(in_a_row)} faults in a row (incidents {incidents}: "
-            f"{causes}; resilience.max_faults_per_slot={limit})"
+            f"the named cause of {faults} ({named} {incidents}: {causes}; "
+            f"resilience.max_faults_per_slot={limit})"
         )
     else:
         return None

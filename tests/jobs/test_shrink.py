@@ -128,7 +128,9 @@ def test_slots_give_an_excluded_slots_rank_to_a_spare_then_shrink_then_readmit_w
 # excluded: a spare takes its rank (mesh unchanged), or with none the job shrinks to
 # data 1 x fsdp 2 x tensor 2 on 2 processes with 2 accumulation passes (8 rows, as before).
 
-STEPS, SAVE_EVERY, CRASH_STEP, FAULTS_PER_SLOT = 12, 4, 6, 2
+# one fault marks the slot bad: the count of faults in a row is test_bad_slots.py's; each fault
+# here costs an attempt of 4 processes
+STEPS, SAVE_EVERY, CRASH_STEP, FAULTS_PER_SLOT = 12, 4, 6, 1
 BAD_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times=99"
 HEALED_SLOT_FAULT = f"crash@step={CRASH_STEP},rank=3,times={FAULTS_PER_SLOT}"  # then it works
 # the attempt after slot 3's exclusion (attempt FAULTS_PER_SLOT); its rank 0 is held in its
@@ -276,14 +278,14 @@ def jobs(tmp_path_factory) -> dict[str, Finished]:
 def test_crash_looping_slot_is_excluded_and_the_job_finishes_on_a_shrunk_mesh(jobs):
     shrink = jobs["shrink"]
     assert shrink.exit_code == 0, shrink.output[-4000:]
-    assert "slot 3 is marked bad: the named cause of 2 faults in a row" in shrink.output
+    assert "slot 3 is marked bad: the named cause of 1 fault (incident 1: crash;" in shrink.output
     assert "slot 3 (rank 3) excluded; no spare left" in shrink.output
     assert "data 1 x fsdp 2 x pipe 1 x tensor 2 on 2 processes" in shrink.output
     incidents = shrink.jsonl("incidents.jsonl")
     assert [(i["cause"], i["rank"]) for i in incidents] == [("crash", 3)] * FAULTS_PER_SLOT
     membership = incidents[-1]["membership"]
     assert (membership["action"], membership["slot"]) == ("shrink", 3)
-    assert membership["incidents"] == [1, 2]
+    assert membership["incidents"] == list(range(1, FAULTS_PER_SLOT + 1))
     assert membership["slots"] == {"active": [0, 1], "spare": [], "idle": [2], "excluded": [3]}
     # the timings of the change: first fault <= detected <= excluded <= first step on the mesh
     assert (
@@ -471,7 +473,7 @@ def test_readmitted_slot_brings_the_job_back_to_the_full_mesh_at_its_next_checkp
     assert (regrow.run_dir / "logs" / "check-slot3.log").exists()
     # it waited for a checkpoint the shrunk mesh committed, and resumed from it on 4 processes
     assert back["resumed_from_step"] > SAVE_EVERY
-    assert "attempt 3: 4 workers (ranks 0-3 of 4)" in regrow.output
+    assert f"attempt {FAULTS_PER_SLOT + 1}: 4 workers (ranks 0-3 of 4)" in regrow.output
     crashes = [f for f in regrow.jsonl("faults.jsonl") if f["kind"] == "crash"]
     assert [f["slot"] for f in crashes] == [3] * FAULTS_PER_SLOT
     losses, expected = regrow.losses(), reference.losses()

@@ -335,6 +335,17 @@ def test_a_slot_is_bad_after_max_faults_per_slot_faults_in_a_row_it_caused():
     assert (action.stop_code, action.restart, action.bad_slot.on_bad_node) == (None, 1, "exclude")
 
 
+def test_with_max_faults_per_slot_1_the_first_fault_marks_the_slot_bad_in_the_singular():
+    resilience = ResilienceConfig(max_faults_per_slot=1)
+    one = [slot_fault("3", 1, 1.0)]
+    action = decide(fault(fault_kinds.CRASH), slot_history("3", one), resilience, ONE_NODE)
+    assert action.bad_slot is not None
+    assert action.bad_slot.reason == (
+        "slot 3 is marked bad: the named cause of 1 fault (incident 1: crash; "
+        "resilience.max_faults_per_slot=1)"
+    )
+
+
 def test_with_the_defaults_a_slot_crashing_at_every_start_is_excluded_before_no_progress_stops():
     resilience = ResilienceConfig()  # max_faults_per_slot = max_attempts_without_progress = 3
     three = [slot_fault("3", n, float(n)) for n in (1, 2, 3)]
