@@ -18,8 +18,8 @@ from msjax.resolve import resolve_mesh_shape
 
 @dataclass(frozen=True)
 class MeshPlan:
-    """A mesh for `processes` workers: data and fsdp shrunk, the rest kept, and the gradient
-    accumulation that keeps each pass's rows per replica at most what they were."""
+    """A mesh for `processes` workers: data, fsdp and expert shrunk, pipe and tensor kept, and
+    the gradient accumulation that keeps each pass's rows per replica at most what they were."""
 
     data: int
     fsdp: int
@@ -27,7 +27,7 @@ class MeshPlan:
     tensor: int
     grad_accum_steps: int
     processes: int
-    expert: int = 1  # kept as pipe and tensor are: the experts stay split the same way
+    expert: int = 1
 
     @property
     def replicas(self) -> int:
@@ -38,6 +38,7 @@ class MeshPlan:
         return [
             f"mesh.data={self.data}",
             f"mesh.fsdp={self.fsdp}",
+            f"mesh.expert={self.expert}",
             f"mesh.pipe={self.pipe}",
             f"mesh.tensor={self.tensor}",
             f"train.grad_accum_steps={self.grad_accum_steps}",
@@ -46,15 +47,23 @@ class MeshPlan:
     def applied(self, config: Config) -> Config:
         """The job's config on this plan's mesh (what its self-checks and workers run)."""
         mesh = dataclasses.replace(
-            config.mesh, data=self.data, fsdp=self.fsdp, pipe=self.pipe, tensor=self.tensor
+            config.mesh,
+            data=self.data,
+            fsdp=self.fsdp,
+            expert=self.expert,
+            pipe=self.pipe,
+            tensor=self.tensor,
         )
         train = dataclasses.replace(config.train, grad_accum_steps=self.grad_accum_steps)
         return dataclasses.replace(config, mesh=mesh, train=train)
 
     def describe(self) -> str:
+        """`data 1 x fsdp 2 x pipe 1 x tensor 2 on 2 processes, ...` (expert named where split)."""
+        expert = f" x expert {self.expert}" if self.expert > 1 else ""
         return (
-            f"data {self.data} x fsdp {self.fsdp} x pipe {self.pipe} x tensor {self.tensor} on "
-            f"{self.processes} processes, train.grad_accum_steps={self.grad_accum_steps}"
+            f"data {self.data} x fsdp {self.fsdp}{expert} x pipe {self.pipe} x tensor "
+            f"{self.tensor} on {self.processes} processes, "
+            f"train.grad_accum_steps={self.grad_accum_steps}"
         )
 
 
@@ -72,9 +81,9 @@ def full_plan(config: Config, devices_per_proc: int, processes: int) -> MeshPlan
     )
 
 
-def _fits(config: Config, data: int, fsdp: int, accum_steps: int) -> bool:
+def _fits(config: Config, data: int, fsdp: int, expert: int, accum_steps: int) -> bool:
     """Whether the job's config is valid with these sizes (the trainer's own checks)."""
-    mesh = dataclasses.replace(config.mesh, data=data, fsdp=fsdp)
+    mesh = dataclasses.replace(config.mesh, data=data, fsdp=fsdp, expert=expert)
     train = dataclasses.replace(config.train, grad_accum_steps=accum_steps)
     try:
         validate(dataclasses.replace(config, mesh=mesh, train=train))
@@ -99,35 +108,44 @@ def replan_mesh(
     config: Config, devices_per_proc: int, job_processes: int, healthy_processes: int
 ) -> MeshPlan:
     """The largest mesh on at most `healthy_processes` workers that keeps pipe and tensor,
-    shrinks data and fsdp (fsdp kept as large as it can: it bounds memory per device), still
-    divides train.global_batch, and passes the trainer's config checks. The global batch, and
-    so what the model sees at each step, is unchanged. MsjaxError (one line) if none fits."""
+    shrinks data, fsdp and expert (expert, then fsdp, kept as large as they can: they bound
+    memory per device; expert only to a divisor of the job's, so it still divides the experts),
+    still divides train.global_batch, and passes the trainer's config checks. The global batch,
+    and so what the model sees at each step, is unchanged. MsjaxError (one line) if none fits."""
     full = full_plan(config, devices_per_proc, job_processes)
     if healthy_processes >= job_processes:
         return full
     global_batch = config.train.global_batch
-    candidates = sorted(
-        ((data, fsdp) for data in range(1, full.data + 1) for fsdp in range(1, full.fsdp + 1)),
-        key=lambda sizes: (sizes[0] * sizes[1], sizes[1]),
-        reverse=True,
-    )
-    for data, fsdp in candidates:
-        replicas = data * fsdp * full.expert
+    for data, fsdp, expert in _replica_shapes(full):
+        replicas = data * fsdp * expert
         devices = replicas * full.pipe * full.tensor
         if devices % devices_per_proc or devices // devices_per_proc > healthy_processes:
             continue
         if global_batch % replicas:
             continue
         accum_steps = _accum_steps_for(config, full, replicas)
-        if accum_steps is not None and _fits(config, data, fsdp, accum_steps):
+        if accum_steps is not None and _fits(config, data, fsdp, expert, accum_steps):
             processes = devices // devices_per_proc
-            return MeshPlan(data, fsdp, full.pipe, full.tensor, accum_steps, processes, full.expert)
+            return MeshPlan(data, fsdp, full.pipe, full.tensor, accum_steps, processes, expert)
     raise MsjaxError(
         f"cannot re-plan the mesh on {healthy_processes} healthy processes x "
         f"{devices_per_proc} devices: pipe x tensor = {full.pipe * full.tensor} is kept, and no "
-        f"data x fsdp up to {full.data} x {full.fsdp} fills whole processes, divides "
-        f"train.global_batch={global_batch} and passes the config checks"
+        f"data x fsdp x expert up to {full.data} x {full.fsdp} x {full.expert} fills whole "
+        f"processes, divides train.global_batch={global_batch} and passes the config checks"
     )
+
+
+def _replica_shapes(full: MeshPlan) -> list[tuple[int, int, int]]:
+    """(data, fsdp, expert) no larger than the job's, most devices first, then the larger
+    expert, then the larger fsdp."""
+    experts = [size for size in range(1, full.expert + 1) if full.expert % size == 0]
+    shapes = [
+        (data, fsdp, expert)
+        for data in range(1, full.data + 1)
+        for fsdp in range(1, full.fsdp + 1)
+        for expert in experts
+    ]
+    return sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s[2], s[1]), reverse=True)
 
 
 ACTIVE, SPARE, IDLE, EXCLUDED = "active", "spare", "idle", "excluded"

@@ -6,24 +6,33 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
-from harness import LaunchJob, launch_command, run_to_end
+from harness import LaunchJob, launch_command, read_jsonl, run_to_end
 from small_runs import QUICK_RUN
 
 from msjax.run_dir import RunDir
 
+TINY_MOE = Path(__file__).parents[2] / "configs" / "tiny_moe.yaml"
+
 
 @pytest.mark.slow
 def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_path):
+    """On an expert-parallel mesh: the tiny mixture of experts split over 2 processes (expert 2)
+    goes on on the one healthy process, its experts re-planned onto one device."""
     run_dir = tmp_path / "run"
     overrides = [
+        "--config",
+        str(TINY_MOE),
         *QUICK_RUN,
+        "model.moe.expert_mlp_dim=32",
         "train.eval_every=0",
         "train.steps=6",
         "checkpoint.every_steps=2",
-        "mesh.data=2",
+        "mesh.data=1",
         "mesh.fsdp=1",
+        "mesh.expert=2",
         "mesh.tensor=1",
         "resilience.heartbeat_every_s=0.05",
         "resilience.stop_grace_s=2",
@@ -38,6 +47,9 @@ def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_pa
         "crash; resilience.max_faults_per_slot=2)"
     )
     assert f"{reason}; excluding it (resilience.on_bad_node=exclude)" in done.stdout
+    assert "expert 2 x pipe 1 x tensor 1)" in done.stdout  # the job's own mesh
+    shrunk = "data 1 x fsdp 1 x pipe 1 x tensor 1 on 1 processes, train.grad_accum_steps=2"
+    assert f"no spare left: the job goes on on {shrunk}" in done.stdout
     run = RunDir(run_dir)
     incidents = [json.loads(line) for line in run.incidents_log.read_text().splitlines()]
     assert [(i["cause"], i["rank"], i["action"]) for i in incidents] == [
@@ -58,6 +70,10 @@ def test_a_slot_crashing_twice_in_a_row_is_marked_bad_and_the_job_goes_on(tmp_pa
     ]
     faults = [json.loads(line) for line in run.slot_faults.read_text().splitlines()]
     assert [(fault["slot"], fault["incident"]) for fault in faults] == [("1", 1), ("1", 2)]
+    # the shrunk attempt restored the checkpoint written by 2 expert shards and trained to the end
+    assert incidents[1]["membership"]["mesh"] == shrunk
+    assert incidents[1]["resumed_from_step"] == 2
+    assert sorted({r["step"] for r in read_jsonl(run.metrics) if "loss" in r}) == list(range(6))
 
 
 @pytest.mark.slow

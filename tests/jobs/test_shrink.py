@@ -38,10 +38,49 @@ def test_replan_keeps_tensor_shrinks_data_and_fsdp_and_accumulates_to_keep_the_b
     assert plan.overrides() == [
         "mesh.data=1",
         "mesh.fsdp=2",
+        "mesh.expert=1",
         "mesh.pipe=1",
         "mesh.tensor=2",
         "train.grad_accum_steps=2",
     ]
+
+
+def moe_config_of(*overrides: str):
+    """configs/tiny_moe.yaml (8 experts) on the given mesh."""
+    return load_config(Path(__file__).parents[2] / "configs" / "tiny_moe.yaml", list(overrides))
+
+
+def test_replan_of_an_expert_parallel_mesh_keeps_the_expert_axis_where_the_devices_allow():
+    config = moe_config_of(
+        "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "train.global_batch=16"
+    )
+    plan = replan_mesh(config, devices_per_proc=2, job_processes=4, healthy_processes=3)
+    # 2 processes hold 4 devices: tensor 2 leaves 2 replicas, expert 2 kept before fsdp 2;
+    # 4 rows per replica and pass as before, 8 per replica now: 2 passes
+    assert plan == MeshPlan(
+        data=1, fsdp=1, pipe=1, tensor=2, grad_accum_steps=2, processes=2, expert=2
+    )
+    assert "mesh.expert=2" in plan.overrides()
+    assert plan.describe() == (
+        "data 1 x fsdp 1 x expert 2 x pipe 1 x tensor 2 on 2 processes, train.grad_accum_steps=2"
+    )
+    assert plan.applied(config).mesh.expert == 2
+
+
+def test_replan_shrinks_the_expert_axis_to_a_divisor_of_the_jobs_when_it_must():
+    config = moe_config_of(
+        "mesh.data=1", "mesh.fsdp=1", "mesh.expert=4", "mesh.tensor=1", "train.global_batch=16"
+    )
+    # 3 healthy processes of one device: expert 3 would not divide the 8 experts; 2 does
+    plan = replan_mesh(config, devices_per_proc=1, job_processes=4, healthy_processes=3)
+    assert plan == MeshPlan(
+        data=1, fsdp=1, pipe=1, tensor=1, grad_accum_steps=2, processes=2, expert=2
+    )
+    # the plan's config passes the trainer's checks with the experts split 2 ways
+    assert plan.applied(config).mesh.expert == 2
+    plan = replan_mesh(config, devices_per_proc=1, job_processes=4, healthy_processes=1)
+    assert (plan.expert, plan.processes, plan.grad_accum_steps) == (1, 1, 4)
+    assert plan.describe().startswith("data 1 x fsdp 1 x pipe 1 x tensor 1 on 1 processes")
 
 
 def test_replan_uses_every_healthy_process_when_the_batch_allows():
