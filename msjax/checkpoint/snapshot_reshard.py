@@ -22,6 +22,7 @@ from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotDamaged,
     SnapshotStore,
+    is_snapshot_file,
 )
 from msjax.writable import read_no_follow
 
@@ -118,19 +119,36 @@ def step_pieces(step: int, manifests: list[tuple[Path, dict[str, Any]]]) -> Step
     if len(layouts) > 1:
         return f"the snapshots of step {step} on this node were saved in {len(layouts)} layouts"
     layout = manifests[0][1].get("layout", {})
-    pieces = StepPieces(
-        step, int(layout.get("process_count", 0)), dict(layout.get("mesh", {})),
-        manifests[0][1].get("meta", {}),
-    )  # fmt: skip
-    for path, manifest in manifests:
-        pieces.owners.add(int(manifest.get("layout", {}).get("process_index", -1)))
-        for entry in manifest.get("files", []):
-            if "region" not in entry or "global_shape" not in entry:
-                return f"the snapshots of step {step} do not record their shards' slices"
-            region = tuple(tuple(span) for span in entry["region"])
-            slices = pieces.by_leaf.setdefault(int(entry["leaf"]), {})
-            slices.setdefault(region, []).append(Piece(path / entry["name"], entry))
+    try:
+        pieces = StepPieces(
+            step, int(layout.get("process_count", 0)), dict(layout.get("mesh", {})),
+            dict(manifests[0][1]["meta"]),
+        )  # fmt: skip
+        for path, manifest in manifests:
+            pieces.owners.add(int(manifest.get("layout", {}).get("process_index", -1)))
+            for entry in manifest["files"]:
+                if "region" not in entry or "global_shape" not in entry:
+                    return f"the snapshots of step {step} do not record their shards' slices"
+                leaf, region = int(entry["leaf"]), checked_region(entry)
+                slices = pieces.by_leaf.setdefault(leaf, {})
+                slices.setdefault(region, []).append(Piece(path / entry["name"], entry))
+    except (KeyError, TypeError, ValueError) as error:
+        return f"a manifest of step {step} does not check out ({error!r})"
     return pieces
+
+
+def checked_region(entry: dict[str, Any]) -> Region:
+    """A manifest entry's slice, once its file name is a snapshot's and the slice fits its own
+    shape and its array's; ValueError where not."""
+    region = tuple((int(start), int(stop)) for start, stop in entry["region"])
+    spans = [stop - start for start, stop in region]
+    inside = all(
+        0 <= start <= stop <= size
+        for (start, stop), size in zip(region, entry["global_shape"], strict=True)
+    )
+    if not is_snapshot_file(entry["name"]) or spans != list(entry["shape"]) or not inside:
+        raise ValueError(f"{entry['name']}: slice {entry['region']} of {entry['global_shape']}")
+    return region
 
 
 def uncovered(pieces: StepPieces, abstract_state: Any, mesh: dict[str, int]) -> str:
@@ -189,9 +207,14 @@ class PieceReader:
             if hashlib.sha256(data).hexdigest() != piece.entry["sha256"]:
                 problems.append(f"{piece.path} does not match its sha256")
                 continue
-            dtype = jnp.dtype(piece.entry["dtype"])
-            self._arrays[key] = np.frombuffer(data, dtype=dtype).reshape(piece.entry["shape"])
-            return self._arrays[key]
+            try:
+                dtype = jnp.dtype(piece.entry["dtype"])
+                array = np.frombuffer(data, dtype=dtype).reshape(piece.entry["shape"])
+            except (TypeError, ValueError) as error:
+                problems.append(f"{piece.path} is not its manifest's array ({error})")
+                continue
+            self._arrays[key] = array
+            return array
         raise SnapshotDamaged(
             f"no replica of leaf {leaf}'s slice checks out: {'; '.join(problems)}"
         )

@@ -165,6 +165,17 @@ def test_snapshots_that_do_not_record_their_slices_are_refused(tmp_path: Path):
     )
 
 
+def test_a_manifest_whose_slice_does_not_fit_its_shard_is_refused(tmp_path: Path):
+    write_as_processes(tmp_path, train_like_state(old_mesh()))
+    manifest_path = tmp_path / "process-2" / f"step-{STEP}" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][0]["region"][0] = [0, 16]  # the whole axis, for a shard of half of it
+    manifest_path.write_text(json.dumps(manifest))
+    refused = pieces_by_step(tmp_path)[STEP]
+    assert isinstance(refused, str) and refused.startswith(f"a manifest of step {STEP}")
+    assert "0.bin: slice [[0, 16]" in refused
+
+
 def test_a_changed_pipeline_is_not_resharded(tmp_path: Path):
     write_as_processes(tmp_path, train_like_state(old_mesh()))
     target = abstract(train_like_state(new_layouts()["fsdp2 x tensor2 on 4 devices"]))
