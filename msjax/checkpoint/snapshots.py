@@ -39,14 +39,20 @@ class SnapshotDamaged(Exception):
     """A snapshot whose manifest or files do not check out (one line: which and why)."""
 
 
+Region = tuple[tuple[int, int], ...]  # a slice of an array: (start, stop) along each axis
+
+
 @dataclass(frozen=True)
 class ShardFile:
     """One shard of one array, as this process holds it: the array's index in the state's leaves,
-    the device that holds it, and its bytes on the host."""
+    the device that holds it, its bytes on the host, and which slice of which global shape it is
+    (what a restore onto another layout assembles new shards from; None where not known)."""
 
     leaf: int
     device_id: int
     data: np.ndarray
+    region: Region | None = None
+    global_shape: tuple[int, ...] | None = None
 
 
 def shared_memory_root() -> Path | None:
@@ -210,6 +216,7 @@ class SnapshotStore:
                     "shape": list(shard.data.shape),
                     "bytes": len(data),
                     "sha256": hashlib.sha256(data).hexdigest(),
+                    **global_place(shard),
                 }
             )
         manifest = {**record, "step": step, "files": entries}
@@ -322,6 +329,16 @@ def usable_in(
         else:
             reason = "the state's layout on this process's devices changed"
     return usable, reason
+
+
+def global_place(shard: ShardFile) -> dict[str, Any]:
+    """A shard's manifest fields saying which slice of the array it holds ({} where unknown)."""
+    if shard.region is None or shard.global_shape is None:
+        return {}
+    return {
+        "region": [list(span) for span in shard.region],
+        "global_shape": list(shard.global_shape),
+    }
 
 
 def is_snapshot_file(name: str) -> bool:

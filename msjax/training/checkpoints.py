@@ -59,6 +59,8 @@ def restore_or_init(
     memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
     if memory is not None:
         restore = {"source": memory.source, "bytes": memory.snapshot_bytes}
+        if memory.source == "resharded":  # the process count of the layout that saved them
+            restore["from_processes"] = memory.from_processes
         note_start("memory", "", {**restore, "seconds": round(memory.seconds, 3)})
         return start_from_memory(config, memory, message)
     if not_used:
@@ -91,6 +93,8 @@ def start_from_memory(
     whose = "this process's snapshot"
     if memory.source == "buddy":
         whose = f"the copy its buddy held ({memory.path})"
+    if memory.source == "resharded":
+        whose = f"the snapshots on this node, resharded from {memory.from_processes} processes"
     check_same_model(config, restored)
     message(
         f"restored step {memory.step} from memory: {memory.snapshot_bytes} bytes of {whose} in "

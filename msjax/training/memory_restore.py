@@ -18,12 +18,21 @@ from typing import Any
 from msjax.checkpoint.buddies import BuddyLink, Refused, coordinator_address
 from msjax.checkpoint.commits import committed_steps
 from msjax.checkpoint.fingerprint import leaf_name
+from msjax.checkpoint.snapshot_reshard import (
+    StepPieces,
+    assemble_shards,
+    pieces_by_step,
+    remove_other_layouts,
+    uncovered,
+)
 from msjax.checkpoint.snapshots import (
     SHARED_MEMORY,
     ShardFile,
     SnapshotDamaged,
     SnapshotStore,
     process_snapshot_store,
+    run_snapshots_dir,
+    shared_memory_root,
     usable_in,
     usable_steps,
     verified_shards,
@@ -118,7 +127,9 @@ class MemoryRestored:
     path: Path
     snapshot_bytes: int  # read from shared memory (own) or received from the buddy
     seconds: float
-    source: str = "own"  # own: this process's snapshot; buddy: the copy its buddy held
+    source: str = "own"  # own: this process's snapshot; buddy: the copy its buddy held;
+    # resharded: put together from the snapshots of another layout on this node
+    from_processes: int = 0  # resharded: the process count of the layout that saved them
 
 
 def buddy_steps(link: BuddyLink | None, layout: dict[str, Any]) -> tuple[dict[int, Any], str]:
@@ -242,8 +253,9 @@ def restore_from_memory(
 ) -> tuple[MemoryRestored | None, str]:
     """The newest snapshot every process holds whole and verified (its own, else its buddy's
     copy), in the run's layout and newer than the newest committed checkpoint in `checkpoints`;
-    else None (the disk's turn, for every process alike), with why where snapshots were there
-    ("" where none were)."""
+    else the newest every process can put together from the snapshots of another layout on its
+    node (`restore_resharded`); else None (the disk's turn, for every process alike), with why
+    where snapshots were there ("" where none were)."""
     if not config.checkpoint.memory_every_steps:
         return None, ""
     started = time.perf_counter()
@@ -260,7 +272,11 @@ def restore_from_memory(
                 None,
                 f"the newest whole one (step {step}) is not newer than checkpoint {disk_step}",
             )
-        return None, found.reason or "not every process holds a whole snapshot"
+        resharded, not_resharded = restore_resharded(config, abstract_state, disk_step, started)
+        if resharded is not None:
+            return resharded, ""
+        reason = found.reason or "not every process holds a whole snapshot"
+        return None, f"{reason}; resharding: {not_resharded}"
     problem, state = None, None
     try:
         state, manifest, path, source = read_step(found, step, abstract_state)
@@ -272,4 +288,66 @@ def restore_from_memory(
     snapshot_bytes = sum(entry["bytes"] for entry in manifest["files"])
     seconds = time.perf_counter() - started
     restored = MemoryRestored(state, step, manifest["meta"], path, snapshot_bytes, seconds, source)
+    return restored, ""
+
+
+def coverable(
+    run_snapshots: Path | None, abstract_state: Any, corruption: str
+) -> tuple[dict[int, StepPieces], str]:
+    """The steps whose pieces on this node make every shard this process holds in the run's
+    layout, and why the newest step there does not where it does not."""
+    if run_snapshots is None:
+        return {}, "no writable /dev/shm on this node"
+    if corruption:
+        return {}, corruption
+    mesh = state_layout(abstract_state)["mesh"]
+    whole, reason = {}, "no snapshots on this node"
+    by_step = pieces_by_step(run_snapshots)
+    for step in sorted(by_step):
+        pieces = by_step[step]
+        reason = pieces if isinstance(pieces, str) else uncovered(pieces, abstract_state, mesh)
+        if not reason:
+            whole[step] = pieces
+    return whole, reason
+
+
+def restore_resharded(
+    config: Config, abstract_state: Any, disk_step: int, started: float
+) -> tuple[MemoryRestored | None, str]:
+    """The newest step every process can put together whole from the snapshots on its node (of
+    whatever layout saved them: a job shrunk onto fewer processes reads those of the processes
+    it no longer has), newer than checkpoint `disk_step`; else None with why, every process
+    alike. The snapshots of processes the job no longer has go once every process has
+    restored, from memory or not."""
+    import jax
+
+    run_dir = Path(config.run.dir or ".")
+    root = shared_memory_root()
+    run_snapshots = run_snapshots_dir(run_dir, root) if root is not None else None
+    vote = process_vote("memory-reshard")
+    whole, reason = coverable(run_snapshots, abstract_state, after_corruption(run_dir))
+    step = agree_min(vote, max(whole, default=-1))
+    pieces = whole.get(step)
+    problem, state, snapshot_bytes = None, None, 0
+    if step < 0 or step <= disk_step:
+        problem = reason if step < 0 else f"step {step} is not newer than checkpoint {disk_step}"
+        problem = problem or "another process cannot put its shards together"
+    elif pieces is None:  # this process could only for a newer step
+        problem = f"this process cannot put its shards of step {step} together"
+    else:
+        try:
+            shards, snapshot_bytes = assemble_shards(pieces, abstract_state)
+            state = place_shards(shards, abstract_state)
+        except SnapshotDamaged as error:
+            problem = str(error)
+    refused = agree_any(vote, problem is not None)
+    if run_snapshots is not None:  # every process has its state now: the old layout's go
+        remove_other_layouts(run_snapshots, jax.process_count())
+    if refused:
+        return None, problem or "a process could not put its shards together"
+    seconds = time.perf_counter() - started
+    restored = MemoryRestored(
+        state, step, pieces.meta, run_snapshots, snapshot_bytes, seconds, "resharded",
+        pieces.process_count,
+    )  # fmt: skip
     return restored, ""

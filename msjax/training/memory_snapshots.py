@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from msjax.checkpoint.buddies import BuddyLink
+from msjax.checkpoint.snapshot_reshard import region_of
 from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotStore,
@@ -34,11 +35,18 @@ from msjax.training.memory_restore import buddy_link, state_layout
 
 
 def host_shards(copied_leaves: list[Any]) -> list[ShardFile]:
-    """Every addressable shard of the copied leaves, brought to the host (blocks on the copy)."""
+    """Every addressable shard of the copied leaves, brought to the host (blocks on the copy),
+    with the global slice it holds."""
     import numpy as np
 
     return [
-        ShardFile(number, shard.device.id, np.asarray(shard.data))
+        ShardFile(
+            number,
+            shard.device.id,
+            np.asarray(shard.data),
+            region_of(shard.index, leaf.shape),
+            tuple(leaf.shape),
+        )
         for number, leaf in enumerate(copied_leaves)
         for shard in leaf.addressable_shards
     ]
