@@ -57,32 +57,45 @@ def restore_or_init(
     """
 
     memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
-    if memory is not None:
-        restore = {"source": memory.source, "bytes": memory.snapshot_bytes}
-        if memory.source == "resharded":  # the process count of the layout that saved them
-            restore["from_processes"] = memory.from_processes
-        note_start("memory", "", {**restore, "seconds": round(memory.seconds, 3)})
-        return start_from_memory(config, memory, message)
-    if not_used:
+    if memory is None and not_used:
         message(
             f"restore: not from the memory snapshots ({not_used}); every process restores from "
             "the checkpoint directory"
         )
     started = time.perf_counter()
-    restored = restore_start(config, checkpointer, abstract_state, message, resume)
-    if restored is not None:
-        seconds, checkpoint_bytes = time.perf_counter() - started, directory_bytes(restored.path)
-        restore = {"source": "disk", "bytes": checkpoint_bytes, "seconds": round(seconds, 3)}
-        note_start("disk", not_used, restore)
+    restored = None
+    if memory is None:
+        restored = restore_start(config, checkpointer, abstract_state, message, resume)
+    if memory is not None or restored is not None:
+        restore = restore_record(memory, restored, started)
+        note_start("disk" if memory is None else "memory", not_used, restore)
+        if memory is not None:
+            return start_from_memory(config, memory, message)
         message(
-            f"restored step {restored.step} from disk: its checkpoint of {checkpoint_bytes} "
-            f"bytes (each process reads its own shards) in {seconds:.2f} s"
+            f"restored step {restored.step} from disk: its checkpoint of {restore['bytes']} "
+            f"bytes (each process reads its own shards) in {restore['seconds']:.2f} s"
         )
         return start_from_disk(config, restored, program, message)
     refuse_silent_restart(config, checkpointer, message)  # whatever the new state would be
     if config.model.init_from is not None:
         return StartingPoint(init_from_hf(config, program, message), 0, 0, None)
     return StartingPoint(program.init_state(), 0, 0, None)
+
+
+def restore_record(
+    memory: MemoryRestored | None, restored: Restored | None, started: float
+) -> dict[str, Any]:
+    """Where the run's state came from, as its heartbeat records it: the source, the bytes read
+    and the seconds taken (and for snapshots of another layout, how many processes saved them).
+    `restored` is the disk's, read since `started`, where `memory` is None."""
+    if memory is not None:
+        record: dict[str, Any] = {"source": memory.source, "bytes": memory.snapshot_bytes}
+        if memory.source == "resharded":  # the process count of the layout that saved them
+            record["from_processes"] = memory.from_processes
+        return {**record, "seconds": round(memory.seconds, 3)}
+    assert restored is not None
+    seconds = time.perf_counter() - started
+    return {"source": "disk", "bytes": directory_bytes(restored.path), "seconds": round(seconds, 3)}
 
 
 def start_from_memory(
