@@ -76,6 +76,7 @@ def _decode_block(
     query = jnp.einsum("bse,ehd->bshd", normed, attention.query[...].astype(dtype))
     key = jnp.einsum("bse,ehd->bshd", normed, attention.key[...].astype(dtype))
     value = jnp.einsum("bse,ehd->bshd", normed, attention.value[...].astype(dtype))
+    query, key = attention.normalize_heads(query, key)
     query = rotary_embedding(query, positions, config.rope_theta)
     key = rotary_embedding(key, positions, config.rope_theta)
     keys = jax.lax.dynamic_update_slice(keys, key.astype(keys.dtype), (0, start, 0, 0))
