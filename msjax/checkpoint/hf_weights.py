@@ -90,17 +90,15 @@ def mappings(model: ModelConfig) -> list[Mapping]:
         Mapping(("final_norm", "scale"), "model.norm.weight", "same", False),
     ]
     for stack, first, _, moe in layer_stacks(model):
-        norms = [("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")]
-        if model.qk_norm:
-            norms += [("attention", "query_norm"), ("attention", "key_norm")]
-        for ours, theirs in norms[:2]:
-            name = layer + theirs + ".weight"
-            found.append(Mapping((stack, ours, "scale"), name, "same", True, False, first))
-        for (_, ours), theirs in zip(norms[2:], ("q_norm", "k_norm"), strict=True):
-            name = layer + f"self_attn.{theirs}.weight"
-            found.append(
-                Mapping((stack, "attention", ours, "scale"), name, "same", True, False, first)
-            )
+        norms = [
+            (("attention_norm", "scale"), "input_layernorm.weight"),
+            (("mlp_norm", "scale"), "post_attention_layernorm.weight"),
+        ]
+        if model.qk_norm:  # Qwen3's per-head query and key norms
+            norms.append((("attention", "query_norm", "scale"), "self_attn.q_norm.weight"))
+            norms.append((("attention", "key_norm", "scale"), "self_attn.k_norm.weight"))
+        for ours, theirs in norms:
+            found.append(Mapping((stack, *ours), layer + theirs, "same", True, False, first))
         for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
             name = layer + f"self_attn.{theirs}_proj.weight"
             found.append(Mapping((stack, "attention", ours), name, "heads_in", True, False, first))
