@@ -84,16 +84,32 @@ def _decode_block(
     attended = cached_attention(query, keys, values, positions, config.attention_window)
     attended = jnp.einsum("bshd,hde->bse", attended, attention.out[...].astype(dtype))
     if block.parallel:
-        x = x + attended + block.mlp(normed)
+        x = x + attended + _mlp(block, normed)
     else:
         x = x + attended
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + _mlp(block, block.mlp_norm(x))
     return x, keys, values
+
+
+def _mlp(block: Block, normed: jax.Array) -> jax.Array:
+    """The block's MLP, dense or a mixture of experts (its statistics dropped)."""
+    return block.mlp(normed)[0] if block.moe else block.mlp(normed)
+
+
+def _layer_stacks(model: Transformer) -> list[tuple[Block, int]]:
+    """Each stack of layers with its count, in layer order (dense layers first in a mixture)."""
+    config = model.config
+    if not config.moe.enabled:
+        return [(model.layers, config.num_layers)]
+    dense = config.moe.first_dense_layers
+    moe = [(model.moe_layers, config.num_layers - dense)]
+    return [(model.dense_layers, dense), *moe] if dense else moe
 
 
 def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """tokens [batch, new] at positions cache.length... -> logits [batch, new, vocab] float32
-    and the cache holding them too."""
+    and the cache holding them too. A mixture of experts' layers route as configured (a capacity
+    factor counts the tokens of this call: msjax.generate decodes dropless)."""
     config = model.config
     dtype = jnp.dtype(config.compute_dtype)
     start = cache.length
@@ -110,6 +126,13 @@ def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.A
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return _decode_block(block, x, positions, start, keys, values)
 
-    x, keys, values = run_layers(x, model.layers, cache.key, cache.value)
+    keys, values, first = [], [], 0
+    for layers, count in _layer_stacks(model):
+        stack = slice(first, first + count)
+        x, stack_keys, stack_values = run_layers(x, layers, cache.key[stack], cache.value[stack])
+        keys.append(stack_keys)
+        values.append(stack_values)
+        first += count
+    keys, values = jnp.concatenate(keys), jnp.concatenate(values)
     logits = ops.logits(model.final_norm(x), model.unembedding_matrix())
     return logits, KVCache(keys, values, start + tokens.shape[1])

@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_hf import RUN, msjax_logits, refused_export
-from test_hf_moe import msjax_greedy
 
 from msjax.checkpoint.hf_weights import SafetensorsReader, load_params
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
 from msjax.config import Config, MeshConfig, ModelConfig, load_config
+from msjax.generate import Generator, Sampling, generation_model
 from msjax.hf.__main__ import main as hf_cli
 from msjax.hf.export import hf_form
 from msjax.llama_config import model_from_init
-from msjax.models.decoding import decode, empty_cache
 from msjax.models.moe import route
 from msjax.models.transformer import Transformer
 from msjax.parallel.mesh import build_mesh
@@ -120,6 +119,15 @@ def imported(directory: Path, mesh: MeshConfig) -> tuple[ModelConfig, dict]:
     return model, params
 
 
+def generated(model: ModelConfig, params: dict, prompt: np.ndarray, new: int) -> np.ndarray:
+    """Each prompt row [batch, len] and its `new` greedy tokens from msjax.generate's Generator
+    (the KV-cache decoder: the prompt prefilled at once, then one token a step)."""
+    generator = Generator(generation_model(Config(model=model), "cpu"), params, model.vocab_size)
+    greedy = Sampling(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    rows = [[*row, *generator.tokens([int(t) for t in row], new, greedy, None)] for row in prompt]
+    return np.asarray(rows)
+
+
 @pytest.fixture(scope="module")
 def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("qwen3_moe")
@@ -187,10 +195,10 @@ def test_imported_qwen3_moe_matches_transformers(qwen3_moe_dir: Path) -> None:
 
     prompt = tokens[:, :5]
     expected = hf_greedy(qwen3_moe_dir, "Qwen3MoeForCausalLM", prompt, 8)
-    np.testing.assert_array_equal(msjax_greedy(model, params, prompt, 8), expected)
+    np.testing.assert_array_equal(generated(model, params, prompt, 8), expected)
 
 
-def test_imported_qwen3_decodes_as_transformers_generates(tmp_path: Path) -> None:
+def test_imported_qwen3_generates_as_transformers(tmp_path: Path) -> None:
     config = transformers.Qwen3Config(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -212,19 +220,9 @@ def test_imported_qwen3_decodes_as_transformers_generates(tmp_path: Path) -> Non
     theirs = hf_logits(tmp_path, "Qwen3ForCausalLM", tokens)
     np.testing.assert_allclose(msjax_logits(model, params, tokens), theirs, atol=1e-4, rtol=0)
 
-    # msjax's KV-cache decoder (msjax.generate's): the prompt at once, then one token a step
-    abstract = nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(params=0)))
-    graphdef, state = nnx.split(abstract, nnx.Param)
-    nnx.replace_by_pure_dict(state, jax.device_get(params))
-    network = nnx.merge(graphdef, state)
     prompt = tokens[:, :5]
-    produced, cache = [], empty_cache(model, 2, 16)
-    logits, cache = decode(network, jnp.asarray(prompt), cache)
-    for _ in range(8):
-        produced.append(np.asarray(logits[:, -1].argmax(-1)))
-        logits, cache = decode(network, jnp.asarray(produced[-1][:, None]), cache)
-    ours = np.concatenate([prompt, np.stack(produced, axis=1)], axis=1)
-    np.testing.assert_array_equal(ours, hf_greedy(tmp_path, "Qwen3ForCausalLM", prompt, 8))
+    expected = hf_greedy(tmp_path, "Qwen3ForCausalLM", prompt, 8)
+    np.testing.assert_array_equal(generated(model, params, prompt, 8), expected)
 
 
 @pytest.fixture(scope="module")
