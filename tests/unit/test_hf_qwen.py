@@ -16,7 +16,12 @@ import pytest
 from flax import nnx
 from test_hf import RUN, msjax_logits, refused_export
 
-from msjax.checkpoint.hf_weights import SafetensorsReader, load_params
+from msjax.checkpoint.hf_weights import (
+    SafetensorsReader,
+    hf_tensors,
+    load_params,
+    write_safetensors,
+)
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
 from msjax.config import Config, MeshConfig, ModelConfig, load_config
 from msjax.generate import Generator, Sampling, generation_model
@@ -223,6 +228,29 @@ def test_imported_qwen3_generates_as_transformers(tmp_path: Path) -> None:
     prompt = tokens[:, :5]
     expected = hf_greedy(tmp_path, "Qwen3ForCausalLM", prompt, 8)
     np.testing.assert_array_equal(generated(model, params, prompt, 8), expected)
+
+
+def test_a_dense_qk_norm_model_written_as_qwen3_loads_in_transformers(tmp_path: Path) -> None:
+    model = resolve_model(
+        ModelConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4, qk_norm=True),
+        "cpu",
+    )
+    network = Transformer(model, nnx.Rngs(params=1))
+    for scale in (
+        network.layers.attention.query_norm.scale,
+        network.layers.attention.key_norm.scale,
+    ):
+        scale[...] = jax.random.uniform(jax.random.key(2), scale.shape, minval=0.5, maxval=2.0)
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(network, nnx.Param)))
+    form, reason, form_config = hf_form(model)
+    assert (form, reason) == ("Qwen3ForCausalLM", None)
+    write_safetensors(hf_tensors(params, model), tmp_path)
+    config = form_config(model, None, 64, "float32")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    tokens = np.random.default_rng(3).integers(0, VOCAB, size=(2, 12))
+    theirs = hf_logits(tmp_path, "Qwen3ForCausalLM", tokens)
+    np.testing.assert_allclose(msjax_logits(model, params, tokens), theirs, atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
