@@ -25,6 +25,7 @@ from msjax.checkpoint.hf_weights import (
 from msjax.checkpoint.run_params import checkpoint_source, load_run_params, saved_config
 from msjax.config import Config, MeshConfig, ModelConfig, load_config
 from msjax.generate import Generator, Sampling, generation_model
+from msjax.generate import main as generate_cli
 from msjax.hf.__main__ import main as hf_cli
 from msjax.hf.export import hf_form
 from msjax.llama_config import model_from_init
@@ -291,6 +292,21 @@ def test_trained_qwen3_moe_run_exports_and_imports_back(
         SafetensorsReader(out), config.model, jax.tree.map(lambda _: device, saved)
     )
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), reread, saved)
+
+
+def test_generate_command_runs_a_mixture_of_experts_on_one_device_and_on_its_mesh(
+    trained_qwen3_moe_run: Path,
+) -> None:
+    outputs = []
+    for mesh in ("one", "run"):
+        printed, errors = io.StringIO(), io.StringIO()
+        arguments = ["--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0"]
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+            code = generate_cli([str(trained_qwen3_moe_run), *arguments, "--mesh", mesh])
+        assert code == 0, errors.getvalue()
+        assert printed.getvalue().startswith("def ") and "tokens from step" in errors.getvalue()
+        outputs.append(printed.getvalue())
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize(
