@@ -21,6 +21,7 @@ import numpy as np
 from msjax.config import ModelConfig
 from msjax.errors import MsjaxError
 from msjax.llama_config import INDEX_FILE, SINGLE_FILE, open_weight_files
+from msjax.moe_config import layer_stacks
 
 MAX_SHARD_BYTES = 2 * 1024**3  # a file past this size is split, with an index naming each tensor
 
@@ -41,13 +42,13 @@ class Mapping:
     first_layer: int = 0  # the Hugging Face layer of the stack's first (dense layers come first)
 
 
-def layer_stacks(model: ModelConfig) -> list[tuple[str, int, int, bool]]:
+def _stacks(model: ModelConfig) -> list[tuple[str, int, int, bool]]:
     """(params key, first layer, layer count, MoE) of each stack of layers, in layer order."""
-    if not model.moe.enabled:
-        return [("layers", 0, model.num_layers, False)]
-    dense = model.moe.first_dense_layers
-    moe = [("moe_layers", dense, model.num_layers - dense, True)]
-    return [("dense_layers", 0, dense, False), *moe] if dense else moe
+    found, first = [], 0
+    for name, count, moe in layer_stacks(model.moe, model.num_layers):
+        found.append((name, first, count, moe))
+        first += count
+    return found
 
 
 def _mlp_mappings(model: ModelConfig, stack: str, first: int, moe: bool) -> list[Mapping]:
@@ -55,16 +56,10 @@ def _mlp_mappings(model: ModelConfig, stack: str, first: int, moe: bool) -> list
     experts."""
     layer = "model.layers.{layer}."
     if not moe:
+        names = [(ours, layer + f"mlp.{ours}_proj.weight") for ours in ("gate", "up", "down")]
         return [
-            Mapping(
-                (stack, "mlp", ours),
-                layer + f"mlp.{ours}_proj.weight",
-                "transposed",
-                True,
-                False,
-                first,
-            )
-            for ours in ("gate", "up", "down")
+            Mapping((stack, "mlp", ours), name, "transposed", True, False, first)
+            for ours, name in names
         ]
     if model.qk_norm:  # Qwen3-MoE
         router, experts = layer + "mlp.gate.weight", layer + "mlp.experts.{expert}."
@@ -89,7 +84,7 @@ def mappings(model: ModelConfig) -> list[Mapping]:
         Mapping(("embedding",), "model.embed_tokens.weight", "same", False),
         Mapping(("final_norm", "scale"), "model.norm.weight", "same", False),
     ]
-    for stack, first, _, moe in layer_stacks(model):
+    for stack, first, _, moe in _stacks(model):
         norms = [
             (("attention_norm", "scale"), "input_layernorm.weight"),
             (("mlp_norm", "scale"), "post_attention_layernorm.weight"),
@@ -330,7 +325,7 @@ def _param_shape(model: ModelConfig, path: tuple[str, ...]) -> tuple[int, ...]:
             ("unembedding",): (embed, vocab),
             ("final_norm", "scale"): (embed,),
         }[path]
-    layers, moe = next((count, moe) for key, _, count, moe in layer_stacks(model) if key == path[0])
+    layers, moe = next((count, moe) for key, _, count, moe in _stacks(model) if key == path[0])
     experts = model.moe.num_experts
     expert, hidden = (
         ((experts,), model.moe.expert_mlp_dim or model.mlp_dim) if moe else ((), model.mlp_dim)

@@ -16,6 +16,7 @@ from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
 from msjax.models.transformer import Block, Transformer
+from msjax.moe_config import layer_stacks
 
 
 @jax.tree_util.register_dataclass
@@ -96,16 +97,6 @@ def _mlp(block: Block, normed: jax.Array) -> jax.Array:
     return block.mlp(normed)[0] if block.moe else block.mlp(normed)
 
 
-def _layer_stacks(model: Transformer) -> list[tuple[Block, int]]:
-    """Each stack of layers with its count, in layer order (dense layers first in a mixture)."""
-    config = model.config
-    if not config.moe.enabled:
-        return [(model.layers, config.num_layers)]
-    dense = config.moe.first_dense_layers
-    moe = [(model.moe_layers, config.num_layers - dense)]
-    return [(model.dense_layers, dense), *moe] if dense else moe
-
-
 def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """tokens [batch, new] at positions cache.length... -> logits [batch, new, vocab] float32
     and the cache holding them too. A mixture of experts' layers route as configured (a capacity
@@ -127,8 +118,9 @@ def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.A
         return _decode_block(block, x, positions, start, keys, values)
 
     keys, values, first = [], [], 0
-    for layers, count in _layer_stacks(model):
+    for name, count, _ in layer_stacks(config.moe, config.num_layers):
         stack = slice(first, first + count)
+        layers = getattr(model, name)
         x, stack_keys, stack_values = run_layers(x, layers, cache.key[stack], cache.value[stack])
         keys.append(stack_keys)
         values.append(stack_values)

@@ -19,6 +19,7 @@ from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
 from msjax.models.moe import MoeMLP, MoeStats
 from msjax.models.params import param as _param
+from msjax.moe_config import layer_stacks
 from msjax.parallel.context import compute_weight, constrain, kernel_mesh
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
@@ -319,13 +320,9 @@ class Transformer(nnx.Module):
             rngs, embed_init, (config.vocab_size, config.embed_dim), ("vocab", "embed")
         )
 
-        if config.moe.enabled:  # dense layers first, then MoE layers: two stacks to scan
-            dense = config.moe.first_dense_layers
-            if dense:
-                self.dense_layers = _stacked_blocks(config, dense, False, rngs)
-            self.moe_layers = _stacked_blocks(config, config.num_layers - dense, True, rngs)
-        else:
-            self.layers = _stacked_blocks(config, config.num_layers, False, rngs)
+        # dense layers first, then MoE layers: one stack to scan, or two
+        for name, count, moe in layer_stacks(config.moe, config.num_layers):
+            setattr(self, name, _stacked_blocks(config, count, moe, rngs))
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         if not config.tied_embeddings:
             self.unembedding = _param(
