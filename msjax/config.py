@@ -46,6 +46,9 @@ class ModelConfig:
     tied_embeddings: bool = False  # the unembedding reuses the embedding table
     parallel_block: bool = False  # MegaScale §3.1: y = x + Attn(LN(x)) + MLP(LN(x))
     attention_window: int | None = None  # sliding-window attention; None: full causal
+    # Qwen3: an RMSNorm over each query and key head's head_dim (one scale of head_dim for the
+    # queries, one for the keys, per layer) before RoPE
+    qk_norm: bool = False
     # what the backward pass recomputes instead of keeping: none; full (keeps each layer's
     # input); dots (also the projection and MLP matmuls' outputs); attention (dots and
     # attention's output: only the attention scores and softmax are recomputed)
@@ -61,9 +64,10 @@ class ModelConfig:
     attention_impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
     norm_impl: Literal["auto", "xla", "pallas", "triton"] = "auto"  # as attention_impl; triton: GPU
     loss_impl: Literal["auto", "xla", "pallas"] = "auto"  # as attention_impl; pallas: fused loss
-    # hf:PATH, a local Hugging Face Llama or Mixtral directory: a new run starts from its weights
-    # (a run with checkpoints resumes from them instead); the keys above (and a Mixtral's
-    # model.moe shape) must match its config.json, or are filled from it with from_hf=true
+    # hf:PATH, a local Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE directory: a new run
+    # starts from its weights (a run with checkpoints resumes from them instead); the keys above
+    # (and a mixture's model.moe shape) must match its config.json, or are filled from it with
+    # from_hf=true
     init_from: str | None = None
     from_hf: bool = False  # fill the model section from init_from's config.json
     moe: MoeConfig = field(default_factory=MoeConfig)  # mixture of experts: `model.moe.*` below

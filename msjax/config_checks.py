@@ -154,7 +154,7 @@ def _check_model(model: ModelConfig) -> None:
     if model.init_from is not None and not model.init_from.startswith("hf:"):
         raise ConfigError(
             f"model.init_from={model.init_from} is not accepted; give hf:PATH, a local "
-            "Hugging Face Llama or Mixtral directory"
+            "Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE directory"
         )
     if model.from_hf and model.init_from is None:
         raise ConfigError("model.from_hf=true needs model.init_from=hf:PATH to read config.json")

@@ -105,11 +105,14 @@ class Generator:
 
 
 def generation_model(config: Config, backend: str) -> ModelConfig:
-    """The saved model with its kernels chosen anew for this backend."""
+    """The saved model with its kernels chosen anew for this backend; a mixture of experts
+    dropless (a capacity factor is a training budget: every token runs its experts, as in the
+    Hugging Face export)."""
     from msjax.resolve import IMPL_KEYS, resolve_model
 
     automatic = dataclasses.replace(config.model, **dict.fromkeys(IMPL_KEYS, "auto"))
-    return resolve_model(automatic, backend)
+    dropless = dataclasses.replace(automatic.moe, capacity_factor=0.0)
+    return resolve_model(dataclasses.replace(automatic, moe=dropless), backend)
 
 
 def _parse(argv: Sequence[str] | None) -> Any:
@@ -182,11 +185,6 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     checkpointer, step = checkpoint_source(args.run_dir, args.step)
     config = saved_config(checkpointer, step)
-    if config.model.moe.enabled:  # the KV-cache decoder runs the dense layer stack
-        raise MsjaxError(
-            f"msjax.generate runs dense models; this run's model.moe.num_experts="
-            f"{config.model.moe.num_experts} makes it a mixture of experts"
-        )
     tokenizer = load_tokenizer(config.data.tokenizer)
     prompt = [int(i) for i in tokenizer.encode(args.prompt)]
     if not prompt:

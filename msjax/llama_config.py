@@ -1,6 +1,6 @@
 """The model section as a Hugging Face Llama `config.json` (or Mixtral's, for a mixture of
-experts) and back, what cannot cross, and which weight files such a directory names (plain file
-names inside it, nothing else).
+experts; the keys Qwen3 adds are in msjax.qwen_config) and back, what cannot cross, and which
+weight files such a directory names (plain file names inside it, nothing else).
 
 No arrays: `msjax.resolve` fills or checks `model` against the directory named by
 `model.init_from` (and opens its weight files' headers), and the export writes the other way.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import stat
 from pathlib import Path
@@ -19,11 +18,14 @@ from typing import Any
 from msjax.config import Config, ModelConfig
 from msjax.config_checks import validate
 from msjax.errors import ConfigError
+from msjax.hf_config_values import CONFIG_FILE, boolean_field, integer_field, number_field
+from msjax.qwen_config import QWEN3_TYPES, qwen3_fields
 
 HF_PREFIX = "hf:"
-CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# keys a config.json may fill (from_hf) that only shape training, not the model it describes
+TRAINING_ONLY = ("model.moe.load_balance_loss_weight",)
 
 
 def unsupported_by_llama(model: ModelConfig) -> str | None:
@@ -133,53 +135,16 @@ def hf_directory(init_from: str) -> Path:
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(
             f"model.init_from={init_from}: no {CONFIG_FILE} in {path}; give a local Hugging Face "
-            "Llama or Mixtral directory"
+            "Llama, Mixtral, Qwen3 or Qwen3-MoE directory"
         )
     return path
-
-
-def _integer(hf: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
-    """A positive integer field of config.json (a float, a bool or a string is refused)."""
-    value = hf.get(key)
-    if value is None:
-        if default is None:
-            raise ConfigError(
-                f"{where}: {CONFIG_FILE} has no {key} (a {hf.get('model_type')} config has)"
-            )
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a positive integer"
-        )
-    return value
-
-
-def _boolean(hf: dict[str, Any], key: str, where: str, default: bool) -> bool:
-    """A true/false field of config.json (the string "false" is not false, nor true)."""
-    value = default if hf.get(key) is None else hf[key]
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be true or false"
-        )
-    return value
-
-
-def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
-    """A finite positive number field of config.json."""
-    value = default if hf.get(key) is None else hf[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ConfigError(
-            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a finite "
-            "positive number"
-        )
-    return float(value)
 
 
 def _mixtral_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The mixture-of-experts and attention keys of a Mixtral config.json (every layer MoE, no
     shared experts, bias-free router, top-k weights renormalised as Mixtral does)."""
-    experts = _integer(hf, "num_local_experts", where)
-    top_k = _integer(hf, "num_experts_per_tok", where)
+    experts = integer_field(hf, "num_local_experts", where)
+    top_k = integer_field(hf, "num_experts_per_tok", where)
     if top_k > experts:
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has num_experts_per_tok={top_k} > num_local_experts={experts}"
@@ -193,35 +158,41 @@ def _mixtral_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     moe = {
         "num_experts": experts,
         "experts_per_token": top_k,
-        "expert_mlp_dim": _integer(hf, "intermediate_size", where),
+        "expert_mlp_dim": integer_field(hf, "intermediate_size", where),
         "shared_experts": 0,
         "first_dense_layers": 0,
         "normalize_top_k": True,
     }
     # the same window: a query at i sees keys i - sliding_window < j <= i
-    window = None if hf.get("sliding_window") is None else _integer(hf, "sliding_window", where)
+    window = (
+        None if hf.get("sliding_window") is None else integer_field(hf, "sliding_window", where)
+    )
     return {"moe": moe, "attention_window": window}
 
 
 def model_fields_from_llama(hf: Any, where: str) -> dict[str, Any]:
-    """ModelConfig keys from a Llama or Mixtral config.json, each type-checked (`moe` a dict of
-    model.moe keys); ConfigError naming what msjax cannot represent or what is not valid."""
+    """ModelConfig keys from a Llama, Mixtral, Qwen3 or Qwen3-MoE config.json, each type-checked
+    (`moe` a dict of model.moe keys); ConfigError naming what msjax cannot represent or what is
+    not valid."""
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}: {CONFIG_FILE} is not a JSON object")
     model_type = hf.get("model_type")
-    if model_type not in ("llama", "mixtral"):
+    if model_type not in ("llama", "mixtral", *QWEN3_TYPES):
         raise ConfigError(
-            f"{where}: model_type={model_type!r} is not accepted; only llama or mixtral"
+            f"{where}: model_type={model_type!r} is not accepted; only llama, mixtral, qwen3 or "
+            "qwen3_moe"
         )
     if model_type == "mixtral":
-        mixtral = _mixtral_fields(hf, where)
+        mixtral = {**_mixtral_fields(hf, where), "qk_norm": False}
+    elif model_type in QWEN3_TYPES:
+        mixtral = qwen3_fields(hf, where)
     else:
-        mixtral = {"moe": {"num_experts": 0}, "attention_window": None}
+        mixtral = {"moe": {"num_experts": 0}, "attention_window": None, "qk_norm": False}
     hidden_act = hf.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ConfigError(f"{where}: hidden_act={hidden_act!r} is not accepted; msjax needs silu")
     for key in ("attention_bias", "mlp_bias"):  # Mixtral's config has neither
-        if _boolean(hf, key, where, default=False):
+        if boolean_field(hf, key, where, default=False):
             raise ConfigError(f"{where}: {key}=true is not accepted; msjax needs false")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
@@ -232,25 +203,27 @@ def model_fields_from_llama(hf: Any, where: str) -> dict[str, Any]:
             f"{where}: rope_type={rope_type!r} is not accepted; msjax has plain RoPE (default)"
         )
     theta_from = hf if hf.get("rope_theta") is not None else rope  # transformers 4.x, else 5.x
-    theta = _number(theta_from, "rope_theta", where, default=10000.0)
-    embed = _integer(hf, "hidden_size", where)
-    heads = _integer(hf, "num_attention_heads", where)
+    theta = number_field(theta_from, "rope_theta", where, default=10000.0)
+    embed = integer_field(hf, "hidden_size", where)
+    heads = integer_field(hf, "num_attention_heads", where)
     if hf.get("head_dim") is None and embed < heads:
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has hidden_size={embed} < num_attention_heads={heads} and "
             "no head_dim; each head needs at least one dimension"
         )
     return {
-        "vocab_size": _integer(hf, "vocab_size", where),
-        "num_layers": _integer(hf, "num_hidden_layers", where),
+        "vocab_size": integer_field(hf, "vocab_size", where),
+        "num_layers": integer_field(hf, "num_hidden_layers", where),
         "embed_dim": embed,
         "num_heads": heads,
-        "num_kv_heads": _integer(hf, "num_key_value_heads", where, default=heads),
-        "head_dim": _integer(hf, "head_dim", where, default=embed // heads),
-        "mlp_dim": _integer(hf, "intermediate_size", where),  # Mixtral's: each expert's
+        "num_kv_heads": integer_field(hf, "num_key_value_heads", where, default=heads),
+        "head_dim": integer_field(hf, "head_dim", where, default=embed // heads),
+        # Mixtral's: each expert's; Qwen3-MoE's: the dense layers' (moe_intermediate_size the
+        # experts')
+        "mlp_dim": integer_field(hf, "intermediate_size", where),
         "rope_theta": theta,
-        "norm_eps": _number(hf, "rms_norm_eps", where, default=1e-6),
-        "tied_embeddings": _boolean(hf, "tie_word_embeddings", where, default=False),
+        "norm_eps": number_field(hf, "rms_norm_eps", where, default=1e-6),
+        "tied_embeddings": boolean_field(hf, "tie_word_embeddings", where, default=False),
         "parallel_block": False,
         **mixtral,
     }
@@ -353,6 +326,8 @@ def model_from_init(config: Config) -> Config:
             ours = model.resolved_head_dim
         if key == "model.moe.expert_mlp_dim":
             ours = model.moe.expert_mlp_dim or model.mlp_dim
+        if key in TRAINING_ONLY:  # filled with from_hf, never a mismatch
+            continue
         if ours != value:
             mismatched.append(f"{key}={ours} but {CONFIG_FILE} has {value}")
     if mismatched:

@@ -1,9 +1,11 @@
-"""msjax parameters as Hugging Face Llama (or Mixtral) safetensors and back, read shard by shard.
+"""msjax parameters as Hugging Face Llama, Mixtral, Qwen3 or Qwen3-MoE safetensors and back,
+read shard by shard.
 
 Linear weights are `[out, in]` there; the query, key and value heads are rows `head * head_dim
 + d`, the layout msjax's head axes flatten to; both rotate RoPE by halves, so nothing permutes.
 A Mixtral file holds each expert's weights apart (`experts.{expert}.w1/w2/w3`, the names both
-transformers 4.x and 5.x write), where msjax stacks them along `expert`.
+transformers 4.x and 5.x write; Qwen3-MoE's `mlp.experts.{expert}.gate_proj/up_proj/down_proj`),
+where msjax stacks them along `expert`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from msjax.config import ModelConfig
 from msjax.errors import MsjaxError
 from msjax.llama_config import INDEX_FILE, SINGLE_FILE, open_weight_files
+from msjax.moe_config import layer_stacks
 
 MAX_SHARD_BYTES = 2 * 1024**3  # a file past this size is split, with an index naming each tensor
 
@@ -36,39 +39,67 @@ class Mapping:
     layout: str
     per_layer: bool
     per_expert: bool = False  # [layers, experts, ...] here, one tensor per layer and expert there
+    first_layer: int = 0  # the Hugging Face layer of the stack's first (dense layers come first)
+
+
+def _stacks(model: ModelConfig) -> list[tuple[str, int, int, bool]]:
+    """(params key, first layer, layer count, MoE) of each stack of layers, in layer order."""
+    found, first = [], 0
+    for name, count, moe in layer_stacks(model.moe, model.num_layers):
+        found.append((name, first, count, moe))
+        first += count
+    return found
+
+
+def _mlp_mappings(model: ModelConfig, stack: str, first: int, moe: bool) -> list[Mapping]:
+    """A stack's MLP: Llama's (Qwen3's) dense SwiGLU, or Mixtral's (Qwen3-MoE's) router and
+    experts."""
+    layer = "model.layers.{layer}."
+    if not moe:
+        names = [(ours, layer + f"mlp.{ours}_proj.weight") for ours in ("gate", "up", "down")]
+        return [
+            Mapping((stack, "mlp", ours), name, "transposed", True, False, first)
+            for ours, name in names
+        ]
+    if model.qk_norm:  # Qwen3-MoE
+        router, experts = layer + "mlp.gate.weight", layer + "mlp.experts.{expert}."
+        names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    else:  # Mixtral
+        router = layer + "block_sparse_moe.gate.weight"
+        experts = layer + "block_sparse_moe.experts.{expert}."
+        names = {"gate": "w1", "up": "w3", "down": "w2"}
+    found = [Mapping((stack, "mlp", "router", "weight"), router, "transposed", True, False, first)]
+    for ours, theirs in names.items():
+        name = experts + theirs + ".weight"
+        found.append(Mapping((stack, "mlp", ours), name, "transposed", True, True, first))
+    return found
 
 
 def mappings(model: ModelConfig) -> list[Mapping]:
     """Every parameter of the model with its Hugging Face name and layout: a dense model as a
-    Llama, a mixture of experts (every layer MoE: msjax.llama_config.unsupported_by_mixtral) as a
-    Mixtral."""
-    stack = "moe_layers" if model.moe.enabled else "layers"
+    Llama (a Qwen3 with model.qk_norm), a mixture of experts as a Mixtral (a Qwen3-MoE with
+    model.qk_norm; msjax.llama_config and msjax.qwen_config say which can export)."""
     layer = "model.layers.{layer}."
     found = [
         Mapping(("embedding",), "model.embed_tokens.weight", "same", False),
         Mapping(("final_norm", "scale"), "model.norm.weight", "same", False),
-        Mapping((stack, "attention_norm", "scale"), layer + "input_layernorm.weight", "same", True),
-        Mapping(
-            (stack, "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", "same", True
-        ),
     ]
-    for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
-        name = layer + f"self_attn.{theirs}_proj.weight"
-        found.append(Mapping((stack, "attention", ours), name, "heads_in", True))
-    found.append(
-        Mapping((stack, "attention", "out"), layer + "self_attn.o_proj.weight", "heads_out", True)
-    )
-    if model.moe.enabled:
-        moe = layer + "block_sparse_moe."
-        router = (stack, "mlp", "router", "weight")
-        found.append(Mapping(router, moe + "gate.weight", "transposed", True))
-        for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-            name = moe + "experts.{expert}." + theirs + ".weight"
-            found.append(Mapping((stack, "mlp", ours), name, "transposed", True, per_expert=True))
-    else:
-        for ours in ("gate", "up", "down"):
-            name = layer + f"mlp.{ours}_proj.weight"
-            found.append(Mapping((stack, "mlp", ours), name, "transposed", True))
+    for stack, first, _, moe in _stacks(model):
+        norms = [
+            (("attention_norm", "scale"), "input_layernorm.weight"),
+            (("mlp_norm", "scale"), "post_attention_layernorm.weight"),
+        ]
+        if model.qk_norm:  # Qwen3's per-head query and key norms
+            norms.append((("attention", "query_norm", "scale"), "self_attn.q_norm.weight"))
+            norms.append((("attention", "key_norm", "scale"), "self_attn.k_norm.weight"))
+        for ours, theirs in norms:
+            found.append(Mapping((stack, *ours), layer + theirs, "same", True, False, first))
+        for ours, theirs in (("query", "q"), ("key", "k"), ("value", "v")):
+            name = layer + f"self_attn.{theirs}_proj.weight"
+            found.append(Mapping((stack, "attention", ours), name, "heads_in", True, False, first))
+        name = layer + "self_attn.o_proj.weight"
+        found.append(Mapping((stack, "attention", "out"), name, "heads_out", True, False, first))
+        found += _mlp_mappings(model, stack, first, moe)
     if not model.tied_embeddings:
         found.append(Mapping(("unembedding",), "lm_head.weight", "transposed", False))
     return found
@@ -94,14 +125,15 @@ def hf_tensors(params: dict[str, Any], model: ModelConfig) -> Iterator[tuple[str
     """(name, array) of every Hugging Face tensor, from host params (numpy) one at a time."""
     for mapping in mappings(model):
         value = np.asarray(_get(params, mapping.path))
+        first = mapping.first_layer
         if mapping.per_expert:
-            for index in range(model.num_layers):
+            for index in range(value.shape[0]):
                 for expert in range(model.moe.num_experts):
-                    name = mapping.name.format(layer=index, expert=expert)
+                    name = mapping.name.format(layer=first + index, expert=expert)
                     yield name, np.ascontiguousarray(_to_hf(value[index, expert], mapping.layout))
         elif mapping.per_layer:
-            for index in range(model.num_layers):
-                name = mapping.name.format(layer=index)
+            for index in range(value.shape[0]):
+                name = mapping.name.format(layer=first + index)
                 yield name, np.ascontiguousarray(_to_hf(value[index], mapping.layout))
         else:
             yield mapping.name, np.ascontiguousarray(_to_hf(value, mapping.layout))
@@ -220,7 +252,7 @@ def slice_reader(
     """index -> the float32 slice of the msjax parameter of `shape`, read from the files."""
     stacked = 2 if mapping.per_expert else int(mapping.per_layer)  # leading axes split apart
     one_shape = shape[stacked:]
-    first = mapping.name.format(layer=0, expert=0)
+    first = mapping.name.format(layer=mapping.first_layer, expert=0)
     expected = _expected_hf_shape(one_shape, mapping.layout)
     if reader.shape(first) != expected:
         raise MsjaxError(
@@ -235,13 +267,13 @@ def slice_reader(
         layers = []
         for layer in range(*_bounds(index[0], shape[0])):
             if not mapping.per_expert:
-                name = mapping.name.format(layer=layer)
+                name = mapping.name.format(layer=mapping.first_layer + layer)
                 layers.append(_read_one(reader, name, mapping.layout, index[1:], one_shape))
                 continue
             experts = [
                 _read_one(
                     reader,
-                    mapping.name.format(layer=layer, expert=expert),
+                    mapping.name.format(layer=mapping.first_layer + layer, expert=expert),
                     mapping.layout,
                     index[2:],
                     one_shape,
@@ -284,27 +316,33 @@ def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 def _param_shape(model: ModelConfig, path: tuple[str, ...]) -> tuple[int, ...]:
-    """The shape of the parameter at `path` (a stack's: `layers` or `moe_layers` first)."""
-    embed, vocab, layers = model.embed_dim, model.vocab_size, model.num_layers
-    heads, kv_heads, dim = model.num_heads, model.num_kv_heads, model.resolved_head_dim
-    experts, hidden = model.moe.num_experts, model.moe.expert_mlp_dim or model.mlp_dim
-    if not model.moe.enabled:
-        experts, hidden = None, model.mlp_dim
-    expert = (experts,) if experts else ()
+    """The shape of the parameter at `path` (a stack's: its layers first)."""
+    embed, vocab, dim = model.embed_dim, model.vocab_size, model.resolved_head_dim
+    heads, kv_heads = model.num_heads, model.num_kv_heads
+    if path[0] not in ("layers", "dense_layers", "moe_layers"):
+        return {
+            ("embedding",): (vocab, embed),
+            ("unembedding",): (embed, vocab),
+            ("final_norm", "scale"): (embed,),
+        }[path]
+    layers, moe = next((count, moe) for key, _, count, moe in _stacks(model) if key == path[0])
+    experts = model.moe.num_experts
+    expert, hidden = (
+        ((experts,), model.moe.expert_mlp_dim or model.mlp_dim) if moe else ((), model.mlp_dim)
+    )
     shapes = {
-        ("embedding",): (vocab, embed),
-        ("unembedding",): (embed, vocab),
-        ("final_norm", "scale"): (embed,),
-        ("attention_norm", "scale"): (layers, embed),
-        ("mlp_norm", "scale"): (layers, embed),
-        ("attention", "query"): (layers, embed, heads, dim),
-        ("attention", "key"): (layers, embed, kv_heads, dim),
-        ("attention", "value"): (layers, embed, kv_heads, dim),
-        ("attention", "out"): (layers, heads, dim, embed),
-        ("mlp", "router", "weight"): (layers, embed, experts),
-        ("mlp", "router", "bias"): (layers, experts),
-        ("mlp", "gate"): (layers, *expert, embed, hidden),
-        ("mlp", "up"): (layers, *expert, embed, hidden),
-        ("mlp", "down"): (layers, *expert, hidden, embed),
+        ("attention_norm", "scale"): (embed,),
+        ("mlp_norm", "scale"): (embed,),
+        ("attention", "query_norm", "scale"): (dim,),
+        ("attention", "key_norm", "scale"): (dim,),
+        ("attention", "query"): (embed, heads, dim),
+        ("attention", "key"): (embed, kv_heads, dim),
+        ("attention", "value"): (embed, kv_heads, dim),
+        ("attention", "out"): (heads, dim, embed),
+        ("mlp", "router", "weight"): (embed, experts),
+        ("mlp", "router", "bias"): (experts,),
+        ("mlp", "gate"): (*expert, embed, hidden),
+        ("mlp", "up"): (*expert, embed, hidden),
+        ("mlp", "down"): (*expert, hidden, embed),
     }
-    return shapes[path[1:] if path[0] in ("layers", "moe_layers") else path]
+    return (layers, *shapes[path[1:]])

@@ -19,7 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m msjax.hf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
-        "export", help="a checkpoint as a Hugging Face Llama (or Mixtral) directory"
+        "export",
+        help="a checkpoint as a Hugging Face Llama (Mixtral), or with model.qk_norm Qwen3 "
+        "(Qwen3-MoE), directory",
     )
     export.add_argument("source", help="RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/STEP")
     export.add_argument("out_dir", type=Path)

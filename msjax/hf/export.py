@@ -1,5 +1,5 @@
 """A run's checkpoint written as a Hugging Face Llama directory (Mixtral for a mixture of
-experts) that transformers loads.
+experts; Qwen3 or Qwen3-MoE for a model with model.qk_norm) that transformers loads.
 
 Only the parameters are read (onto one device, whatever mesh saved them); everything that can
 refuse is checked before OUT_DIR is written, and OUT_DIR appears whole or not at all.
@@ -27,6 +27,7 @@ from msjax.llama_config import (
     unsupported_by_llama,
     unsupported_by_mixtral,
 )
+from msjax.qwen_config import qwen3_config, qwen3_moe_config, unsupported_by_qwen3
 
 
 class ExportWriteFailed(Exception):
@@ -35,7 +36,16 @@ class ExportWriteFailed(Exception):
 
 
 def hf_form(model: ModelConfig) -> tuple[str, str | None, Any]:
-    """(the transformers class, why it cannot run the model or None, its config.json maker)."""
+    """(the transformers class, why it cannot run the model or None, its config.json maker):
+    Qwen3 (Qwen3-MoE with experts) with model.qk_norm, else Llama (Mixtral with experts)."""
+    if model.qk_norm:
+        qwen = qwen3_moe_config if model.moe.enabled else qwen3_config
+        form = "Qwen3MoeForCausalLM" if model.moe.enabled else "Qwen3ForCausalLM"
+
+        def form_config(model: ModelConfig, *args: Any) -> dict[str, Any]:
+            return qwen(llama_config(model, *args), model)
+
+        return form, unsupported_by_qwen3(model), form_config
     if model.moe.enabled:
         return "MixtralForCausalLM", unsupported_by_mixtral(model), mixtral_config
     return "LlamaForCausalLM", unsupported_by_llama(model), llama_config

@@ -16,6 +16,7 @@ from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
 from msjax.models.transformer import Block, Transformer
+from msjax.moe_config import layer_stacks
 
 
 @jax.tree_util.register_dataclass
@@ -76,6 +77,7 @@ def _decode_block(
     query = jnp.einsum("bse,ehd->bshd", normed, attention.query[...].astype(dtype))
     key = jnp.einsum("bse,ehd->bshd", normed, attention.key[...].astype(dtype))
     value = jnp.einsum("bse,ehd->bshd", normed, attention.value[...].astype(dtype))
+    query, key = attention.normalize_heads(query, key)
     query = rotary_embedding(query, positions, config.rope_theta)
     key = rotary_embedding(key, positions, config.rope_theta)
     keys = jax.lax.dynamic_update_slice(keys, key.astype(keys.dtype), (0, start, 0, 0))
@@ -83,16 +85,22 @@ def _decode_block(
     attended = cached_attention(query, keys, values, positions, config.attention_window)
     attended = jnp.einsum("bshd,hde->bse", attended, attention.out[...].astype(dtype))
     if block.parallel:
-        x = x + attended + block.mlp(normed)
+        x = x + attended + _mlp(block, normed)
     else:
         x = x + attended
-        x = x + block.mlp(block.mlp_norm(x))
+        x = x + _mlp(block, block.mlp_norm(x))
     return x, keys, values
+
+
+def _mlp(block: Block, normed: jax.Array) -> jax.Array:
+    """The block's MLP, dense or a mixture of experts (its statistics dropped)."""
+    return block.mlp(normed)[0] if block.moe else block.mlp(normed)
 
 
 def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """tokens [batch, new] at positions cache.length... -> logits [batch, new, vocab] float32
-    and the cache holding them too."""
+    and the cache holding them too. A mixture of experts' layers route as configured (a capacity
+    factor counts the tokens of this call: msjax.generate decodes dropless)."""
     config = model.config
     dtype = jnp.dtype(config.compute_dtype)
     start = cache.length
@@ -109,6 +117,14 @@ def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.A
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return _decode_block(block, x, positions, start, keys, values)
 
-    x, keys, values = run_layers(x, model.layers, cache.key, cache.value)
+    keys, values, first = [], [], 0
+    for name, count, _ in layer_stacks(config.moe, config.num_layers):
+        stack = slice(first, first + count)
+        layers = getattr(model, name)
+        x, stack_keys, stack_values = run_layers(x, layers, cache.key[stack], cache.value[stack])
+        keys.append(stack_keys)
+        values.append(stack_values)
+        first += count
+    keys, values = jnp.concatenate(keys), jnp.concatenate(values)
     logits = ops.logits(model.final_norm(x), model.unembedding_matrix())
     return logits, KVCache(keys, values, start + tokens.shape[1])

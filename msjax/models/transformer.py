@@ -19,21 +19,34 @@ from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
 from msjax.models.moe import MoeMLP, MoeStats
 from msjax.models.params import param as _param
+from msjax.moe_config import layer_stacks
 from msjax.parallel.context import compute_weight, constrain, kernel_mesh
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
+QUERY_AXES = ("batch", "seq", "heads", "head_dim")  # attention's queries
+KEY_AXES = ("batch", "seq", "kv_heads", "head_dim")  # attention's keys (and values)
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, computed in float32 (msjax.ops: the XLA reference or a kernel)."""
+    """x / rms(x) * scale over x's last axis, computed in float32 (msjax.ops: the XLA reference or
+    a kernel). `scale_axis` names the scale's logical axis, `axes` those of x."""
 
-    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs, impl: str = "xla"):
-        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        rngs: nnx.Rngs,
+        impl: str = "xla",
+        scale_axis: str = "embed",
+        axes: tuple[str, ...] = RESIDUAL,
+    ):
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), (scale_axis,))
         self.eps = eps
         self.impl = impl
+        self.axes = axes
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return ops.rms_norm(x, self.scale[...], eps=self.eps, impl=self.impl)
+        return ops.rms_norm(x, self.scale[...], eps=self.eps, impl=self.impl, axes=self.axes)
 
     def add_and_normalize(self, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x + residual, its norm), fused into one pass by the kernel."""
@@ -75,7 +88,18 @@ class Attention(nnx.Module):
             rngs, init, (embed, kv_heads, head_dim), ("embed", "kv_heads", "head_dim")
         )
         self.out = _param(rngs, out_init, (heads, head_dim, embed), ("heads", "head_dim", "embed"))
+        if config.qk_norm:  # Qwen3: each head's queries and keys normalised over head_dim
+            eps, impl = config.norm_eps, config.norm_impl
+            self.query_norm = RMSNorm(head_dim, eps, rngs, impl, "head_dim", QUERY_AXES)
+            self.key_norm = RMSNorm(head_dim, eps, rngs, impl, "head_dim", KEY_AXES)
         self.config = config
+
+    def normalize_heads(self, query: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Queries and keys [batch, seq, (kv_)heads, head_dim] through their per-head RMSNorm
+        (model.qk_norm, before RoPE), or as they are; the training pass and decoding share it."""
+        if not self.config.qk_norm:
+            return query, key
+        return self.query_norm(query), self.key_norm(key)
 
     def _project(self, x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [batch, seq, heads, head_dim], keys and values [batch, seq, kv_heads, head_dim].
@@ -116,9 +140,10 @@ class Attention(nnx.Module):
         dtype = x.dtype
         x = constrain(x, ("batch", "seq", "act_embed"))
         query, key, value = self._project(x, dtype)
-        query = constrain(query, ("batch", "seq", "heads", "head_dim"))
-        key = constrain(key, ("batch", "seq", "kv_heads", "head_dim"))
+        query = constrain(query, QUERY_AXES)
+        key = constrain(key, KEY_AXES)
         value = constrain(value, ("batch", "seq", "kv_heads", "head_dim"))
+        query, key = self.normalize_heads(query, key)
         query = rotary_embedding(query, positions, self.config.rope_theta)
         key = rotary_embedding(key, positions, self.config.rope_theta)
         attended = ops.attention(
@@ -295,13 +320,9 @@ class Transformer(nnx.Module):
             rngs, embed_init, (config.vocab_size, config.embed_dim), ("vocab", "embed")
         )
 
-        if config.moe.enabled:  # dense layers first, then MoE layers: two stacks to scan
-            dense = config.moe.first_dense_layers
-            if dense:
-                self.dense_layers = _stacked_blocks(config, dense, False, rngs)
-            self.moe_layers = _stacked_blocks(config, config.num_layers - dense, True, rngs)
-        else:
-            self.layers = _stacked_blocks(config, config.num_layers, False, rngs)
+        # dense layers first, then MoE layers: one stack to scan, or two
+        for name, count, moe in layer_stacks(config.moe, config.num_layers):
+            setattr(self, name, _stacked_blocks(config, count, moe, rngs))
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         if not config.tied_embeddings:
             self.unembedding = _param(

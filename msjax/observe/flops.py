@@ -67,6 +67,8 @@ def count_params(model: ModelConfig) -> ParamCounts:
     output = 0 if model.tied_embeddings else embed * model.vocab_size  # [embed, vocab]
     matmul = model.num_layers * attention + mlp + model.vocab_size * embed  # + unembedding
     norms = model.num_layers * block_norms + embed  # + the final norm
+    if model.qk_norm:  # a query and a key scale [head_dim] per layer
+        norms += model.num_layers * 2 * head_dim
     if model.moe.bias_balancing:  # a routing bias per expert and MoE layer
         norms += (model.num_layers - model.moe.first_dense_layers) * model.moe.num_experts
     return ParamCounts(

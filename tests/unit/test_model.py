@@ -244,8 +244,9 @@ def test_packed_model_logits_equal_reference_with_segments_and_restarted_positio
         dataclasses.replace(TINY, num_kv_heads=1, head_dim=12, num_layers=3),
         dataclasses.replace(TINY, parallel_block=True),
         dataclasses.replace(TINY, parallel_block=True, tied_embeddings=True),
+        dataclasses.replace(TINY, qk_norm=True, head_dim=12),
     ],
-    ids=["untied-gqa", "tied", "mha", "mqa-head-dim", "parallel", "parallel-tied"],
+    ids=["untied-gqa", "tied", "mha", "mqa-head-dim", "parallel", "parallel-tied", "qk-norm"],
 )
 def test_built_model_has_exactly_count_params_parameters(config):
     with nnx.use_eager_sharding(False):

@@ -66,6 +66,12 @@ CASES = {
         circular(4),
     ),
     "pipe2-data2-tensor2-1f1b-m4": ((2, 1, 2, 2, False), FOUR_LAYERS, one_f_one_b(4)),
+    # Qwen3's per-head query/key norm: its scales stacked with the layers, split over the stages
+    "pipe2-fsdp2-tensor2-seqpar-qk-norm-1f1b-m4": (
+        (1, 2, 2, 2, True),
+        {"num_layers": 4, "qk_norm": True},
+        one_f_one_b(4),
+    ),
     "pipe4-data2-tied-remat-1f1b-m8": ((2, 1, 4, 1, False), TIED_REMAT, one_f_one_b(8)),
     "pipe2-fsdp2-tensor2-seqpar-1f1b-m4": ((1, 2, 2, 2, True), FOUR_LAYERS, one_f_one_b(4)),
     "pipe2-data2-tensor2-parallel-window-1f1b-m4": (
@@ -111,6 +117,7 @@ def straight_run(model: dict) -> tuple:
 SLOW_CASES = {
     "pipe2-data2-fsdp2-circular-m4-gather-once",
     "pipe2-fsdp2-tensor2-seqpar-1f1b-m4-gather-once",
+    "pipe2-fsdp2-tensor2-seqpar-qk-norm-1f1b-m4",  # a straight run of its own to compile
 }
 
 
