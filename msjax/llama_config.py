@@ -1,6 +1,7 @@
 """The model section as a Hugging Face Llama `config.json` (or Mixtral's, for a mixture of
-experts; the keys Qwen3 adds are in msjax.qwen_config) and back, what cannot cross, and which
-weight files such a directory names (plain file names inside it, nothing else).
+experts, or Qwen3's and Qwen3-MoE's; what Qwen3 exports is in msjax.qwen_config) and back, its
+fields read and type-checked, what cannot cross, and which weight files such a directory names
+(plain file names inside it, nothing else).
 
 No arrays: `msjax.resolve` fills or checks `model` against the directory named by
 `model.init_from` (and opens its weight files' headers), and the export writes the other way.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -18,14 +20,115 @@ from typing import Any
 from msjax.config import Config, ModelConfig
 from msjax.config_checks import validate
 from msjax.errors import ConfigError
-from msjax.hf_config_values import CONFIG_FILE, boolean_field, integer_field, number_field
-from msjax.qwen_config import QWEN3_TYPES, qwen3_fields
+from msjax.qwen_config import QWEN3_TYPES
 
 HF_PREFIX = "hf:"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # keys a config.json may fill (from_hf) that only shape training, not the model it describes
 TRAINING_ONLY = ("model.moe.load_balance_loss_weight",)
+
+CONFIG_FILE = "config.json"
+
+
+def integer_field(hf: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """A positive integer field of config.json (a float, a bool or a string is refused)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(
+                f"{where}: {CONFIG_FILE} has no {key} (a {hf.get('model_type')} config has)"
+            )
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a positive integer"
+        )
+    return value
+
+
+def boolean_field(hf: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    """A true/false field of config.json (the string "false" is not false, nor true)."""
+    value = default if hf.get(key) is None else hf[key]
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be true or false"
+        )
+    return value
+
+
+def number_field(hf: dict[str, Any], key: str, where: str, default: float) -> float:
+    """A finite positive number field of config.json."""
+    value = default if hf.get(key) is None else hf[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has {key}={json.dumps(value)}; it must be a finite "
+            "positive number"
+        )
+    return float(value)
+
+
+def _moe_layers(hf: dict[str, Any], where: str, num_layers: int) -> list[int]:
+    """The layers transformers makes mixtures of experts (Qwen3MoeDecoderLayer's rule)."""
+    step = integer_field(hf, "decoder_sparse_step", where, default=1)
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense
+    ):
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has mlp_only_layers={json.dumps(dense)}; it must be a list "
+            f"of layer indices in [0, {num_layers})"
+        )
+    return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def _qwen3_moe_fields(hf: dict[str, Any], where: str, num_layers: int) -> dict[str, Any]:
+    """model.moe keys of a Qwen3-MoE: routed experts only, bias-free softmax router, its top-k
+    renormalised or not (norm_topk_prob), the first layers dense and the rest mixtures."""
+    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    experts = integer_field(hf, key, where)
+    top_k = integer_field(hf, "num_experts_per_tok", where)
+    if top_k > experts:
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has num_experts_per_tok={top_k} > {key}={experts}"
+        )
+    moe_layers = _moe_layers(hf, where, num_layers)
+    if not moe_layers:  # every layer dense: a Qwen3 in all but name
+        return {"num_experts": 0}
+    first_moe = moe_layers[0]
+    if moe_layers != list(range(first_moe, num_layers)):
+        raise ConfigError(
+            f"{where}: decoder_sparse_step={hf.get('decoder_sparse_step', 1)} and "
+            f"mlp_only_layers={json.dumps(hf.get('mlp_only_layers') or [])} make layers "
+            f"{moe_layers} mixtures of experts; msjax accepts only dense layers first and every "
+            "layer after them a mixture (model.moe.first_dense_layers)"
+        )
+    # transformers' load-balancing loss sums over the k choices, msjax's over their shares
+    aux_weight = hf.get("router_aux_loss_coef") or 0.0
+    return {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "expert_mlp_dim": integer_field(hf, "moe_intermediate_size", where),
+        "shared_experts": 0,
+        "first_dense_layers": first_moe,
+        "normalize_top_k": boolean_field(hf, "norm_topk_prob", where, default=False),
+        "load_balance_loss_weight": float(aux_weight) * top_k if aux_weight else 0.0,
+    }
+
+
+def qwen3_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig keys of a Qwen3 or Qwen3-MoE config.json beyond the Llama ones (`moe` a dict
+    of model.moe keys); ConfigError naming what msjax cannot represent."""
+    if boolean_field(hf, "use_sliding_window", where, default=False):
+        raise ConfigError(
+            f"{where}: use_sliding_window=true is not accepted; msjax's Qwen3 attends to every "
+            "earlier token in every layer (use_sliding_window=false)"
+        )
+    if hf.get("model_type") == "qwen3_moe":
+        moe = _qwen3_moe_fields(hf, where, integer_field(hf, "num_hidden_layers", where))
+    else:
+        moe = {"num_experts": 0}
+    return {"moe": moe, "attention_window": None, "qk_norm": True}
 
 
 def unsupported_by_llama(model: ModelConfig) -> str | None:

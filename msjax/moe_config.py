@@ -49,15 +49,15 @@ class MoeConfig:
     def enabled(self) -> bool:
         return self.num_experts > 0
 
-
-def layer_stacks(moe: MoeConfig, num_layers: int) -> list[tuple[str, int, bool]]:
-    """(the Transformer's attribute, layer count, MoE) of each stack of layers, in layer order:
-    one dense stack, or the first dense layers (if any) and then the MoE layers."""
-    if not moe.enabled:
-        return [("layers", num_layers, False)]
-    dense = moe.first_dense_layers
-    moe_stack = [("moe_layers", num_layers - dense, True)]
-    return [("dense_layers", dense, False), *moe_stack] if dense else moe_stack
+    def layer_stacks(self, num_layers: int) -> list[tuple[str, int, bool]]:
+        """(the Transformer's attribute, layer count, MoE) of each stack of `num_layers` layers,
+        in layer order: one dense stack, or the first dense layers (if any) and then the MoE
+        layers."""
+        if not self.enabled:
+            return [("layers", num_layers, False)]
+        dense = self.first_dense_layers
+        moe_stack = [("moe_layers", num_layers - dense, True)]
+        return [("dense_layers", dense, False), *moe_stack] if dense else moe_stack
 
 
 def check_moe(moe: MoeConfig, num_layers: int) -> None:

@@ -21,7 +21,6 @@ import numpy as np
 from msjax.config import ModelConfig
 from msjax.errors import MsjaxError
 from msjax.llama_config import INDEX_FILE, SINGLE_FILE, open_weight_files
-from msjax.moe_config import layer_stacks
 
 MAX_SHARD_BYTES = 2 * 1024**3  # a file past this size is split, with an index naming each tensor
 
@@ -45,7 +44,7 @@ class Mapping:
 def _stacks(model: ModelConfig) -> list[tuple[str, int, int, bool]]:
     """(params key, first layer, layer count, MoE) of each stack of layers, in layer order."""
     found, first = [], 0
-    for name, count, moe in layer_stacks(model.moe, model.num_layers):
+    for name, count, moe in model.moe.layer_stacks(model.num_layers):
         found.append((name, first, count, moe))
         first += count
     return found

@@ -16,7 +16,6 @@ from msjax import ops
 from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
 from msjax.models.transformer import Block, Transformer
-from msjax.moe_config import layer_stacks
 
 
 @jax.tree_util.register_dataclass
@@ -118,7 +117,7 @@ def decode(model: Transformer, tokens: jax.Array, cache: KVCache) -> tuple[jax.A
         return _decode_block(block, x, positions, start, keys, values)
 
     keys, values, first = [], [], 0
-    for name, count, _ in layer_stacks(config.moe, config.num_layers):
+    for name, count, _ in config.moe.layer_stacks(config.num_layers):
         stack = slice(first, first + count)
         layers = getattr(model, name)
         x, stack_keys, stack_values = run_layers(x, layers, cache.key[stack], cache.value[stack])

@@ -19,7 +19,6 @@ from msjax.config import ModelConfig
 from msjax.models.attention import rotary_embedding
 from msjax.models.moe import MoeMLP, MoeStats
 from msjax.models.params import param as _param
-from msjax.moe_config import layer_stacks
 from msjax.parallel.context import compute_weight, constrain, kernel_mesh
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")  # the stream between blocks
@@ -321,7 +320,7 @@ class Transformer(nnx.Module):
         )
 
         # dense layers first, then MoE layers: one stack to scan, or two
-        for name, count, moe in layer_stacks(config.moe, config.num_layers):
+        for name, count, moe in config.moe.layer_stacks(config.num_layers):
             setattr(self, name, _stacked_blocks(config, count, moe, rngs))
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs, config.norm_impl)
         if not config.tied_embeddings:

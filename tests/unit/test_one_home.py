@@ -108,7 +108,7 @@ def test_run_directory_names_appear_only_in_run_dir():
     spelled = {path: sorted(RUN_DIR_NAMES & path_names(tree)) for path, tree in modules().items()}
     elsewhere = {path: names for path, names in spelled.items() if names}
     # A Hugging Face directory's own config.json, not the run directory's
-    assert elsewhere.pop("msjax/hf_config_values.py", None) == ["config.json"]
+    assert elsewhere.pop("msjax/llama_config.py", None) == ["config.json"]
     assert list(elsewhere) == ["msjax/run_dir.py"], elsewhere
     assert elsewhere["msjax/run_dir.py"] == sorted(RUN_DIR_NAMES)
 
