@@ -35,6 +35,11 @@ class CheckpointConfig:
     # of the RAM its host can give (MemAvailable, and the free space of /dev/shm); more: they are
     # off for the run, said in one line; in (0, 1]
     memory_max_fraction: float = 0.5
+    # a snapshot due while the one before is still being written (on any process): skip it (the
+    # steps keep their pace; a fault may then lose more than memory_every_steps steps) or wait
+    # for that write on every process and take it (at most memory_every_steps steps lost per
+    # fault; the wait stalls the step)
+    memory_when_busy: Literal["skip", "wait"] = "skip"
     # with memory snapshots in a job of several processes under msjax.launch (its job secret
     # seals them), each process also sends every snapshot to its buddy, a process on another
     # node where the job spans several, which keeps it in its own /dev/shm: a restart whose node

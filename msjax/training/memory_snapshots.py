@@ -56,8 +56,9 @@ class MemorySnapshots:
     """Snapshots every `every_steps` steps into `store` (made and cleared of unfinished writes
     by its builder), one written at a time by a background thread. Every process takes or skips
     the same snapshots: at each due step they vote (`vote`, None in a one-process run), and one
-    due while the last is still being written on any process is skipped by all (and counted),
-    never waited for; a write that failed on any process turns them off on all."""
+    due while the last is still being written on any process is, by `when_busy`, skipped by all
+    (and counted) or waited for by all (each process for its own write, then a second vote for
+    the slowest) and taken; a write that failed on any process turns them off on all."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class MemorySnapshots:
         warn: Callable[[str], None],
         vote: ProcessVote | None = None,
         buddy: BuddyLink | None = None,
+        when_busy: str = "skip",
     ):
         self.every_steps = every_steps
         self.store = store
@@ -76,6 +78,7 @@ class MemorySnapshots:
         self.warn = warn
         self.vote = vote  # the processes' per-snapshot vote: take, skip, or turn off
         self.buddy = buddy  # where a copy of each snapshot goes (None: nowhere)
+        self.when_busy = when_busy  # checkpoint.memory_when_busy: "skip" or "wait"
         self._buddy_error: str | None = None
         self.skipped = 0  # snapshots not taken: the one before was still being written
         self._writer: threading.Thread | None = None
@@ -89,20 +92,8 @@ class MemorySnapshots:
             return
         import jax
 
-        started = time.perf_counter()
-        busy = self._writer is not None and self._writer.is_alive()
-        busy_anywhere, failed_anywhere = agree_max(self.vote, [busy, self._error is not None])
-        if failed_anywhere:
-            failure = self._error or "an in-memory snapshot failed on another process"
-            self.warn(f"warning: {failure}; in-memory snapshots are off from here on")
-            self.every_steps, self._error = 0, None
-            return
-        if self._buddy_error is not None:  # this process's copies only: a restore checks them
-            self.warn(f"warning: {self._buddy_error}; copies on a buddy are off from here on")
-            self.buddy, self._buddy_error = None, None
-        if busy_anywhere:
-            self.skipped += 1
-            self.events.memory_snapshot(step, time.perf_counter() - started, 0, self.skipped)
+        started = time.perf_counter()  # the stall counts a wait for the write before
+        if not self._agree_to_take(step, started):
             return
         leaves = jax.tree.leaves(state)
         # a copy the next step's donation cannot take away; the host copy follows in the thread
@@ -116,6 +107,29 @@ class MemorySnapshots:
         self._writer.start()
         stall_s = time.perf_counter() - started
         self.events.memory_snapshot(step, stall_s, addressable_bytes(copied), self.skipped)
+
+    def _agree_to_take(self, step: int, started: float) -> bool:
+        """Whether every process takes the snapshot due at `step` (the same answer on all): not
+        where a write failed on any process (snapshots then turn off) nor, with when_busy
+        "skip", where the one before is still being written on any (skipped and counted)."""
+        busy = self._writer is not None and self._writer.is_alive()
+        busy_anywhere, failed_anywhere = agree_max(self.vote, [busy, self._error is not None])
+        if busy_anywhere and not failed_anywhere and self.when_busy == "wait":
+            self.close()  # this process's write; the vote below waits for every other's
+            busy_anywhere, failed_anywhere = agree_max(self.vote, [0, self._error is not None])
+        if failed_anywhere:
+            failure = self._error or "an in-memory snapshot failed on another process"
+            self.warn(f"warning: {failure}; in-memory snapshots are off from here on")
+            self.every_steps, self._error = 0, None
+            return False
+        if self._buddy_error is not None:  # this process's copies only: a restore checks them
+            self.warn(f"warning: {self._buddy_error}; copies on a buddy are off from here on")
+            self.buddy, self._buddy_error = None, None
+        if busy_anywhere:
+            self.skipped += 1
+            self.events.memory_snapshot(step, time.perf_counter() - started, 0, self.skipped)
+            return False
+        return True
 
     def _write(self, step: int, copied: list[Any], record: dict[str, Any]) -> None:
         try:
@@ -198,4 +212,7 @@ def build_memory_snapshots(
         f"this host for this process (its shards, twice){copies}"
     )
     vote = process_vote("memory-save")
-    return MemorySnapshots(every_steps, store, meta_of, events, warn, vote=vote, buddy=buddy)
+    when_busy = config.checkpoint.memory_when_busy
+    return MemorySnapshots(
+        every_steps, store, meta_of, events, warn, vote=vote, buddy=buddy, when_busy=when_busy
+    )

@@ -168,6 +168,10 @@ def test_null_override_clears_an_optional_key_set_by_a_file(tmp_path):
         ("checkpoint.memory_every_steps=2.5", ("checkpoint.memory_every_steps=2.5", "integer")),
         ("checkpoint.memory_max_fraction=0", ("checkpoint.memory_max_fraction=0", "(0, 1]")),
         ("checkpoint.memory_max_fraction=1.5", ("checkpoint.memory_max_fraction=1.5", "(0, 1]")),
+        (
+            "checkpoint.memory_when_busy=block",
+            ("checkpoint.memory_when_busy='block'", "skip", "wait"),
+        ),
     ],
 )
 def test_bad_override_raises_a_config_error_naming_it(override, fragments):

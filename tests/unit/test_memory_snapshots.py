@@ -1,7 +1,8 @@
 """The snapshot store in-process: shards written whole and read back bitwise onto their devices,
 at most two snapshots, a half-written one never listed, a flipped byte refused, the layout held
-against the run's, the loop's writer skipping (and counting) a snapshot due mid-write, and a plain
-run removing its snapshots at its end."""
+against the run's, the loop's writer skipping (and counting) a snapshot due mid-write or, with
+checkpoint.memory_when_busy=wait, waiting for that write and taking it, and a plain run removing
+its snapshots at its end."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import stat
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -154,9 +156,11 @@ def test_a_snapshot_of_another_layout_is_not_usable_and_says_why(tmp_path: Path)
 class Recorded(LoopEvents):
     def __init__(self):
         self.snapshots: list[tuple[int, int, int]] = []
+        self.stalls_s: dict[int, float] = {}
 
     def memory_snapshot(self, step, stall_s, snapshot_bytes, skipped_total):
         self.snapshots.append((step, snapshot_bytes, skipped_total))
+        self.stalls_s[step] = stall_s
 
 
 def test_a_snapshot_due_while_the_last_is_written_is_skipped_and_counted(tmp_path: Path):
@@ -253,3 +257,71 @@ def test_snapshots_are_passed_over_after_an_incident_of_silent_corruption(tmp_pa
     corrupt = {"incident": 2, "cause": "corruption", "corruption": {"event": "transient"}}
     incidents.write_text(incidents.read_text() + json.dumps(corrupt) + "\n")
     assert after_corruption(tmp_path) == "incident 2 was silent data corruption"
+
+
+class HeldStore(SnapshotStore):
+    """A real snapshot store whose writes each wait for `release` first; `rest_s` is how long
+    each write took once released (the rest of it: the shards written to their files)."""
+
+    def __init__(self, directory: Path):
+        super().__init__(directory)
+        self.release = threading.Event()
+        self.rest_s: dict[int, float] = {}
+
+    def write(self, step, shards, record):
+        self.release.wait()
+        started = time.perf_counter()
+        written = super().write(step, shards, record)
+        self.rest_s[step] = time.perf_counter() - started
+        return written
+
+
+class ReleasingVote:
+    """One process's vote (the maximum of its own values) that lets the store's held write go
+    once this process votes that it is still writing: the write is then certainly unfinished
+    when the snapshot after it is due, and finishes only after that step's decision is cast."""
+
+    def __init__(self, store: HeldStore):
+        self.store = store
+
+    def agree(self, values):
+        if values[0]:  # busy: the write before is still held
+            self.store.release.set()
+        return tuple(int(value) for value in values)
+
+
+def snapshot_steps_1_to_4(store: HeldStore, when_busy: str) -> Recorded:
+    """Steps 1 to 4 with a snapshot due every 2, the snapshot of step 2 still being written
+    when that of step 4 is due."""
+    events = Recorded()
+    vote = ReleasingVote(store)
+    snapshots = MemorySnapshots(
+        2, store, lambda step: {"step": step}, events, print, vote=vote, when_busy=when_busy
+    )
+    state = sharded_state()
+    for step in (1, 2, 3, 4):
+        snapshots.after_step(step, state)
+    store.release.set()
+    snapshots.close()
+    return events
+
+
+def test_a_snapshot_due_mid_write_is_skipped_by_default_even_if_the_write_ends_just_after(
+    tmp_path: Path,
+):
+    store = HeldStore(tmp_path / "process-0")
+    events = snapshot_steps_1_to_4(store, "skip")
+    assert [(s, b > 0, k) for s, b, k in events.snapshots] == [(2, True, 0), (4, False, 1)]
+    assert store.complete_steps() == [2]
+
+
+def test_with_memory_when_busy_wait_a_snapshot_due_mid_write_waits_for_it_and_is_taken(
+    tmp_path: Path,
+):
+    store = HeldStore(tmp_path / "process-0")
+    events = snapshot_steps_1_to_4(store, "wait")
+    assert [(s, b > 0, k) for s, b, k in events.snapshots] == [(2, True, 0), (4, True, 0)]
+    assert store.complete_steps() == [2, 4]
+    assert store.manifest(4)["meta"] == {"step": 4}
+    # step 4's stall holds the rest of step 2's write: released by step 4's vote, joined after
+    assert events.stalls_s[4] >= store.rest_s[2] > 0
