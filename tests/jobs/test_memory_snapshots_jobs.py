@@ -1,9 +1,11 @@
 """In-memory snapshots under a worker's death: a 4-process msjax.launch job snapshotting every
-step, one worker SIGKILLed from outside at a step drawn from a fixed seed, restarts from memory on
-every process (0 bytes read from the checkpoint directory, the newest whole snapshot, bitwise on
-the uninterrupted 4-process run's losses); a 2-process job restores a process whose node lost its
-memory (the fault injector's memory_loss) from the copy its buddy holds, refuses a snapshot with a
-flipped byte (snapshot_bitflip) and goes to the disk; no job leaves a snapshot behind."""
+step and waiting for a snapshot still being written rather than skipping the next
+(checkpoint.memory_when_busy=wait), one worker SIGKILLed from outside at a step drawn from a fixed
+seed, restarts from memory on every process (0 bytes read from the checkpoint directory, at most
+one step lost, no snapshot skipped, bitwise on the uninterrupted 4-process run's losses); a
+2-process job restores a process whose node lost its memory (the fault injector's memory_loss)
+from the copy its buddy holds, refuses a snapshot with a flipped byte (snapshot_bitflip) and goes
+to the disk; no job leaves a snapshot behind."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ KILL_OVERRIDES = [
     f"train.steps={KILL_STEPS}",
     f"checkpoint.every_steps={KILL_SAVE_EVERY}",
     "checkpoint.memory_every_steps=1",
+    "checkpoint.memory_when_busy=wait",  # no snapshot skipped: at most one step lost per fault
     "mesh.data=2",
     "mesh.fsdp=2",
     "mesh.tensor=1",
@@ -187,6 +190,12 @@ def snapshots_started_before(ended: Ended, step: int) -> list[int]:
     return sorted(s for s, r in first.items() if r["memory_snapshot_bytes"] > 0 and s <= step)
 
 
+def snapshots_skipped(ended: Ended) -> list[int]:
+    """Every memory_snapshots_skipped count process 0 recorded, over all its attempts."""
+    records = Finished(ended.run_dir, 0, "").metrics()
+    return [r["memory_snapshots_skipped"] for r in records if "memory_snapshots_skipped" in r]
+
+
 def test_a_restart_after_a_worker_is_killed_restores_the_newest_whole_snapshot_from_memory(
     killed: Ended,
 ):
@@ -209,11 +218,15 @@ def test_a_restart_after_a_worker_is_killed_restores_the_newest_whole_snapshot_f
     assert (incident["resumed_from"], incident["resumed_from_step"]) == ("memory", step)
     # the launcher saw the fault at the newest step any heartbeat it read showed
     assert incident["steps_lost"] == max(incident["step"] - step, 0), (KILLED, incident)
-    # A snapshot starts only where every process found the one before whole (else it is skipped
-    # and counted), so the restore holds the newest snapshot started before the kill, or the
-    # one before it where the newest was still being written when the kill came.
+    # A snapshot starts only once every process has written the one before whole (waited for,
+    # never skipped), so the restore holds the snapshot of the kill's step, or of the one before
+    # it where that was still being written when the kill came: at most one step lost.
     started = snapshots_started_before(killed, incident["step"])
     assert step in started[-2:], (KILLED, incident, started)
+    assert incident["step"] - 1 <= step, (KILLED, incident)
+    assert incident["steps_lost"] <= 1, (KILLED, incident)
+    skipped = snapshots_skipped(killed)
+    assert skipped and set(skipped) == {0}, (KILLED, skipped)
     assert "memory_not_used" not in incident, (KILLED, incident)
     by_rank = incident["restored_by_rank"]
     assert sorted(by_rank) == [str(rank) for rank in range(KILL_PROCESSES)], by_rank
