@@ -1,8 +1,10 @@
-"""Fault drill: the same supervised job run clean and with faults injected in the first step after
-a save; what each fault costs in wall time (detection, restart and catch-up together), and the
-effective training time of both runs.
+"""Fault drill: the same supervised job run clean, with faults injected at seeded random steps
+between disk saves, and with the same faults and in-memory snapshots after every step
+(checkpoint.memory_every_steps=1, memory_when_busy=wait); what each fault costs in wall time
+(detection, restart and catch-up together) and in steps lost, and the effective training time of
+each run.
 
-    python benchmarks/fault_drill.py [--steps 4000] [--save-every 200] [--out DIR]
+    python benchmarks/fault_drill.py [--steps 4000] [--save-every 200] [--seed 0] [--out DIR]
     python benchmarks/fault_drill.py --smoke   # 12 steps of a smaller model, one crash
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2` on the tiny model with
@@ -11,12 +13,14 @@ baseline is the clean run of the same job in the same sitting. A fault's cost is
 faulty run did not spend in kept steps, less the clean run's, divided by the number of faults (the
 two runs' step rates differ by several percent on a shared machine, so their wall times alone do
 not tell a fault's cost); each incident's own cost is its detection latency plus detection to the
-first step after the restart. Prints both tables and the ratio.
+first step after the restart. Prints the tables, the wall time ratio, and the effective
+training time and steps lost per fault with memory snapshots against without.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -29,26 +33,43 @@ from benchmarks.supervised_job import finished_job, tiny_job_args  # noqa: E402
 
 FAULT_KINDS = ("crash", "hang", "crash")  # the drill's faults, in order, alternating ranks
 SMOKE_STEPS, SMOKE_SAVE_EVERY = 12, 4
+# the snapshots the third run keeps: every step, each waited for rather than skipped, so a fault
+# loses at most one step
+MEMORY_SNAPSHOTS = ["checkpoint.memory_every_steps=1", "checkpoint.memory_when_busy=wait"]
 
 
-def drill_faults(steps: int, save_every: int, count: int) -> str:
-    """`count` faults spread over the run, each in the first step after a save (step index
-    k * save_every runs right after the checkpoint of step k * save_every)."""
+def drill_faults(steps: int, save_every: int, count: int, seed: int) -> str:
+    """`count` faults spread over the run, each at a step drawn (from `seed`) strictly between
+    two saves: step index k * save_every + d runs d steps after the checkpoint of step
+    k * save_every, so restarting from that checkpoint repeats d steps."""
+    draw = random.Random(seed)
     saves = steps // save_every
     faults = []
     for index in range(count):
-        save = max(1, (index + 1) * saves // (count + 1))
+        save = min(max(1, (index + 1) * saves // (count + 1)), saves - 1)
+        step = save * save_every + draw.randint(1, save_every - 1)
         kind = FAULT_KINDS[index % len(FAULT_KINDS)]
-        faults.append(f"{kind}@step={save * save_every},rank={(index + 1) % 2}")
+        faults.append(f"{kind}@step={step},rank={(index + 1) % 2}")
     return ";".join(faults)
 
 
 def run_job(
-    run_dir: Path, cache_dir: Path, args: argparse.Namespace, faults: str | None
+    run_dir: Path,
+    cache_dir: Path,
+    args: argparse.Namespace,
+    faults: str | None,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     flags = [f"--fault={faults}"] if faults else []
     job = tiny_job_args(run_dir, args.steps, args.save_every, args.smoke)
-    return finished_job(run_dir, flags, [*job, f"resilience.compile_cache_dir={cache_dir}"])
+    cache = f"resilience.compile_cache_dir={cache_dir}"
+    return finished_job(run_dir, flags, [*job, cache, *extra])
+
+
+def steps_lost_per_fault(job: dict[str, Any]) -> float:
+    """The steps the job's restarts repeated, per incident (0.0 with none)."""
+    lost = [incident.get("steps_lost") or 0 for incident in job["incidents"]]
+    return sum(lost) / max(len(lost), 1)
 
 
 def not_stepping_s(job: dict[str, Any]) -> float:
@@ -64,38 +85,18 @@ def ranks(value: list[int] | None) -> str:
     return "-" if not value else " ".join(str(rank) for rank in value)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4000)
-    parser.add_argument("--save-every", type=int, default=200)
-    parser.add_argument("--faults", type=int, default=3, help="how many faults the drill injects")
-    parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
-    parser.add_argument("--smoke", action="store_true", help="12 steps, one crash")
-    args = parser.parse_args()
-    if args.smoke:
-        args.steps, args.save_every, args.faults = SMOKE_STEPS, SMOKE_SAVE_EVERY, 1
-    base = args.out or Path(tempfile.mkdtemp(prefix="msjax-drill-"))
-    base.mkdir(parents=True, exist_ok=True)
-    cache_dir = base / "compile-cache"
-    faults = drill_faults(args.steps, args.save_every, args.faults)
-    print(
-        f"fault drill{' (smoke)' if args.smoke else ''}: tiny model, 2 processes x 2 CPU devices, "
-        f"{args.steps} steps, a checkpoint every {args.save_every}; faults: {faults}",
-        flush=True,
-    )
-    # the clean run first: it fills the compilation cache both runs then load from
-    print("running the clean job ...", flush=True)
-    clean = run_job(base / "clean", cache_dir, args, None)
-    print("running the job with faults ...", flush=True)
-    faulty = run_job(base / "faults", cache_dir, args, faults)
-
+def print_incidents(title: str, job: dict[str, Any]) -> None:
+    """One row per incident of `job`: its timings, who was killed, where it resumed from and the
+    steps it lost; then each incident's cost."""
     print()
+    print(f"{title}:")
     print(
         "| incident | cause | rank | detection latency | detection to first step | stop | "
-        "restart to first step | catch-up | killed at once | killed after grace |"
+        "restart to first step | catch-up | killed at once | killed after grace | resumed from | "
+        "steps lost |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for incident in faulty["incidents"]:
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for incident in job["incidents"]:
         cells = [
             seconds(incident.get(key))
             for key in (
@@ -107,37 +108,91 @@ def main() -> None:
             )
         ]
         killed = [ranks(incident.get(key)) for key in ("killed_at_once", "killed_after_grace")]
+        resumed = [str(incident.get(key, "-")) for key in ("resumed_from", "steps_lost")]
         print(
             f"| {incident['incident']} | {incident['cause']} | {incident['rank']} | "
-            f"{' | '.join([*cells, *killed])} |"
+            f"{' | '.join([*cells, *killed, *resumed])} |"
         )
     costs = [
         (incident.get("detection_latency_s") or 0.0) + (incident.get("restart_s") or 0.0)
-        for incident in faulty["incidents"]
+        for incident in job["incidents"]
     ]
     print(
         "each incident, detection latency + detection to first step: "
         + ", ".join(f"{cost:.2f} s" for cost in costs)
     )
-    count = max(len(faulty["incidents"]), 1)
-    per_fault_s = (not_stepping_s(faulty) - not_stepping_s(clean)) / count
+
+
+def print_measures(runs: dict[str, dict[str, Any]]) -> None:
+    """The runs side by side (clean first), and where each one's time went."""
+    names = list(runs)
     print()
-    print("| measure | clean | with faults |")
-    print("| --- | --- | --- |")
-    print(f"| wall time | {clean['wall_s']:.2f} s | {faulty['wall_s']:.2f} s |")
-    for name, key in (("effective training time", "effective_training_time_ratio"),):
-        print(f"| {name} | {clean['goodput'][key]:.4f} | {faulty['goodput'][key]:.4f} |")
-    print(f"| incidents | {len(clean['incidents'])} | {len(faulty['incidents'])} |")
-    for name, job in (("clean", clean), ("with faults", faulty)):
+    print(f"| measure | {' | '.join(names)} |")
+    print(f"| --- |{' --- |' * len(names)}")
+    walls = [f"{job['wall_s']:.2f} s" for job in runs.values()]
+    print(f"| wall time | {' | '.join(walls)} |")
+    ratios = [f"{job['goodput']['effective_training_time_ratio']:.4f}" for job in runs.values()]
+    print(f"| effective training time | {' | '.join(ratios)} |")
+    print(f"| incidents | {' | '.join(str(len(job['incidents'])) for job in runs.values())} |")
+    lost = [f"{steps_lost_per_fault(job):.2f}" for job in runs.values()]
+    print(f"| steps lost per fault | {' | '.join(lost)} |")
+    for name, job in runs.items():
         shares = ", ".join(
             f"{key[:-2]} {value:.1f} s" for key, value in job["goodput"]["breakdown_s"].items()
         )
         print(f"{name}: {shares}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--save-every", type=int, default=200)
+    parser.add_argument("--faults", type=int, default=3, help="how many faults the drill injects")
+    parser.add_argument("--seed", type=int, default=0, help="draws the faults' steps")
+    parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="12 steps, one crash")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.save_every, args.faults = SMOKE_STEPS, SMOKE_SAVE_EVERY, 1
+    base = args.out or Path(tempfile.mkdtemp(prefix="msjax-drill-"))
+    base.mkdir(parents=True, exist_ok=True)
+    cache_dir = base / "compile-cache"
+    faults = drill_faults(args.steps, args.save_every, args.faults, args.seed)
+    print(
+        f"fault drill{' (smoke)' if args.smoke else ''}: tiny model, 2 processes x 2 CPU devices, "
+        f"{args.steps} steps, a checkpoint every {args.save_every}; faults: {faults}",
+        flush=True,
+    )
+    # the clean run first: it fills the compilation cache the others then load from
+    print("running the clean job ...", flush=True)
+    clean = run_job(base / "clean", cache_dir, args, None)
+    print("running the job with faults ...", flush=True)
+    faulty = run_job(base / "faults", cache_dir, args, faults)
+    print("running the job with faults and memory snapshots ...", flush=True)
+    memory = run_job(base / "faults-memory", cache_dir, args, faults, tuple(MEMORY_SNAPSHOTS))
+
+    print_incidents("with faults", faulty)
+    print_incidents("with faults and memory snapshots", memory)
+    runs = {"clean": clean, "with faults": faulty, "with faults, memory snapshots": memory}
+    print_measures(runs)
+    count = max(len(faulty["incidents"]), 1)
+    per_fault_s = (not_stepping_s(faulty) - not_stepping_s(clean)) / count
     print(
         f"wall time per fault, outside kept steps against the clean run: {per_fault_s:.2f} s "
         "(goal: at most 15 s)"
     )
     print(f"with faults / clean wall time: {faulty['wall_s'] / clean['wall_s']:.3f}")
+    with_ett, without_ett = (
+        job["goodput"]["effective_training_time_ratio"] for job in (memory, faulty)
+    )
+    print(
+        "effective training time with faults, memory snapshots / without: "
+        f"{with_ett:.4f} / {without_ett:.4f} = {with_ett / without_ett:.3f}"
+    )
+    print(
+        f"steps lost per fault: {steps_lost_per_fault(faulty):.2f} without memory snapshots, "
+        f"{steps_lost_per_fault(memory):.2f} with them (goal: at most 1 with them)"
+    )
     print(f"run dirs in {base}")
 
 

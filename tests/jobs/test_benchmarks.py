@@ -295,11 +295,34 @@ def check_fault_drill(out: str, _: Path) -> None:
     clean = number(r"\| wall time \| {N} s", out)
     faulty = number(r"\| wall time \| [\d.]+ s \| {N} s", out)
     assert_ratio(number(r"with faults / clean wall time: {N}", out), faulty, clean, 3, 2)
-    assert re.search(r"\| incidents \| 0 \| 1 \|", out), out  # the smoke form's one crash
-    assert re.search(r"\| 1 \| crash \| 1 \| [\d.]+ s \| [\d.]+ s \|", out), out
-    for ratio in re.findall(r"\| effective training time \| ([\d.]+) \| ([\d.]+) \|", out)[0]:
-        assert 0.0 < float(ratio) <= 1.0
-    assert "12 steps, a checkpoint every 4" in out
+    assert re.search(r"\| incidents \| 0 \| 1 \| 1 \|", out), out  # the smoke form's one crash
+    # the crash, drawn between the saves of steps 4 and 8: restored from disk without snapshots,
+    # from memory with them
+    crashes = re.findall(
+        r"\| 1 \| crash \| 1 \| [\d.]+ s \| [\d.]+ s \|.* \| (\w+) \| (\d+) \|", out
+    )
+    assert [source for source, _ in crashes] == ["disk", "memory"], out
+    assert int(crashes[1][1]) <= 1, out  # at most one step lost with a snapshot every step
+    ratios = re.findall(r"\| effective training time \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out)
+    assert ratios and all(0.0 < float(ratio) <= 1.0 for ratio in ratios[0]), out
+    with_ett = number(r"memory snapshots / without: {N}", out)
+    without_ett = number(r"memory snapshots / without: [\d.]+ / {N}", out)
+    assert (with_ett, without_ett) == (float(ratios[0][2]), float(ratios[0][1])), out
+    assert_ratio(
+        number(r"memory snapshots / without: [\d.]+ / [\d.]+ = {N}", out),
+        with_ett,
+        without_ett,
+        3,
+        4,
+    )
+    lost = re.findall(r"\| steps lost per fault \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out)
+    assert lost and float(lost[0][0]) == 0.0 and float(lost[0][2]) <= 1.0, out
+    summary = (
+        number(r"steps lost per fault: {N} without", out),
+        number(r"without memory snapshots, {N} with", out),
+    )
+    assert summary == (float(lost[0][1]), float(lost[0][2])), out
+    assert re.search(r"12 steps, a checkpoint every 4; faults: crash@step=[567],rank=1\n", out), out
 
 
 def check_step_overhead(out: str, _: Path) -> None:
