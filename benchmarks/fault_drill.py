@@ -5,7 +5,7 @@ between disk saves, and with the same faults and in-memory snapshots after every
 each run.
 
     python benchmarks/fault_drill.py [--steps 4000] [--save-every 200] [--seed 0] [--out DIR]
-    python benchmarks/fault_drill.py --smoke   # 12 steps of a smaller model, one crash
+    python benchmarks/fault_drill.py --smoke   # 12 steps, a smaller model, one crash, no clean run
 
 Each job is a real `python -m msjax.launch --nprocs 2 --devices-per-proc 2` on the tiny model with
 the compilation caches on and every deadline at its default (measured deadlines included). The
@@ -20,6 +20,7 @@ training time and steps lost per fault with memory snapshots against without.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -30,9 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.supervised_job import finished_job, tiny_job_args  # noqa: E402
+from msjax.run_dir import RunDir  # noqa: E402
 
 FAULT_KINDS = ("crash", "hang", "crash")  # the drill's faults, in order, alternating ranks
 SMOKE_STEPS, SMOKE_SAVE_EVERY = 12, 4
+ETT = "effective_training_time_ratio"  # goodput.json's effective training time
 # the snapshots the third run keeps: every step, each waited for rather than skipped, so a fault
 # loses at most one step
 MEMORY_SNAPSHOTS = ["checkpoint.memory_every_steps=1", "checkpoint.memory_when_busy=wait"]
@@ -63,13 +66,27 @@ def run_job(
     flags = [f"--fault={faults}"] if faults else []
     job = tiny_job_args(run_dir, args.steps, args.save_every, args.smoke)
     cache = f"resilience.compile_cache_dir={cache_dir}"
-    return finished_job(run_dir, flags, [*job, cache, *extra])
+    finished = finished_job(run_dir, flags, [*job, cache, *extra])
+    return {**finished, "steps_lost": steps_lost(run_dir, finished["incidents"])}
+
+
+def steps_lost(run_dir: Path, incidents: list[dict[str, Any]]) -> list[int]:
+    """Per fault, the updates its rank's state had when it fired (its step in faults.jsonl) less
+    the step the restart after it resumed from: the steps done again. (The incident's own
+    steps_lost counts from the newest step the launcher's heartbeats showed, which can lag.)"""
+    path = RunDir(run_dir).faults
+    fired = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if len(fired) != len(incidents):
+        raise SystemExit(f"{run_dir}: {len(fired)} faults fired but {len(incidents)} incidents")
+    return [
+        fault["step"] - incident["resumed_from_step"]
+        for fault, incident in zip(fired, incidents, strict=True)
+    ]
 
 
 def steps_lost_per_fault(job: dict[str, Any]) -> float:
-    """The steps the job's restarts repeated, per incident (0.0 with none)."""
-    lost = [incident.get("steps_lost") or 0 for incident in job["incidents"]]
-    return sum(lost) / max(len(lost), 1)
+    """The mean steps a fault of the job cost (0.0 with none)."""
+    return sum(job["steps_lost"]) / max(len(job["steps_lost"]), 1)
 
 
 def not_stepping_s(job: dict[str, Any]) -> float:
@@ -96,7 +113,7 @@ def print_incidents(title: str, job: dict[str, Any]) -> None:
         "steps lost |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for incident in job["incidents"]:
+    for incident, lost in zip(job["incidents"], job["steps_lost"], strict=True):
         cells = [
             seconds(incident.get(key))
             for key in (
@@ -108,7 +125,7 @@ def print_incidents(title: str, job: dict[str, Any]) -> None:
             )
         ]
         killed = [ranks(incident.get(key)) for key in ("killed_at_once", "killed_after_grace")]
-        resumed = [str(incident.get(key, "-")) for key in ("resumed_from", "steps_lost")]
+        resumed = [str(incident.get("resumed_from", "-")), str(lost)]
         print(
             f"| {incident['incident']} | {incident['cause']} | {incident['rank']} | "
             f"{' | '.join([*cells, *killed, *resumed])} |"
@@ -123,20 +140,24 @@ def print_incidents(title: str, job: dict[str, Any]) -> None:
     )
 
 
-def print_measures(runs: dict[str, dict[str, Any]]) -> None:
-    """The runs side by side (clean first), and where each one's time went."""
+def print_measures(runs: dict[str, dict[str, Any] | None]) -> None:
+    """The runs side by side (clean first; "-" for a run not made), and where each one's time
+    went."""
     names = list(runs)
     print()
     print(f"| measure | {' | '.join(names)} |")
     print(f"| --- |{' --- |' * len(names)}")
-    walls = [f"{job['wall_s']:.2f} s" for job in runs.values()]
-    print(f"| wall time | {' | '.join(walls)} |")
-    ratios = [f"{job['goodput']['effective_training_time_ratio']:.4f}" for job in runs.values()]
-    print(f"| effective training time | {' | '.join(ratios)} |")
-    print(f"| incidents | {' | '.join(str(len(job['incidents'])) for job in runs.values())} |")
-    lost = [f"{steps_lost_per_fault(job):.2f}" for job in runs.values()]
-    print(f"| steps lost per fault | {' | '.join(lost)} |")
+    for measure, value in (
+        ("wall time", lambda job: f"{job['wall_s']:.2f} s"),
+        ("effective training time", lambda job: f"{job['goodput'][ETT]:.4f}"),
+        ("incidents", lambda job: str(len(job["incidents"]))),
+        ("steps lost per fault", lambda job: f"{steps_lost_per_fault(job):.2f}"),
+    ):
+        cells = ["-" if job is None else value(job) for job in runs.values()]
+        print(f"| {measure} | {' | '.join(cells)} |")
     for name, job in runs.items():
+        if job is None:
+            continue
         shares = ", ".join(
             f"{key[:-2]} {value:.1f} s" for key, value in job["goodput"]["breakdown_s"].items()
         )
@@ -150,7 +171,7 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=3, help="how many faults the drill injects")
     parser.add_argument("--seed", type=int, default=0, help="draws the faults' steps")
     parser.add_argument("--out", type=Path, help="keep the run dirs here (default: a temp dir)")
-    parser.add_argument("--smoke", action="store_true", help="12 steps, one crash")
+    parser.add_argument("--smoke", action="store_true", help="12 steps, one crash, no clean run")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.save_every, args.faults = SMOKE_STEPS, SMOKE_SAVE_EVERY, 1
@@ -163,9 +184,12 @@ def main() -> None:
         f"{args.steps} steps, a checkpoint every {args.save_every}; faults: {faults}",
         flush=True,
     )
-    # the clean run first: it fills the compilation cache the others then load from
-    print("running the clean job ...", flush=True)
-    clean = run_job(base / "clean", cache_dir, args, None)
+    # the first run fills the compilation cache the others then load from; the smoke form has
+    # no clean run (to stay as cheap as the two runs it made before the snapshots' run was added)
+    clean = None
+    if not args.smoke:
+        print("running the clean job ...", flush=True)
+        clean = run_job(base / "clean", cache_dir, args, None)
     print("running the job with faults ...", flush=True)
     faulty = run_job(base / "faults", cache_dir, args, faults)
     print("running the job with faults and memory snapshots ...", flush=True)
@@ -175,16 +199,15 @@ def main() -> None:
     print_incidents("with faults and memory snapshots", memory)
     runs = {"clean": clean, "with faults": faulty, "with faults, memory snapshots": memory}
     print_measures(runs)
-    count = max(len(faulty["incidents"]), 1)
-    per_fault_s = (not_stepping_s(faulty) - not_stepping_s(clean)) / count
-    print(
-        f"wall time per fault, outside kept steps against the clean run: {per_fault_s:.2f} s "
-        "(goal: at most 15 s)"
-    )
-    print(f"with faults / clean wall time: {faulty['wall_s'] / clean['wall_s']:.3f}")
-    with_ett, without_ett = (
-        job["goodput"]["effective_training_time_ratio"] for job in (memory, faulty)
-    )
+    if clean is not None:
+        count = max(len(faulty["incidents"]), 1)
+        per_fault_s = (not_stepping_s(faulty) - not_stepping_s(clean)) / count
+        print(
+            f"wall time per fault, outside kept steps against the clean run: {per_fault_s:.2f} s "
+            "(goal: at most 15 s)"
+        )
+        print(f"with faults / clean wall time: {faulty['wall_s'] / clean['wall_s']:.3f}")
+    with_ett, without_ett = (job["goodput"][ETT] for job in (memory, faulty))
     print(
         "effective training time with faults, memory snapshots / without: "
         f"{with_ett:.4f} / {without_ett:.4f} = {with_ett / without_ett:.3f}"

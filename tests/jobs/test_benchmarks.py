@@ -292,37 +292,37 @@ def check_recovery(out: str, _: Path) -> None:
 
 
 def check_fault_drill(out: str, _: Path) -> None:
-    clean = number(r"\| wall time \| {N} s", out)
-    faulty = number(r"\| wall time \| [\d.]+ s \| {N} s", out)
-    assert_ratio(number(r"with faults / clean wall time: {N}", out), faulty, clean, 3, 2)
-    assert re.search(r"\| incidents \| 0 \| 1 \| 1 \|", out), out  # the smoke form's one crash
-    # the crash, drawn between the saves of steps 4 and 8: restored from disk without snapshots,
-    # from memory with them
+    # the smoke form's one crash, drawn between the saves of steps 4 and 8, and no clean run
+    fault_step = int(number(r"a checkpoint every 4; faults: crash@step=([567]),rank=1\n", out))
+    assert re.search(r"\| incidents \| - \| 1 \| 1 \|", out), out
+    walls = re.findall(r"\| wall time \| - \| ([\d.]+) s \| ([\d.]+) s \|", out)
+    assert walls and positive(*(float(wall) for wall in walls[0])), out
+    for ratio in re.findall(r"\| effective training time \| - \| ([\d.]+) \| ([\d.]+) \|", out)[0]:
+        assert 0.0 < float(ratio) <= 1.0
+    assert "12 steps, a checkpoint every 4" in out
+    # restored from the disk save of step 4 without snapshots, from memory with them
     crashes = re.findall(
         r"\| 1 \| crash \| 1 \| [\d.]+ s \| [\d.]+ s \|.* \| (\w+) \| (\d+) \|", out
     )
     assert [source for source, _ in crashes] == ["disk", "memory"], out
-    assert int(crashes[1][1]) <= 1, out  # at most one step lost with a snapshot every step
-    ratios = re.findall(r"\| effective training time \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out)
-    assert ratios and all(0.0 < float(ratio) <= 1.0 for ratio in ratios[0]), out
+    lost_without, lost_with = (int(lost) for _, lost in crashes)
+    assert lost_without == fault_step - 4 and lost_with <= 1, out
+    lost = number(r"\| steps lost per fault \| - \| {N} \|", out)
+    assert (lost, number(r"\| steps lost per fault \| - \| [\d.]+ \| {N} \|", out)) == (
+        lost_without,
+        lost_with,
+    )
+    summary = "steps lost per fault: {:.2f} without memory snapshots, {:.2f} with them"
+    assert summary.format(lost_without, lost_with) in out, out
     with_ett = number(r"memory snapshots / without: {N}", out)
     without_ett = number(r"memory snapshots / without: [\d.]+ / {N}", out)
-    assert (with_ett, without_ett) == (float(ratios[0][2]), float(ratios[0][1])), out
-    assert_ratio(
-        number(r"memory snapshots / without: [\d.]+ / [\d.]+ = {N}", out),
-        with_ett,
-        without_ett,
-        3,
-        4,
+    row = number(r"\| effective training time \| - \| {N} \|", out)
+    assert (without_ett, with_ett) == (
+        row,
+        number(r"\| effective training time \| - \| [\d.]+ \| {N} \|", out),
     )
-    lost = re.findall(r"\| steps lost per fault \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out)
-    assert lost and float(lost[0][0]) == 0.0 and float(lost[0][2]) <= 1.0, out
-    summary = (
-        number(r"steps lost per fault: {N} without", out),
-        number(r"without memory snapshots, {N} with", out),
-    )
-    assert summary == (float(lost[0][1]), float(lost[0][2])), out
-    assert re.search(r"12 steps, a checkpoint every 4; faults: crash@step=[567],rank=1\n", out), out
+    ratio = number(r"memory snapshots / without: [\d.]+ / [\d.]+ = {N}", out)
+    assert_ratio(ratio, with_ett, without_ett, 3, 4)
 
 
 def check_step_overhead(out: str, _: Path) -> None:
