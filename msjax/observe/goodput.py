@@ -39,9 +39,12 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
     """Seconds of kept steps (data wait apart), of superseded steps, of checkpoint pauses.
 
     The first step of each attempt also waits for every rank to finish compiling; it counts as
-    a typical step here (`first_step_typical_s`), the rest of its time as compilation.
+    a typical step here (`first_step_typical_s`), the rest of its time as compilation. A memory
+    snapshot's stall (checkpoint.memory_every_steps) is inside the time of the step recorded
+    after it: it counts as a checkpoint pause, not as that step's time.
     """
     steps = [(i, r) for i, r in enumerate(records) if "loss" in r and "step_time_s" in r]
+    step_times, snapshot_stall_s = _without_snapshot_stalls(records)
     last_index = {record["step"]: index for index, record in steps}
     first = set()
     previous_step = None
@@ -54,11 +57,11 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
         if resumed or previous_step is None or record["step"] <= previous_step:
             first.add(index)
         previous_step = record["step"]
-    typical = sorted(record["step_time_s"] for index, record in steps if index not in first)
+    typical = sorted(step_times[index] for index, _ in steps if index not in first)
     median_s = typical[len(typical) // 2] if typical else 0.0
     kept_s = data_s = lost_s = first_typical_s = 0.0
     for index, record in steps:
-        step_time_s = record["step_time_s"]
+        step_time_s = step_times[index]
         if index in first and typical:
             step_time_s = min(step_time_s, median_s)
         if index in first:
@@ -72,7 +75,7 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
             # stopped rank resumes only to be stopped, then records it): that wait is detection,
             # counted on its own, so a superseded step counts at most a typical step.
             lost_s += min(step_time_s, median_s) if typical else step_time_s
-    checkpoint_s = sum(r.get("checkpoint_save_blocked_s", 0.0) for r in records)
+    checkpoint_s = snapshot_stall_s + sum(r.get("checkpoint_save_blocked_s", 0.0) for r in records)
     return {
         "kept_step_s": kept_s,
         "data_s": data_s,
@@ -81,6 +84,20 @@ def step_time_split(records: list[dict[str, Any]]) -> dict[str, float]:
         "first_step_typical_s": first_typical_s,
         "kept_steps": len(last_index),
     }
+
+
+def _without_snapshot_stalls(records: list[dict[str, Any]]) -> tuple[dict[int, float], float]:
+    """Each step record's time (by its index in records) less the memory snapshots' stalls
+    recorded before it since the step before, and those stalls' seconds in all."""
+    times, stalls_s, pending_s = {}, 0.0, 0.0
+    for index, record in enumerate(records):
+        pending_s += record.get("memory_snapshot_stall_s", 0.0)
+        if "loss" in record and "step_time_s" in record:
+            stall_s = min(pending_s, record["step_time_s"])
+            times[index] = record["step_time_s"] - stall_s
+            stalls_s += stall_s
+            pending_s = 0.0
+    return times, stalls_s
 
 
 def session_split(

@@ -43,6 +43,26 @@ def test_a_superseded_step_of_typical_length_counts_in_full():
     assert split["data_s"] == pytest.approx(0.05)
 
 
+def test_a_memory_snapshots_stall_is_a_checkpoint_pause_not_the_next_steps_time():
+    """Snapshots every step (checkpoint.memory_every_steps=1), each stalling the loop 0.3 s:
+    the stall is inside the time of the step recorded after it."""
+    stall = {"memory_snapshot_stall_s": 0.3, "memory_snapshot_bytes": 1000}
+    records = [
+        step(0, 0.2),
+        {"step": 0, **stall},
+        step(1, 0.5),
+        {"step": 1, **stall},
+        step(2, 0.5),
+        {"step": 2, **stall},
+        {"step": 3, "checkpoint_save_blocked_s": 1.0},
+        step(3, 0.5),
+    ]
+    split = step_time_split(records)
+    assert split["kept_step_s"] == pytest.approx(4 * 0.2)
+    assert split["checkpoint_s"] == pytest.approx(3 * 0.3 + 1.0)
+    assert split["superseded_step_s"] == 0.0
+
+
 def test_goodput_of_a_requeued_run_spans_every_launch_and_counts_the_wait_between_as_lost(
     tmp_path,
 ):
