@@ -1,0 +1,63 @@
+"""The experts' grouped matmul in plain JAX that runs only the routed work (`blocks`): rows are
+padded per group to whole blocks of BLOCK_ROWS, and each block is multiplied by its own group's
+weights in one batched dot. Forward and backward by JAX autodiff.
+
+XLA's CPU `ragged_dot` runs every group's weights on every row (masked); this runs
+`padded_rows(rows, groups)` rows once each: the routed rows plus at most BLOCK_ROWS - 1 of
+padding per group.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Rows per block: the padding a group costs (at most BLOCK_ROWS - 1 rows) against the batched
+# dot's efficiency; 32 keeps the padding near 6% at 4,096 routed rows over 8 experts on CPU.
+BLOCK_ROWS = 32
+
+
+def block_count(rows: int, groups: int, block_rows: int = BLOCK_ROWS) -> int:
+    """The blocks that hold `rows` rows in `groups` groups, each group padded to whole blocks:
+    the static bound ceil((rows + groups * (block_rows - 1)) / block_rows)."""
+    return -(-(rows + groups * (block_rows - 1)) // block_rows)
+
+
+def padded_rows(rows: int, groups: int, block_rows: int = BLOCK_ROWS) -> int:
+    """The rows the batched dot multiplies: block_count x block_rows."""
+    return block_count(rows, groups, block_rows) * block_rows
+
+
+def grouped_matmul_blocks(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, block_rows: int = BLOCK_ROWS
+) -> jax.Array:
+    """x [rows, k] in groups of group_sizes [groups] (rows past their sum give zeros), w [groups,
+    k, n] -> [rows, n], as `jax.lax.ragged_dot`."""
+    rows, k = x.shape
+    groups, _, n = w.shape
+    blocks = block_count(rows, groups, block_rows)
+    sizes = group_sizes.astype(jnp.int32)
+    padded_sizes = -(-sizes // block_rows) * block_rows  # [groups], whole blocks
+    starts = jnp.cumsum(sizes) - sizes  # [groups]: each group's first row in x
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes  # [groups]: its first row in the blocks
+    slots = jnp.arange(blocks * block_rows, dtype=jnp.int32)  # [blocks * block_rows]
+    # each slot's group (groups for the slots past every group's blocks), its row of x or -1
+    slot_groups = jnp.searchsorted(padded_ends, slots, side="right").astype(jnp.int32)
+    group = jnp.minimum(slot_groups, groups - 1)
+    offset = slots - padded_starts[group]
+    filled = (slot_groups < groups) & (offset < sizes[group])
+    source = jnp.where(filled, starts[group] + offset, rows)  # rows: out of range, gives zeros
+    blocked = x.at[source].get(mode="fill", fill_value=0)  # [blocks * block_rows, k]
+    block_groups = group[::block_rows]  # [blocks]: a block's rows share one group
+    products = jnp.einsum(
+        "bri,bio->bro", blocked.reshape(blocks, block_rows, k), w[block_groups]
+    )  # [blocks, block_rows, n]
+    # each row of x back from its slot; rows past every group read out of range: zeros
+    row_ids = jnp.arange(rows, dtype=jnp.int32)
+    row_groups = jnp.searchsorted(starts + sizes, row_ids, side="right").astype(jnp.int32)
+    row_group = jnp.minimum(row_groups, groups - 1)
+    row_slots = row_ids - starts[row_group] + padded_starts[row_group]
+    row_slots = jnp.where(row_groups < groups, row_slots, blocks * block_rows)
+    flat = products.reshape(blocks * block_rows, n)
+    return flat.at[row_slots].get(mode="fill", fill_value=0)
