@@ -1,9 +1,9 @@
 """The experts' grouped matmul in plain JAX that runs only the routed work (`blocks`): rows are
-padded per group to whole blocks of BLOCK_ROWS, and each block is multiplied by its own group's
-weights in one batched dot. Forward and backward by JAX autodiff.
+padded per group to whole blocks of `block_rows_for(rows, groups)` rows, and each block is
+multiplied by its own group's weights in one batched dot. Forward and backward by JAX autodiff.
 
 XLA's CPU `ragged_dot` runs every group's weights on every row (masked); this runs
-`padded_rows(rows, groups)` rows once each: the routed rows plus at most BLOCK_ROWS - 1 of
+`padded_rows(rows, groups)` rows once each: the routed rows plus at most block_rows - 1 of
 padding per group.
 """
 
@@ -12,29 +12,42 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Rows per block: the padding a group costs (at most BLOCK_ROWS - 1 rows) against the batched
-# dot's efficiency; 32 keeps the padding near 6% at 4,096 routed rows over 8 experts on CPU.
-BLOCK_ROWS = 32
+# Rows per block, largest first: a larger block makes a more efficient batched dot, a smaller
+# one less padding (at most block_rows - 1 rows per group).
+BLOCK_ROWS_CHOICES = (64, 32, 16, 8)
+PADDING_SHARE = 1 / 32  # the padding bound's most, as a share of the rows, where a block fits
 
 
-def block_count(rows: int, groups: int, block_rows: int = BLOCK_ROWS) -> int:
+def block_rows_for(rows: int, groups: int) -> int:
+    """The largest block whose padding bound, groups x (block_rows - 1), is at most
+    PADDING_SHARE of the rows (the smallest block where none is)."""
+    for block_rows in BLOCK_ROWS_CHOICES:
+        if groups * (block_rows - 1) <= rows * PADDING_SHARE:
+            return block_rows
+    return BLOCK_ROWS_CHOICES[-1]
+
+
+def block_count(rows: int, groups: int, block_rows: int) -> int:
     """The blocks that hold `rows` rows in `groups` groups, each group padded to whole blocks:
     the static bound ceil((rows + groups * (block_rows - 1)) / block_rows)."""
     return -(-(rows + groups * (block_rows - 1)) // block_rows)
 
 
-def padded_rows(rows: int, groups: int, block_rows: int = BLOCK_ROWS) -> int:
-    """The rows the batched dot multiplies: block_count x block_rows."""
+def padded_rows(rows: int, groups: int) -> int:
+    """The rows the batched dot multiplies for `rows` rows in `groups` groups, at the block size
+    `grouped_matmul_blocks` chooses: block_count x block_rows."""
+    block_rows = block_rows_for(rows, groups)
     return block_count(rows, groups, block_rows) * block_rows
 
 
 def grouped_matmul_blocks(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, block_rows: int = BLOCK_ROWS
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, block_rows: int | None = None
 ) -> jax.Array:
     """x [rows, k] in groups of group_sizes [groups] (rows past their sum give zeros), w [groups,
-    k, n] -> [rows, n], as `jax.lax.ragged_dot`."""
+    k, n] -> [rows, n], as `jax.lax.ragged_dot`; block_rows: None for `block_rows_for`."""
     rows, k = x.shape
     groups, _, n = w.shape
+    block_rows = block_rows or block_rows_for(rows, groups)
     blocks = block_count(rows, groups, block_rows)
     sizes = group_sizes.astype(jnp.int32)
     padded_sizes = -(-sizes // block_rows) * block_rows  # [groups], whole blocks
