@@ -1,6 +1,7 @@
 """The experts' grouped matmul in plain JAX that runs only the routed work (`blocks`): rows are
-padded per group to whole blocks of `block_rows_for(rows, groups)` rows, and each block is
-multiplied by its own group's weights in one batched dot. Forward and backward by JAX autodiff.
+padded per group to whole blocks of `block_rows_for(rows, groups)` rows, and a loop over the
+blocks multiplies each by its own group's weights. The backward is the same loop giving each
+block's dx and adding its x^T dy into its group's dw, so it keeps no per-block weights.
 
 XLA's CPU `ragged_dot` runs every group's weights on every row (masked); this runs
 `padded_rows(rows, groups)` rows once each: the routed rows plus at most block_rows - 1 of
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Rows per block, largest first: a larger block makes a more efficient batched dot, a smaller
 # one less padding (at most block_rows - 1 rows per group).
@@ -63,9 +65,7 @@ def grouped_matmul_blocks(
     source = jnp.where(filled, starts[group] + offset, rows)  # rows: out of range, gives zeros
     blocked = x.at[source].get(mode="fill", fill_value=0)  # [blocks * block_rows, k]
     block_groups = group[::block_rows]  # [blocks]: a block's rows share one group
-    products = jnp.einsum(
-        "bri,bio->bro", blocked.reshape(blocks, block_rows, k), w[block_groups]
-    )  # [blocks, block_rows, n]
+    products = _block_matmul(blocked.reshape(blocks, block_rows, k), w, block_groups)
     # each row of x back from its slot; rows past every group read out of range: zeros
     row_ids = jnp.arange(rows, dtype=jnp.int32)
     row_groups = jnp.searchsorted(starts + sizes, row_ids, side="right").astype(jnp.int32)
@@ -74,3 +74,39 @@ def grouped_matmul_blocks(
     row_slots = jnp.where(row_groups < groups, row_slots, blocks * block_rows)
     flat = products.reshape(blocks * block_rows, n)
     return flat.at[row_slots].get(mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def _block_matmul(blocked: jax.Array, w: jax.Array, block_groups: jax.Array) -> jax.Array:
+    """blocked [blocks, block_rows, k], w [groups, k, n], block_groups [blocks] -> [blocks,
+    block_rows, n]: each block times its group's weights."""
+    return _block_products(blocked, w, block_groups)
+
+
+def _block_products(blocked: jax.Array, w: jax.Array, block_groups: jax.Array) -> jax.Array:
+    def multiply(_, block):
+        rows, group = block
+        return None, jnp.dot(rows, w[group], preferred_element_type=jnp.float32).astype(rows.dtype)
+
+    return lax.scan(multiply, None, (blocked, block_groups))[1]
+
+
+def _block_matmul_fwd(blocked, w, block_groups):
+    return _block_products(blocked, w, block_groups), (blocked, w, block_groups)
+
+
+def _block_matmul_bwd(residuals, d_products):
+    blocked, w, block_groups = residuals
+
+    def block_grads(dw, block):
+        rows, d_rows, group = block  # [block_rows, k], [block_rows, n]
+        dw = dw.at[group].add(jnp.dot(rows.T, d_rows, preferred_element_type=jnp.float32))
+        d_blocked = jnp.dot(d_rows, w[group].T, preferred_element_type=jnp.float32)
+        return dw, d_blocked.astype(rows.dtype)
+
+    dw = jnp.zeros(w.shape, jnp.float32)  # [groups, k, n], summed over each group's blocks
+    dw, d_blocked = lax.scan(block_grads, dw, (blocked, d_products, block_groups))
+    return d_blocked, dw.astype(w.dtype), None
+
+
+_block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
