@@ -44,7 +44,7 @@ class MoeConfig:
     # the experts' grouped matmul: xla (jax.lax.ragged_dot, the reference; on CPU it runs every
     # expert on every routed row), blocks (plain JAX: rows padded per expert to blocks of 32, each
     # block times its expert's weights: the routed work alone, everywhere) or pallas (a Pallas
-    # kernel, interpreted off GPU: slow, for tests); auto: xla
+    # kernel, interpreted off GPU: slow, for tests); auto: blocks on CPU, xla elsewhere
     matmul_impl: Literal["auto", "xla", "blocks", "pallas"] = "auto"
 
     @property

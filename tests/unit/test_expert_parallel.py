@@ -111,13 +111,15 @@ def test_capacity_capped_moe_layer_on_an_expert_mesh_drops_the_same_choices() ->
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-def test_blocked_grouped_matmul_runs_the_local_experts_of_an_expert_mesh(capacity_factor) -> None:
-    """model.moe.matmul_impl=blocks on data 1 x expert 2 equals ragged_dot on one device."""
+@pytest.mark.parametrize("impl", ["blocks", "xla"])
+def test_each_grouped_matmul_runs_the_local_experts_of_an_expert_mesh(impl, capacity_factor):
+    """Each grouped matmul (blocks, the CPU default, and ragged_dot) on data 1 x expert 2 equals
+    ragged_dot on one device."""
     overrides = (f"model.moe.capacity_factor={capacity_factor}",)
-    blocks = ("model.moe.matmul_impl=blocks", *overrides)
-    out, dropped, grads, exchanged = layer_output_and_gradients((1, 1, 2, 1), *blocks)
+    chosen = (f"model.moe.matmul_impl={impl}", *overrides)
+    out, dropped, grads, exchanged = layer_output_and_gradients((1, 1, 2, 1), *chosen)
     single_out, single_dropped, single_grads, _ = layer_output_and_gradients(
-        (1, 1, 1, 1), *overrides
+        (1, 1, 1, 1), "model.moe.matmul_impl=xla", *overrides
     )
     assert exchanged
     assert dropped == pytest.approx(single_dropped, abs=1e-7)

@@ -22,9 +22,11 @@ def test_nested_overrides_set_moe_keys_and_survive_a_round_trip() -> None:
     assert config_from_dict(config.to_dict()) == config
 
 
-def test_auto_grouped_matmul_resolves_to_ragged_dot_off_gpu() -> None:
+def test_auto_grouped_matmul_resolves_to_blocks_on_cpu_and_ragged_dot_elsewhere() -> None:
     model = load_config(None, ["model.moe.num_experts=4"]).model
-    assert resolve_model(model, "cpu").moe.matmul_impl == "xla"
+    assert resolve_model(model, "cpu").moe.matmul_impl == "blocks"
+    assert resolve_model(model, "gpu").moe.matmul_impl == "xla"
+    assert resolve_model(model, "tpu").moe.matmul_impl == "xla"
     pallas = load_config(None, ["model.moe.num_experts=4", "model.moe.matmul_impl=pallas"]).model
     assert resolve_model(pallas, "cpu").moe.matmul_impl == "pallas"
     blocks = load_config(None, ["model.moe.num_experts=4", "model.moe.matmul_impl=blocks"]).model

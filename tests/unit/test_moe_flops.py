@@ -44,7 +44,9 @@ def test_the_flops_command_prints_the_active_params(capsys):
 def test_planned_flops_match_the_compiled_moe_step_at_remat_none():
     """XLA's CPU ragged_dot runs each routed row against all experts (masked): the planner
     counts that beside the model's active FLOPs, and off CPU it does not."""
-    config = load_config(TINY_MOE, ["train.global_batch=8", "model.remat=none"])
+    config = load_config(
+        TINY_MOE, ["train.global_batch=8", "model.remat=none", "model.moe.matmul_impl=xla"]
+    )
     mesh = parse_mesh("2,2,1")
     planned = estimate_compute(config, mesh, jax.default_backend())
     step = compile_step(config, mesh)
@@ -72,5 +74,5 @@ def test_planned_flops_match_the_compiled_step_with_the_blocked_grouped_matmul(m
     step = compile_step(config, mesh)
     assert step.flops.total == pytest.approx(planned.device_flops, rel=0.01)
     assert estimate_compute(config, mesh, "gpu").device_flops == planned.device_flops
-    ragged = load_config(TINY_MOE, [*overrides[:2], *extra])
+    ragged = load_config(TINY_MOE, [*overrides[:2], "model.moe.matmul_impl=xla", *extra])
     assert planned.ratio < estimate_compute(ragged, mesh, "cpu").ratio
