@@ -6,14 +6,16 @@ mlp_dim is their widths, averaged over the layers with the MoE's first dense lay
 once each on 1 CPU device and on 8 simulated ones (data 2 x fsdp 4; data 2 x expert 4 for the MoE
 alone: a dense model has no expert axis). Prints:
 
-1. tokens/s of both and their ratio, the median of --rounds rounds of --steps steps each;
+1. tokens/s of both and their ratio, the median of --rounds rounds of --steps steps each, the
+   MoE with each grouped matmul that runs on CPU: jax.lax.ragged_dot (`xla`) and the padded row
+   blocks (`blocks`), and the blocks' tokens/s over ragged_dot's;
 2. the MoE step's compiled FLOPs (XLA's cost analysis, and the dots alone) over the model FLOPs
-   of msjax.observe.flops (active parameters), against a goal of <= 1.10;
+   of msjax.observe.flops (active parameters), against a goal of <= 1.10, with each matmul;
 3. the all-to-all bytes one device sends per step on the expert-parallel mesh, read from the
    compiled step (the planner has no all-to-all figure yet);
-4. the grouped matmul at one expert shape: jax.lax.ragged_dot and the Pallas kernel (interpreted
-   on CPU: its error, not its speed) against the dense reference (every expert on every row,
-   masked), forward only: max abs error and time ratio.
+4. the grouped matmul at one expert shape: jax.lax.ragged_dot, the padded row blocks and the
+   Pallas kernel (interpreted on CPU: its error, not its speed) against the dense reference
+   (every expert on every row, masked), forward only: max abs error and time ratio.
 
     python benchmarks/moe.py [--steps 6] [--rounds 3]
     python benchmarks/moe.py --smoke   # a tiny model, 2 steps, 1 round
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
-# the smoke form compiles seven programs: XLA's CPU backend without its costly LLVM passes makes
+# the smoke form compiles ten programs: XLA's CPU backend without its costly LLVM passes makes
 # that seconds each (same HLO, so the same FLOPs and collectives; slower steps)
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "--smoke" in sys.argv:
@@ -49,6 +51,7 @@ from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN 
 from msjax.config import Config, ModelConfig, load_config  # noqa: E402
 from msjax.data.dataset import build_training_data  # noqa: E402
 from msjax.observe.flops import count_params, flops_per_step  # noqa: E402
+from msjax.ops.grouped_matmul_blocks import grouped_matmul_blocks  # noqa: E402
 from msjax.planner.aot import CompiledStep, compile_step  # noqa: E402
 from msjax.planner.candidates import MeshShape  # noqa: E402
 from msjax.planner.compute import estimate_compute  # noqa: E402
@@ -62,6 +65,7 @@ ONE_DEVICE = MeshShape(1, 1, 1)
 FSDP_MESH = MeshShape(2, 4, 1)
 EXPERT_MESH = MeshShape(2, 1, 1, expert=4)
 MESHES = (ONE_DEVICE, FSDP_MESH, EXPERT_MESH)
+MOE_MATMULS = {"moe": "xla", "blocks": "blocks"}  # variant name: model.moe.matmul_impl
 WARMUP_STEPS = 1  # run before the timed rounds (first dispatch)
 
 
@@ -128,14 +132,23 @@ def time_round(variant: Variant) -> None:
 
 
 def print_throughput(variants: dict[str, Variant]) -> None:
-    """Table 1: the MoE's median tokens/s on each mesh against the dense model's."""
-    print(f"\n{'mesh':<20} {'MoE tokens/s':>14} {'dense tokens/s':>16} {'MoE / dense':>12}")
+    """Table 1: the MoE's median tokens/s on each mesh (ragged_dot and the padded row blocks)
+    against the dense model's."""
+    print(
+        f"\n{'mesh':<20} {'MoE tokens/s':>14} {'blocks tokens/s':>16} {'blocks / xla':>13} "
+        f"{'dense tokens/s':>16} {'MoE / dense':>12} {'blocks / dense':>15}"
+    )
     for mesh in MESHES:
         dense_mesh = mesh if mesh.expert == 1 else FSDP_MESH
         moe = statistics.median(variants[f"moe {mesh}"].tokens_per_s)
+        blocks = statistics.median(variants[f"blocks {mesh}"].tokens_per_s)
         dense = statistics.median(variants[f"dense {dense_mesh}"].tokens_per_s)
         note = "" if dense_mesh == mesh else f"   (dense on {mesh_name(dense_mesh)})"
-        print(f"{mesh_name(mesh):<20} {moe:14,.1f} {dense:16,.1f} {moe / dense:12.3f}{note}")
+        print(
+            f"{mesh_name(mesh):<20} {moe:14,.1f} {blocks:16,.1f} {blocks / moe:13.3f} "
+            f"{dense:16,.1f} {moe / dense:12.3f} {blocks / dense:15.3f}{note}"
+        )
+    print("  MoE: jax.lax.ragged_dot (model.moe.matmul_impl=xla); blocks: the padded row blocks")
 
 
 def cost_analysis_flops(compiled: Any) -> float:
@@ -154,7 +167,7 @@ def print_flops(variants: dict[str, Variant]) -> None:
         f"{'model':<6} {'model GFLOP':>12} {'XLA cost GFLOP':>15} {'ratio':>6} "
         f"{'dots GFLOP':>11} {'ratio':>6} {'planner cpu':>12} {'planner gpu':>12}"
     )
-    for name in ("moe", "dense"):
+    for name in ("moe", "blocks", "dense"):
         variant = variants[f"{name} {ONE_DEVICE}"]
         model = flops_per_step(variant.config)
         xla = cost_analysis_flops(variant.step.compiled)
@@ -170,7 +183,8 @@ def print_flops(variants: dict[str, Variant]) -> None:
     print(
         "  dots: msjax.observe.compiled_flops, every dot times its loop trips; XLA's cost\n"
         "  analysis counts a while loop's body (the scanned layers) once. On CPU ragged_dot runs\n"
-        "  every expert on every routed row (num_experts x the grouped work); a GPU groups them"
+        "  every expert on every routed row (num_experts x the grouped work); a GPU groups them;\n"
+        "  blocks runs the routed rows and their padding to whole blocks alone, everywhere"
     )
 
 
@@ -214,7 +228,8 @@ def median_call_ms(fn: Any, args: tuple, calls: int, rounds: int) -> float:
 
 
 def print_grouped_matmul(rows: int, embed: int, hidden: int, experts: int, rounds: int) -> None:
-    """Section 4: ragged_dot and the Pallas kernel against the dense reference, forward."""
+    """Section 4: ragged_dot, the padded row blocks and the Pallas kernel against the dense
+    reference, forward."""
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (rows, embed), jnp.float32)  # [rows, embed]
     w = jax.random.normal(keys[1], (experts, embed, hidden), jnp.float32) / embed**0.5
@@ -225,6 +240,7 @@ def print_grouped_matmul(rows: int, embed: int, hidden: int, experts: int, round
     impls = {
         "dense reference (masked)": dense,
         "jax.lax.ragged_dot": jax.jit(kernels.reference),
+        "padded row blocks": jax.jit(grouped_matmul_blocks),
         "pallas (interpreted)": jax.jit(
             lambda x, w, sizes: kernels.grouped_matmul(x, w, sizes, interpret=True)
         ),
@@ -262,7 +278,11 @@ def main() -> None:
     if args.smoke:
         args.steps, args.rounds = 2, 1
         shape = ["train.global_batch=8", *SMOKE_SHAPE]
-    moe_config = load_config(CONFIG, [*COMMON, *shape])
+    moe_configs = {
+        name: load_config(CONFIG, [*COMMON, *shape, f"model.moe.matmul_impl={impl}"])
+        for name, impl in MOE_MATMULS.items()
+    }
+    moe_config = moe_configs["moe"]
     width = matched_mlp_dim(moe_config.model)
     dense_config = load_config(
         CONFIG, [*COMMON, *shape, "model.moe.num_experts=0", f"model.mlp_dim={width}"]
@@ -286,7 +306,8 @@ def main() -> None:
     )
     variants: dict[str, Variant] = {}
     for mesh in MESHES:
-        variants[f"moe {mesh}"] = prepare(moe_config, mesh, args.steps)
+        for name, config in moe_configs.items():
+            variants[f"{name} {mesh}"] = prepare(config, mesh, args.steps)
         if mesh.expert == 1:
             variants[f"dense {mesh}"] = prepare(dense_config, mesh, args.steps)
     for _ in range(args.rounds):

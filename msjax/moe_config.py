@@ -41,9 +41,11 @@ class MoeConfig:
     # runs at once (the step's batch, or a microbatch); past that a token's choice of the expert
     # is dropped (the token keeps its residual, its other experts and the shared ones)
     capacity_factor: float = 0.0
-    # the experts' grouped matmul: xla (jax.lax.ragged_dot, the reference) or pallas (a Pallas
-    # kernel, interpreted off GPU: slow, for tests); auto: xla
-    matmul_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # the experts' grouped matmul: xla (jax.lax.ragged_dot, the reference; on CPU it runs every
+    # expert on every routed row), blocks (plain JAX: rows padded per expert to blocks of 32, each
+    # block times its expert's weights: the routed work alone, everywhere) or pallas (a Pallas
+    # kernel, interpreted off GPU: slow, for tests); auto: blocks on CPU, xla elsewhere
+    matmul_impl: Literal["auto", "xla", "blocks", "pallas"] = "auto"
 
     @property
     def enabled(self) -> bool:

@@ -48,6 +48,10 @@ GPU_AUTO_IMPLS = {
     "loss_impl": "xla",
     "moe.matmul_impl": "xla",
 }
+# What `auto` runs on CPU where it is not the reference: the padded row blocks run the routed
+# experts alone, where XLA's CPU ragged_dot runs every expert on every routed row (exact, and
+# 1.45-1.77x the MoE step's tokens/s of ragged_dot in benchmarks/moe.py).
+CPU_AUTO_IMPLS = {"moe.matmul_impl": "blocks"}
 CUDNN_DTYPES = ("bfloat16", "float16")  # cuDNN flash attention takes 16-bit inputs only
 CUDNN_MAX_HEAD_DIM = 256
 
@@ -61,7 +65,8 @@ def cudnn_attention_fits(model: ModelConfig) -> bool:
 
 
 def resolve_impl(impl: str, key: str, backend: str, cudnn_fits: bool = True) -> str:
-    """`auto` -> GPU_AUTO_IMPLS on GPU and `xla` elsewhere; a GPU-only kernel off GPU is a
+    """`auto` -> GPU_AUTO_IMPLS on GPU, CPU_AUTO_IMPLS (or `xla`) on CPU and `xla` elsewhere; a
+    GPU-only kernel off GPU is a
     ConfigError. On GPU, `auto` attention is `xla` where cuDNN does not take the model
     (cudnn_fits, from cudnn_attention_fits).
 
@@ -73,6 +78,8 @@ def resolve_impl(impl: str, key: str, backend: str, cudnn_fits: bool = True) -> 
             f"model.{key}={impl!r} is not accepted; choose one of auto, {', '.join(choices)}"
         )
     if impl == "auto":
+        if backend == "cpu" and key in CPU_AUTO_IMPLS:
+            return CPU_AUTO_IMPLS[key]
         if backend != "gpu" or (GPU_AUTO_IMPLS[key] == "cudnn" and not cudnn_fits):
             return "xla"
         return GPU_AUTO_IMPLS[key]

@@ -1,5 +1,6 @@
-"""The experts' grouped matmul: `jax.lax.ragged_dot` (xla, the reference) or the Pallas kernel,
-and the routed experts of a mixture of experts run with it, per device.
+"""The experts' grouped matmul: `jax.lax.ragged_dot` (xla, the reference), padded row blocks in
+plain JAX (blocks, msjax.ops.grouped_matmul_blocks) or the Pallas kernel, and the routed experts
+of a mixture of experts run with it, per device.
 
 Without expert parallelism each device sorts its own tokens by expert and runs every expert's
 weights (whole on every device) on them: no token leaves its device. With the experts split over
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from msjax.ops.dispatch import resolved_impl
+from msjax.ops.grouped_matmul_blocks import grouped_matmul_blocks
 from msjax.ops.sharding import per_shard
 from msjax.parallel.context import interpret_kernels, kernel_mesh
 from msjax.parallel.experts import buffer_rows, return_outputs, send_to_experts
@@ -23,8 +25,11 @@ def grouped_matmul(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "xla"
 ) -> jax.Array:
     """x [rows, k] in groups of group_sizes [experts], w [experts, k, n] -> [rows, n]."""
-    if resolved_impl(impl, "moe.matmul_impl") == "xla":
+    chosen = resolved_impl(impl, "moe.matmul_impl")
+    if chosen == "xla":
         return kernels.reference(x, w, group_sizes)
+    if chosen == "blocks":
+        return grouped_matmul_blocks(x, w, group_sizes)
     return kernels.grouped_matmul(x, w, group_sizes, interpret=interpret_kernels())
 
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from msjax.config import Config, ModelConfig
+from msjax.models.moe import expert_capacity
 from msjax.observe.flops import count_params, flops_per_step, mean_causal_context
+from msjax.ops.grouped_matmul_blocks import padded_rows
+from msjax.parallel.experts import buffer_rows
 from msjax.parallel.pipeline import PipelineLayout
 from msjax.planner.candidates import PLANNED_BACKEND, MeshShape, config_for_mesh
-from msjax.planner.planning import attention_is_fused
+from msjax.planner.planning import attention_is_fused, local_dims
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class ComputeEstimate:
         return self.device_flops * self.devices / self.model_flops
 
 
-def _layer_forward_flops(config: Config, platform: str) -> tuple[float, float, float]:
+def _layer_forward_flops(
+    config: Config, mesh: MeshShape, platform: str
+) -> tuple[float, float, float]:
     """Per token and layer: (the forward's matmul FLOPs, the attention's part of them, the part
     that a recompute never needs: the layer's last projections, whose outputs the backward pass
     does not read, so XLA drops them from a rematerialised forward)."""
@@ -55,20 +60,51 @@ def _layer_forward_flops(config: Config, platform: str) -> tuple[float, float, f
     last = 2.0 * _down_projection_width(model) * model.embed_dim  # the MLP's down projection
     if model.parallel_block:  # and the attention's output projection, added beside it
         last += 2.0 * model.num_heads * model.resolved_head_dim * model.embed_dim
-    experts = _expanded_expert_flops(model, platform)
+    experts = _expanded_expert_flops(config, mesh, platform)
     return 2.0 * layer_params + attention + experts, attention, last
 
 
-def _expanded_expert_flops(model: ModelConfig, platform: str) -> float:
-    """Per token and layer, averaged over the layers: what XLA's CPU ragged_dot runs beyond the
-    chosen experts. It computes each routed row against every expert's weights (a dense dot,
-    masked), num_experts times the grouped work; elsewhere it is counted as grouped."""
+def _expanded_expert_flops(config: Config, mesh: MeshShape, platform: str) -> float:
+    """Per token and layer, averaged over the layers: what the grouped matmul runs beyond the
+    chosen experts. XLA's CPU ragged_dot computes each routed row against every expert's weights
+    (a dense dot, masked): num_experts times the grouped work. The padded row blocks (`blocks`)
+    run their padding: each expert's rows rounded up to whole blocks, within the static bound of
+    msjax.ops.grouped_matmul_blocks. Elsewhere the grouped matmul runs the routed rows alone."""
+    model = config.model
     moe = model.moe
-    if not moe.enabled or moe.matmul_impl != "xla" or platform != "cpu":
+    if not moe.enabled:
         return 0.0
-    expert = 3.0 * model.embed_dim * (moe.expert_mlp_dim or model.mlp_dim)  # gate, up, down
-    extra = 2.0 * moe.experts_per_token * (moe.num_experts - 1) * expert
-    return extra * (model.num_layers - moe.first_dense_layers) / model.num_layers
+    expert = 2.0 * 3.0 * model.embed_dim * (moe.expert_mlp_dim or model.mlp_dim)  # per row
+    moe_layers_share = (model.num_layers - moe.first_dense_layers) / model.num_layers
+    if moe.matmul_impl == "xla" and platform == "cpu":
+        return expert * moe.experts_per_token * (moe.num_experts - 1) * moe_layers_share
+    if moe.matmul_impl != "blocks":
+        return 0.0
+    extra_rows = _block_padding_rows(config, mesh) / _layer_run_tokens(config, mesh)
+    return expert * extra_rows * moe_layers_share
+
+
+def _layer_run_tokens(config: Config, mesh: MeshShape) -> int:
+    """The tokens one device runs through a layer at once (a microbatch's, if any)."""
+    return local_dims(config, mesh).batch * config.data.seq_len
+
+
+def _block_padding_rows(config: Config, mesh: MeshShape) -> int:
+    """The rows one device's padded row blocks hold beyond its routed ones (tokens x k) in one
+    MoE layer run: without expert parallelism its own tokens' choices over all experts; with it
+    the exchange's buffers (every device's, msjax.parallel.experts) over its local experts."""
+    moe = config.model.moe
+    tokens = _layer_run_tokens(config, mesh)
+    routed = tokens * moe.experts_per_token
+    rows, experts_here = routed, moe.num_experts
+    if mesh.expert > 1:
+        experts_here = moe.num_experts // mesh.expert
+        layer_tokens = tokens * config.mesh.batch_split()  # the capacity counts the whole batch
+        capacity = expert_capacity(
+            moe.capacity_factor, layer_tokens, moe.experts_per_token, moe.num_experts
+        )
+        rows = mesh.expert * buffer_rows(routed, experts_here, capacity)
+    return padded_rows(rows, experts_here) - routed
 
 
 def _down_projection_width(model: ModelConfig) -> float:
@@ -84,7 +120,7 @@ def _down_projection_width(model: ModelConfig) -> float:
 
 def _layer_step_flops(config: Config, mesh: MeshShape, platform: str) -> float:
     """Per token and layer run: forward, backward (twice the forward) and recomputation."""
-    forward, attention, last = _layer_forward_flops(config, platform)
+    forward, attention, last = _layer_forward_flops(config, mesh, platform)
     remat = config.model.remat
     keeps_dots = remat in ("dots", "attention")
     if mesh.pipe > 1 and keeps_dots and not PipelineLayout.of(config).table.branches_per_stage:

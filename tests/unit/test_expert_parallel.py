@@ -110,6 +110,26 @@ def test_capacity_capped_moe_layer_on_an_expert_mesh_drops_the_same_choices() ->
     assert out_diff < 1e-5 and grad_diff < 1e-5
 
 
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+@pytest.mark.parametrize("impl", ["blocks", "xla"])
+def test_each_grouped_matmul_runs_the_local_experts_of_an_expert_mesh(impl, capacity_factor):
+    """Each grouped matmul (blocks, the CPU default, and ragged_dot) on data 1 x expert 2 equals
+    ragged_dot on one device."""
+    overrides = (f"model.moe.capacity_factor={capacity_factor}",)
+    chosen = (f"model.moe.matmul_impl={impl}", *overrides)
+    out, dropped, grads, exchanged = layer_output_and_gradients((1, 1, 2, 1), *chosen)
+    single_out, single_dropped, single_grads, _ = layer_output_and_gradients(
+        (1, 1, 1, 1), "model.moe.matmul_impl=xla", *overrides
+    )
+    assert exchanged
+    assert dropped == pytest.approx(single_dropped, abs=1e-7)
+    assert (dropped > 0.0) == (capacity_factor > 0.0)
+    np.testing.assert_allclose(out, single_out, atol=1e-5)
+    assert grads.keys() == single_grads.keys()
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grad, single_grads[name], atol=1e-5, err_msg=name)
+
+
 def test_exchange_buffers_hold_the_worst_case_or_the_destinations_capacity() -> None:
     assert buffer_rows(local_choices=12, experts_here=2, capacity=None) == 12  # all to one
     assert buffer_rows(local_choices=12, experts_here=2, capacity=4) == 8  # 2 experts x 4

@@ -22,11 +22,16 @@ def test_nested_overrides_set_moe_keys_and_survive_a_round_trip() -> None:
     assert config_from_dict(config.to_dict()) == config
 
 
-def test_auto_grouped_matmul_resolves_to_ragged_dot_off_gpu() -> None:
+def test_auto_grouped_matmul_resolves_to_blocks_on_cpu_and_ragged_dot_elsewhere() -> None:
     model = load_config(None, ["model.moe.num_experts=4"]).model
-    assert resolve_model(model, "cpu").moe.matmul_impl == "xla"
+    assert resolve_model(model, "cpu").moe.matmul_impl == "blocks"
+    assert resolve_model(model, "gpu").moe.matmul_impl == "xla"
+    assert resolve_model(model, "tpu").moe.matmul_impl == "xla"
     pallas = load_config(None, ["model.moe.num_experts=4", "model.moe.matmul_impl=pallas"]).model
     assert resolve_model(pallas, "cpu").moe.matmul_impl == "pallas"
+    blocks = load_config(None, ["model.moe.num_experts=4", "model.moe.matmul_impl=blocks"]).model
+    assert resolve_model(blocks, "cpu").moe.matmul_impl == "blocks"
+    assert resolve_model(blocks, "gpu").moe.matmul_impl == "blocks"  # plain JAX: everywhere
 
 
 @pytest.mark.parametrize(
@@ -42,7 +47,7 @@ def test_auto_grouped_matmul_resolves_to_ragged_dot_off_gpu() -> None:
         ("model.moe.router_z_loss_weight=nan", "model.moe.router_z_loss_weight=nan must be"),
         ("model.moe.bias_update_rate=-1", "model.moe.bias_update_rate=-1.0 must be"),
         ("model.moe.capacity_factor=-1", "model.moe.capacity_factor=-1.0 must be >= 0"),
-        ("model.moe.matmul_impl=cuda", "choose one of auto, xla, pallas"),
+        ("model.moe.matmul_impl=cuda", "choose one of auto, xla, blocks, pallas"),
         ("model.moe.normalize_top_k=3", "model.moe.normalize_top_k=3 must be a boolean"),
         ("model.moe.top_k=2", "unknown config key 'model.moe.top_k'"),
     ],

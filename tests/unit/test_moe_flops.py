@@ -10,7 +10,7 @@ from msjax.config import load_config
 from msjax.flops import main as flops_main
 from msjax.observe.flops import count_params, flops_per_step, flops_per_token
 from msjax.planner.aot import compile_step
-from msjax.planner.candidates import parse_mesh
+from msjax.planner.candidates import MeshShape, parse_mesh
 from msjax.planner.compute import estimate_compute
 
 TINY_MOE = "configs/tiny_moe.yaml"  # 4 layers, 1 dense; 8 experts of 96 (top-2), 1 shared
@@ -44,7 +44,9 @@ def test_the_flops_command_prints_the_active_params(capsys):
 def test_planned_flops_match_the_compiled_moe_step_at_remat_none():
     """XLA's CPU ragged_dot runs each routed row against all experts (masked): the planner
     counts that beside the model's active FLOPs, and off CPU it does not."""
-    config = load_config(TINY_MOE, ["train.global_batch=8", "model.remat=none"])
+    config = load_config(
+        TINY_MOE, ["train.global_batch=8", "model.remat=none", "model.moe.matmul_impl=xla"]
+    )
     mesh = parse_mesh("2,2,1")
     planned = estimate_compute(config, mesh, jax.default_backend())
     step = compile_step(config, mesh)
@@ -56,3 +58,21 @@ def test_planned_flops_match_the_compiled_moe_step_at_remat_none():
     assert planned.layers_flops - grouped.layers_flops == pytest.approx(
         tokens_per_device * expansion, rel=0.02
     )
+
+
+@pytest.mark.parametrize(
+    ("mesh", "extra"),
+    [(MeshShape(1, 1, 1), ()), (MeshShape(1, 1, 1, expert=2), ("model.moe.capacity_factor=0.5",))],
+    ids=["one-device", "expert2-capacity"],
+)
+def test_planned_flops_match_the_compiled_step_with_the_blocked_grouped_matmul(mesh, extra):
+    """The padded row blocks run the routed rows and their padding alone, on CPU as elsewhere:
+    the planner counts the padding (and an expert mesh's exchange buffers) and nothing more."""
+    overrides = ["train.global_batch=8", "model.remat=none", "model.moe.matmul_impl=blocks"]
+    config = load_config(TINY_MOE, [*overrides, *extra])
+    planned = estimate_compute(config, mesh, jax.default_backend())
+    step = compile_step(config, mesh)
+    assert step.flops.total == pytest.approx(planned.device_flops, rel=0.01)
+    assert estimate_compute(config, mesh, "gpu").device_flops == planned.device_flops
+    ragged = load_config(TINY_MOE, [*overrides[:2], "model.moe.matmul_impl=xla", *extra])
+    assert planned.ratio < estimate_compute(ragged, mesh, "cpu").ratio
