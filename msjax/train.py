@@ -25,6 +25,7 @@ from msjax.data.sources import check_sources
 from msjax.resilience import exit_codes
 from msjax.resilience.crash_records import record_crash
 from msjax.resilience.fault_kinds import kind_of_error
+from msjax.resilience.heartbeat import mark_startup
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import dump_stacks_from_start
 from msjax.training.decisions import (
@@ -68,6 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    mark_startup("main")
     config: Config | None = None
     try:
         args = parse_args(argv)
