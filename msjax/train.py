@@ -136,6 +136,7 @@ def train(
     with run.events, StopSignal(grace_s) as stop:
         decide = Decider(run.config, stop, bool(run.steps.validation), run.saves)
         checks = ReplicaChecks(run)
+        mark_startup("replica_checks_ready")
         segment = Segment(run.start.state, run.start.step, run.start.first_sample)
         eval_loss = None
         while True:
@@ -178,6 +179,7 @@ def train_segment(
     in_flight = None  # the dispatched step whose metrics are not read yet
     ended = SegmentEnd(state)
     with training_batches(run, segment) as batches:
+        mark_startup("batches_started")
         for step in range(segment.step, run.config.train.steps):
             events.step_begin(step)
             if steps.skips(step):

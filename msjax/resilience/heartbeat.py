@@ -76,7 +76,9 @@ STARTUP_MARKS = (
     "restored",
     "train_step_lowered",
     "train_step_compiled",  # compiled, or loaded from the compile cache
-    "prepared",  # every listener told the run started; the loop begins
+    "prepared",  # every listener told the run started
+    "replica_checks_ready",  # their programs compiled (msjax.training.replica_checks)
+    "batches_started",  # the data pipeline built, its prefetch started
     "first_batch",
     "first_step_dispatched",
     "first_step_done",
