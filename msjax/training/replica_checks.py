@@ -49,7 +49,7 @@ class ReplicaChecks:
         self.mesh = mesh
         self._compute: ComputeCheck | None = None
         if self.compute_every > 0:
-            self._compute = ComputeCheck(mesh)  # compiled before the loop: no step waits
+            self._compute = ComputeCheck(mesh)  # compiled beside the first steps
         self.log = MismatchLog(
             run.run_dir.path,
             jax.process_index() == 0,
