@@ -253,7 +253,7 @@ def replay_start(run: PreparedRun, replay: Replay) -> Segment:
     checkpointer = run.saves.checkpointer
     checkpointer.wait()  # the saves in flight are on disk: the newest one may be the one
     restored = checkpointer.restore_newest_valid(
-        run.program.abstract_state(), message, at_most=replay.at_most
+        run.abstract_state, message, at_most=replay.at_most
     )
     if restored is not None:
         state = run.program.from_canonical(restored.state)

@@ -55,6 +55,7 @@ class PreparedRun:
     config: Config  # resolved: what every part of the run reads
     run_dir: RunDir
     program: TrainProgram
+    abstract_state: Any  # the state's shapes and shardings, traced once (program.abstract_state)
     steps: LoopSteps  # the compiled train step and the eval step, as the loop runs them
     start: StartingPoint
     data: TrainingData
@@ -187,7 +188,8 @@ def build_run(
     resilience.wait_for_saves = saves.wait_for_writes
     mark_startup("prepared")
     return PreparedRun(
-        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
+        config=config, run_dir=run_dir, program=program, abstract_state=state.abstract_state,
+        steps=steps, start=state.start,
         data=data.training, events=events, results=results, saves=saves, resilience=resilience,
         progress=progress, started=joined.started,
     )  # fmt: skip

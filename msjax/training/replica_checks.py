@@ -44,7 +44,7 @@ class ReplicaChecks:
         self.fingerprints = None
         if self.enabled:
             self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings)
-            self.fingerprints.compile(run.program.abstract_state())
+            self.fingerprints.compile(run.abstract_state)
         self.compute_every = resilience.compute_check_every
         self.mesh = mesh
         self._compute: ComputeCheck | None = None
