@@ -270,7 +270,8 @@ class Incident:
 
     def progress(self, attempt: Attempt) -> bool:
         """Fill in restart and catch-up times as the attempt after the incident progresses;
-        True once it has caught up after its first step (the record is complete)."""
+        True once it has caught up after its first step and every rank's first step is done
+        (the record is complete)."""
         detected = self.detected_unix_s
         if self.resumed_from_step is None and attempt.start_step is not None:
             self.resumed_from_step = attempt.start_step
@@ -303,7 +304,9 @@ class Incident:
             )
         if caught_up is not None:
             self.catch_up_s = round(caught_up - detected, 3)
-        return caught_up is not None and self.restart_s is not None
+        # the split is whole once every rank's heartbeat says its first step is done
+        split_whole = STARTUP_MARKS[-1] in (self.startup_s or {})
+        return caught_up is not None and self.restart_s is not None and split_whole
 
     def record(self) -> dict[str, Any]:
         """The line of incidents.jsonl."""

@@ -45,13 +45,24 @@ def test_the_incident_times_each_mark_by_the_last_rank_to_reach_it():
         0: beat(0, {"main": 100.5, "distributed_joined": 102.0, "first_step_done": 107.0}),
         1: beat(1, {"main": 101.0, "distributed_joined": 102.25}),  # its step not yet noted
     }
-    attempt.start_step, attempt.first_step_unix_s = 10, 107.0
+    attempt.start_step, attempt.compile_unix_s, attempt.first_step_unix_s = 10, 106.0, 107.0
     incident = Incident.of_fault(1, crash_detected_at(99.0), attempt, 0.1, "incidents/1", None, [])
-    incident.progress(attempt)
+    # rank 0's first step caught up with the fault's step, rank 1's is not on record yet:
+    # the incident stays open
+    assert incident.progress(attempt) is False
     record = incident.record()
     assert record["restart_s"] == 8.0
     # a mark only some ranks reached is left out until they all have
     assert record["startup_s"] == {"main": 1.0, "distributed_joined": 2.25}
+    attempt.heartbeats[1] = beat(
+        1, {"main": 101.0, "distributed_joined": 102.25, "first_step_done": 107.5}
+    )
+    assert incident.progress(attempt) is True  # the record is complete: it is written now
+    assert incident.record()["startup_s"] == {
+        "main": 1.0,
+        "distributed_joined": 2.25,
+        "first_step_done": 7.5,
+    }
 
 
 def crash_detected_at(detected_unix_s: float) -> DetectedFault:
