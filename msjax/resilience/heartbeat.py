@@ -77,7 +77,7 @@ STARTUP_MARKS = (
     "train_step_lowered",
     "train_step_compiled",  # compiled, or loaded from the compile cache
     "prepared",  # every listener told the run started
-    "replica_checks_ready",  # their programs compiled (msjax.training.replica_checks)
+    "replica_checks_ready",  # the corruption guard set up (its programs compile after a step)
     "batches_started",  # the data pipeline built, its prefetch started
     "first_batch",
     "first_step_dispatched",
