@@ -196,6 +196,8 @@ def train_segment(
                 results.finish(in_flight)
                 in_flight = InFlight(step, device_metrics, data_wait_s)
             ended.state = state
+            if step > segment.step:  # the first step's results are in: the checks compile now
+                checks.start_compiling()
             decision = decide.after_step(step + 1)
             if decision.needs_result or checks.due(step + 1, decision):
                 results.finish(in_flight)

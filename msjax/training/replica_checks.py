@@ -77,8 +77,8 @@ class ReplicaChecks:
 
     def start_compiling(self) -> None:
         """Both programs compiled on threads of their own from now on (the loop calls it once
-        its first step has run): a (re)start's first step shares the host with neither compile,
-        and the first check seldom waits for one."""
+        its first step's results are in): a (re)start's first step shares the host with neither
+        compile, and the first check seldom waits for one."""
         if self._compiling:
             return
         self._compiling = True
@@ -88,9 +88,7 @@ class ReplicaChecks:
             self._compute = ComputeCheck(self.mesh)
 
     def due(self, step: int, decision: Decision) -> bool:
-        """Whether the state after `step` updates is checked now (either check); the first
-        call, after the first step, starts compiling the checks' programs."""
-        self.start_compiling()
+        """Whether the state after `step` updates is checked now (either check)."""
         if self.compute_due(step):
             return True
         if not self.enabled:
@@ -106,6 +104,7 @@ class ReplicaChecks:
     def check(self, step: int, state: Any) -> Replay | None:
         """The checks due after `step` updates: None to go on, or the replay to start;
         SilentCorruption once a rank is found bad."""
+        self.start_compiling()  # a check before the first step's results (a replay)
         if self.compute_due(step):
             self.check_compute(step)
         if self.fingerprints is None:
