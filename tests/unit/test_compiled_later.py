@@ -1,5 +1,6 @@
-"""The periodic checks' programs compile beside the loop's first steps, not before them: a
-(re)start's first step does not wait for XLA to compile what runs every hundred steps."""
+"""The periodic checks' programs compile on threads of their own, beside the loop's steps, not
+before the first one: a (re)start's first step does not wait for XLA to compile what runs every
+hundred steps."""
 
 from __future__ import annotations
 
