@@ -20,7 +20,8 @@ restores from them than from disk.
     restore's seconds (the slowest rank's, from the incident's restored_by_rank), its bytes (the
     largest rank's: a snapshot holds a process's own shards, a disk checkpoint is its whole
     directory), the steps lost, the detection latency and detection to first step (the incident's
-    restart_s). The ratio: own-snapshot restore seconds / disk restore seconds (goal <= 0.10).
+    restart_s); for (a), where those seconds went (the incident's startup_s). The ratio:
+    own-snapshot restore seconds / disk restore seconds (goal <= 0.10).
     Each job must have restored from the source it stands for, else the script exits 1.
 (3) Steps lost per fault with snapshots and without, from the same jobs.
 
@@ -163,6 +164,21 @@ def check_source(name: str, incident: dict[str, Any], nprocs: int) -> None:
         )
 
 
+def print_restart_split(incident: dict[str, Any]) -> None:
+    """Where the own-snapshot restart's seconds went: detection to the spawn, then each start-up
+    mark as the last rank reached it (the incident's startup_s), up to the first step."""
+    spawn_s = incident["restart_s"] - incident["restart_to_first_step_s"]
+    print("split of the own-snapshot restart (the last rank at each mark):")
+    print("| from | to | seconds |")
+    print("| --- | --- | --- |")
+    print(f"| detection | spawn (stop, backoff {incident.get('backoff_s')} s) | {spawn_s:.2f} |")
+    previous, previous_s = "spawn", 0.0
+    for mark, after_spawn_s in (incident.get("startup_s") or {}).items():
+        print(f"| {previous} | {mark} | {after_spawn_s - previous_s:.2f} |")
+        previous, previous_s = mark, after_spawn_s
+    print()
+
+
 def measure_restores(args: argparse.Namespace) -> None:
     """Parts (2) and (3): the same crash restored from each source."""
     nprocs = 1 if args.smoke else 2
@@ -209,6 +225,7 @@ def measure_restores(args: argparse.Namespace) -> None:
         f"{seconds['disk']:.3f} (goal <= 0.10)"
     )
     print()
+    print_restart_split(found["own snapshot"])
     with_snapshots = [found[name]["steps_lost"] for name in found if name != "disk"]
     print(
         f"(3) steps lost per fault: with snapshots {statistics.fmean(with_snapshots):.1f}, "

@@ -17,6 +17,8 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
+import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ ATTEMPT = "MSJAX_ATTEMPT"
 LOCAL_DEVICE_IDS = "MSJAX_LOCAL_DEVICE_IDS"
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"  # the GPUs a process sees (msjax.launch.devices)
 INIT_TIMEOUT_S = 300
+COORDINATOR_POLL_S = 0.01  # how often a process looks whether the coordinator listens yet
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -170,6 +173,8 @@ def initialize_distributed(
             heartbeat_timeout_seconds=peer_timeout_s,
         )
     else:
+        if job.process_id:  # process 0 starts the coordinator inside initialize
+            wait_for_coordinator(job.coordinator, INIT_TIMEOUT_S)
         jax.distributed.initialize(
             coordinator_address=job.coordinator,
             num_processes=job.num_processes,
@@ -199,6 +204,22 @@ def describe_devices() -> str:
         f"msjax: process {jax.process_index()}: devices {VISIBLE_DEVICES}={visible}, "
         f"local devices {jax.config.values.get('jax_cuda_visible_devices', 'all')}"
     )
+
+
+def wait_for_coordinator(coordinator: str, timeout_s: float) -> bool:
+    """Whether the coordinator (host:port) accepted a connection within timeout_s. A process
+    that joins before process 0's coordinator listens is refused, and gRPC then backs off for
+    about a second before it tries again: every (re)start of a job would wait for it."""
+    host, port = coordinator.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(COORDINATOR_POLL_S)
 
 
 def coordinator_bind_address(coordinator: str | None) -> str | None:

@@ -75,7 +75,9 @@ class ResilienceConfig:
     # rejoins once its self-check (and, if excluded for a fault in training, a training probe
     # past the step it failed at) passes (the full mesh again)
     readmit_after_s: float = 600.0
-    restart_backoff_s: float = 1.0  # before a restart; doubled after one that made no progress
+    # before a restart after an attempt that made no progress, doubled per such attempt in a row
+    # (an attempt that made progress restarts at once)
+    restart_backoff_s: float = 1.0
     # after an infrastructure fault (a full disk, storage errors, devices that fail to initialise:
     # exit 14) the back-off starts at infrastructure_backoff_s and doubles with each attempt in a
     # row without progress, up to infrastructure_backoff_max_s: the machine room gets minutes

@@ -25,6 +25,7 @@ from msjax.data.sources import check_sources
 from msjax.resilience import exit_codes
 from msjax.resilience.crash_records import record_crash
 from msjax.resilience.fault_kinds import kind_of_error
+from msjax.resilience.heartbeat import mark_startup
 from msjax.resilience.job_end import in_job, leave_job_now, peer_exit_code
 from msjax.resilience.worker import dump_stacks_from_start
 from msjax.training.decisions import (
@@ -68,6 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    mark_startup("main")
     config: Config | None = None
     try:
         args = parse_args(argv)
@@ -134,6 +136,7 @@ def train(
     with run.events, StopSignal(grace_s) as stop:
         decide = Decider(run.config, stop, bool(run.steps.validation), run.saves)
         checks = ReplicaChecks(run)
+        mark_startup("replica_checks_ready")
         segment = Segment(run.start.state, run.start.step, run.start.first_sample)
         eval_loss = None
         while True:
@@ -176,6 +179,7 @@ def train_segment(
     in_flight = None  # the dispatched step whose metrics are not read yet
     ended = SegmentEnd(state)
     with training_batches(run, segment) as batches:
+        mark_startup("batches_started")
         for step in range(segment.step, run.config.train.steps):
             events.step_begin(step)
             if steps.skips(step):
@@ -192,6 +196,8 @@ def train_segment(
                 results.finish(in_flight)
                 in_flight = InFlight(step, device_metrics, data_wait_s)
             ended.state = state
+            if step > segment.step:  # the first step's results are in: the checks compile now
+                checks.start_compiling()
             decision = decide.after_step(step + 1)
             if decision.needs_result or checks.due(step + 1, decision):
                 results.finish(in_flight)
@@ -249,7 +255,7 @@ def replay_start(run: PreparedRun, replay: Replay) -> Segment:
     checkpointer = run.saves.checkpointer
     checkpointer.wait()  # the saves in flight are on disk: the newest one may be the one
     restored = checkpointer.restore_newest_valid(
-        run.program.abstract_state(), message, at_most=replay.at_most
+        run.abstract_state, message, at_most=replay.at_most
     )
     if restored is not None:
         state = run.program.from_canonical(restored.state)

@@ -22,7 +22,7 @@ from msjax.launch.workers import describe_exit
 from msjax.observe.flight_recorder import diagnose
 from msjax.observe.goodput import read_records
 from msjax.resilience.fault_kinds import UNATTRIBUTED_CORRUPTION
-from msjax.resilience.heartbeat import STARTUP_PHASES
+from msjax.resilience.heartbeat import STARTUP_MARKS, STARTUP_PHASES
 from msjax.run_dir import RunDir
 from msjax.writable import (
     AppendLog,
@@ -165,6 +165,9 @@ class Incident:
     backoff_s: float | None = None
     restart: int | None = None
     restart_to_first_step_s: float | None = None
+    # where the restart's seconds went: when the last rank reached each start-up mark
+    # (msjax.resilience.heartbeat.STARTUP_MARKS), in seconds after the spawn
+    startup_s: dict[str, float] | None = None
     bad_slot: dict[str, Any] | None = None  # the fault's slot, marked bad (msjax.launch.slots)
     membership: dict[str, Any] | None = None  # a slot excluded or re-admitted, with its timings
     # silent corruption: the guard's verdict (event: transient, persistent, undecided,
@@ -181,6 +184,7 @@ class Incident:
         "backoff_s",
         "restart",
         "restart_to_first_step_s",
+        "startup_s",
         "bad_slot",
         "membership",
         "corruption",
@@ -266,7 +270,8 @@ class Incident:
 
     def progress(self, attempt: Attempt) -> bool:
         """Fill in restart and catch-up times as the attempt after the incident progresses;
-        True once it has caught up after its first step (the record is complete)."""
+        True once it has caught up after its first step and every rank's first step is done
+        (the record is complete)."""
         detected = self.detected_unix_s
         if self.resumed_from_step is None and attempt.start_step is not None:
             self.resumed_from_step = attempt.start_step
@@ -275,6 +280,7 @@ class Incident:
         if self.resumed_from_step is not None:  # each rank's note, as its heartbeats arrive
             self.memory_not_used = memory_not_used(attempt) or self.memory_not_used
             self.restored_by_rank = restored_by_rank(attempt) or self.restored_by_rank
+            self.startup_s = startup_seconds(attempt) or self.startup_s
         membership = self.membership
         if membership and membership["first_step_unix_s"] is None and attempt.first_step_unix_s:
             membership["first_step_unix_s"] = attempt.first_step_unix_s  # on the new mesh
@@ -298,7 +304,9 @@ class Incident:
             )
         if caught_up is not None:
             self.catch_up_s = round(caught_up - detected, 3)
-        return caught_up is not None and self.restart_s is not None
+        # the split is whole once every rank's heartbeat says its first step is done
+        split_whole = STARTUP_MARKS[-1] in (self.startup_s or {})
+        return caught_up is not None and self.restart_s is not None and split_whole
 
     def record(self) -> dict[str, Any]:
         """The line of incidents.jsonl."""
@@ -424,4 +432,17 @@ def restored_by_rank(attempt: Attempt) -> dict[str, dict[str, Any]]:
         str(rank): record.start_restore
         for rank, record in sorted(attempt.heartbeats.items())
         if record.start_restore
+    }
+
+
+def startup_seconds(attempt: Attempt) -> dict[str, float]:
+    """Each start-up mark every rank has reached, in the order of STARTUP_MARKS: seconds from the
+    attempt's spawn to the last rank's reaching it (a warm standby's `main`: its hand-over)."""
+    marks = [record.startup for record in attempt.heartbeats.values()]
+    if len(marks) < len(attempt.workers):
+        return {}
+    return {
+        name: round(max(mark[name] for mark in marks) - attempt.spawned_unix_s, 3)
+        for name in STARTUP_MARKS
+        if all(name in mark for mark in marks)
     }

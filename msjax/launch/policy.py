@@ -66,7 +66,8 @@ def decide(
     """The fault kind's action, then the job's limits, first match wins: a multi-node job whose
     slot (this node) is marked bad stops with exit 9 under on_bad_node=exclude, a multi-node job
     restarts as a whole (exit 5), attempts without progress stop it (2 or 8), and so does a
-    spent restart budget (4); else restart, the backoff doubling per attempt without progress.
+    spent restart budget (4); else restart: at once after an attempt that made progress, else
+    after a backoff that doubles per attempt without progress.
     A slot marked bad on one node under exclude is left out by the supervisor at the restart
     (msjax.launch.membership): attempts without progress do not stop the job then (it counts
     them afresh on its new membership), unless they are the same crash before the first step
@@ -166,6 +167,9 @@ def _limits(
             resilience.infrastructure_backoff_s * 2**doublings,
             resilience.infrastructure_backoff_max_s,
         )
+    elif history.stalled.count == 0:
+        # the attempt made progress: nothing says a restart now fails again, so none waits
+        backoff_s = 0.0
     else:
         backoff_s = min(resilience.restart_backoff_s * 2**doublings, MAX_BACKOFF_S)
     return Action(

@@ -23,7 +23,13 @@ from pathlib import Path
 
 POLL_S = 0.05
 # what a worker imports before its first step: done while waiting, not after the assignment
-WARM_IMPORTS = ("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "msjax.train")
+# (msjax.train imports the loop's parts when it is called: they count in a restart's time)
+WARM_IMPORTS = (
+    *("jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "msjax.train"),
+    *("msjax.training.prepare", "msjax.training.decisions", "msjax.training.replica_checks"),
+    *("msjax.training.reporting", "msjax.training.checkpoints", "msjax.data.pipeline"),
+    "msjax.resilience.replica_guard",
+)
 NOT_ASSIGNED = 0  # the exit code of a spare that was never needed
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from msjax.resilience.compiled_later import CompiledLater
+
 SIZE = 64  # [SIZE, SIZE] @ [SIZE, SIZE]: a few microseconds on any device
 SEED = 20240  # the same matrices in every process
 # entries in [-4, 4]: every product and partial sum is a small integer, exact in float32 (and
@@ -50,13 +52,18 @@ class ComputeCheck:
         program = jax.shard_map(
             local, mesh=mesh, in_specs=replicated, out_specs=PartitionSpec(), check_vma=False
         )
-        # full float32 matmuls (no TF32 or bfloat16 passes): the answer is exact
-        with jax.default_matmul_precision("highest"):
-            self._compiled = jax.jit(program).lower(*self._inputs).compile()
+
+        def compile() -> Any:
+            # full float32 matmuls (no TF32 or bfloat16 passes): the answer is exact
+            with jax.default_matmul_precision("highest"):
+                return jax.jit(program).lower(*self._inputs).compile()
+
+        # the steps go on meanwhile: a (re)start's first step does not wait for it
+        self._compiled = CompiledLater(compile, "compute-check")
 
     def wrong_entries(self) -> np.ndarray:
         """int [data, fsdp, pipe, tensor]: each device's entries that differ from the answer."""
-        gathered = self._compiled(*self._inputs)
+        gathered = self._compiled.get()(*self._inputs)
         local = np.asarray(gathered.addressable_shards[0].data)  # [devices, 1]
         return local.reshape(self.mesh.devices.shape)
 

@@ -49,6 +49,7 @@ class HeartbeatRecord:
     # this process's restore: source (own, buddy: a memory snapshot; disk), bytes, seconds
     start_restore: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, list[float]] = field(default_factory=dict)  # phase: [count, slowest_s]
+    startup: dict[str, float] = field(default_factory=dict)  # STARTUP_MARKS reached: unix s
 
     @classmethod
     def read(cls, path: Path) -> HeartbeatRecord | None:
@@ -61,6 +62,33 @@ class HeartbeatRecord:
 
 
 _latest: Heartbeat | None = None  # this process's newest Heartbeat (latest_beat)
+# when this process first reached each point on its way to its first step (unix s): every
+# heartbeat carries them, so the supervisor splits a restart's seconds (STARTUP_MARKS)
+_startup_marks: dict[str, float] = {}
+# in the order a worker reaches them (msjax.train, msjax.training.prepare, WorkerResilience)
+STARTUP_MARKS = (
+    "main",  # msjax.train's main called (a warm standby: its rank handed over)
+    "jax_imported",
+    "distributed_joined",  # jax.distributed.initialize returned
+    "backend_started",  # the devices known, the config resolved for them
+    "data_built",
+    "state_abstract",  # the model and optimizer built, the state's shapes traced
+    "restored",
+    "train_step_lowered",
+    "train_step_compiled",  # compiled, or loaded from the compile cache
+    "prepared",  # every listener told the run started
+    "replica_checks_ready",  # the corruption guard set up (its programs compile after a step)
+    "batches_started",  # the data pipeline built, its prefetch started
+    "first_batch",
+    "first_step_dispatched",
+    "first_step_done",
+)
+
+
+def mark_startup(name: str) -> None:
+    """Note when this process first reached `name` (one of STARTUP_MARKS); later calls keep the
+    first time."""
+    _startup_marks.setdefault(name, time.time())
 
 
 def latest_beat() -> tuple[int, str] | None:
@@ -148,6 +176,7 @@ class Heartbeat:
             "unix_s": now,
             "progress": self.progress,
             "timings": self.timings,
+            "startup": dict(_startup_marks),
         }
         # readers see the old or the new heartbeat (on a full disk, one rewritten in place, which
         # a reader may catch torn and skip); a write that cannot land is dropped with one warning

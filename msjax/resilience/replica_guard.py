@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from msjax.resilience.compiled_later import CompiledLater
 from msjax.run_dir import RunDir
 
 # the verdicts of RUN_DIR/replica_mismatches.jsonl that end the run (SilentCorruption)
@@ -62,7 +63,7 @@ class ReplicaFingerprints:
         from msjax.parallel.mesh import MESH_AXES
 
         self.mesh = mesh
-        self._compiled: Any = None
+        self._compiled: CompiledLater | None = None
         paths = jax.tree_util.tree_flatten_with_path(state_shardings)[0]
         self.tensor_names = tuple(leaf_name(path) for path, _ in paths)
         specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings)
@@ -84,13 +85,16 @@ class ReplicaFingerprints:
         return self._program.lower(abstract_state)
 
     def compile(self, abstract_state: Any) -> None:
-        """Compile the program now (before the loop), so no step waits for it."""
-        self._compiled = self.lower(abstract_state).compile()
+        """Compile the program on a thread of its own from now on: the first steps need not
+        wait for it, and the first check seldom does."""
+        self._compiled = CompiledLater(
+            lambda: self.lower(abstract_state).compile(), "replica-fingerprints"
+        )
 
     def table(self, state: Any) -> np.ndarray:
         """uint64 [data, fsdp, expert, pipe, tensor, tensors]: each device's fingerprint of each
         of its blocks of the state, read from this process's own copy of the gathered table."""
-        gathered = (self._compiled or self._program)(state)
+        gathered = (self._program if self._compiled is None else self._compiled.get())(state)
         local = np.asarray(gathered.addressable_shards[0].data)  # [devices, K, 2] uint32
         combined = (local[..., 0].astype(np.uint64) << np.uint64(32)) | local[..., 1]
         return combined.reshape(*self.mesh.devices.shape, len(self.tensor_names))

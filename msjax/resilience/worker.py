@@ -13,7 +13,7 @@ from typing import Any
 from msjax.distributed import ATTEMPT, PROCESS_ID
 from msjax.loop_events import LoopEvents, StepRecord
 from msjax.resilience.faults import FaultInjector
-from msjax.resilience.heartbeat import Heartbeat, Phase
+from msjax.resilience.heartbeat import Heartbeat, Phase, mark_startup
 from msjax.resilience.job_end import leave_job_now
 
 __all__ = [
@@ -139,6 +139,12 @@ class WorkerResilience(LoopEvents):
             self.heartbeat.beat("step")  # the save (or evaluation) is behind: a step again
         self.faults.before_step(step, self.wait_for_saves)
 
+    def batch_ready(self, step: int, data_wait_s: float) -> None:
+        mark_startup("first_batch")
+
+    def step_dispatched(self, step: int) -> None:
+        mark_startup("first_step_dispatched")
+
     def step_end(self, record: StepRecord) -> None:
         """A heartbeat, or NonFiniteLoss before any save of that state."""
         step, loss = record["step"], record["loss"]
@@ -152,6 +158,7 @@ class WorkerResilience(LoopEvents):
                 self.wait_for_saves()
             self.heartbeat.beat("nonfinite", step)  # step: the index whose loss was bad
             raise NonFiniteLoss(step, loss, update_finite)
+        mark_startup("first_step_done")
         self.heartbeat.beat("step", step + 1)
 
     def eval_begin(self, step: int) -> None:

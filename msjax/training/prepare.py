@@ -30,7 +30,7 @@ from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installe
 from msjax.parallel.mesh import build_mesh, configure_cpu_devices
 from msjax.parallel.xla_flags import XlaFlagsRecord, apply_xla_profile
 from msjax.resilience.compile_cache import compile_cached, enable_compile_cache
-from msjax.resilience.heartbeat import Heartbeat
+from msjax.resilience.heartbeat import Heartbeat, mark_startup
 from msjax.resilience.job_end import watch_for_peer_exit
 from msjax.resilience.worker import WorkerResilience
 from msjax.resolve import mesh_device_count, resolve_for_devices, resolve_run_dir
@@ -55,6 +55,7 @@ class PreparedRun:
     config: Config  # resolved: what every part of the run reads
     run_dir: RunDir
     program: TrainProgram
+    abstract_state: Any  # the state's shapes and shardings, traced once (program.abstract_state)
     steps: LoopSteps  # the compiled train step and the eval step, as the loop runs them
     start: StartingPoint
     data: TrainingData
@@ -114,15 +115,18 @@ def prepare_run(
     """
     import jax
 
+    mark_startup("jax_imported")
     started = time.perf_counter()
     config, plan, resume = plan_run(config)
     xla_flags = apply_xla_profile(config.train.xla_profile)  # XLA reads them when it starts
     job = JobEnv.read()
     initialize_distributed(job, config.resilience.peer_timeout_s)
+    mark_startup("distributed_joined")
     configure_cpu_devices(mesh_device_count(config.mesh))
     announce_devices(job)
     # the run's resolved config (plan_run has filled its model from model.init_from, and run.dir)
     config = resolve_for_devices(config, jax.device_count(), jax.default_backend())
+    mark_startup("backend_started")
     watch_for_peer_exit("msjax.train")  # a peer's fatal error ends this process too
     lock = job_lock(plan, job)
     try:
@@ -159,6 +163,7 @@ def build_run(
     run_dir, mesh = joined.run_dir, joined.mesh
     message = progress.message
     data = build_data(config, joined, message)
+    mark_startup("data_built")
     record_run(config, joined, data.facts, mesh, message)
     state = build_state(config, mesh, data, joined, message)
     describe_data(data.training, config.train, state.start, message)
@@ -181,8 +186,10 @@ def build_run(
         allowed_data_changes=state.allowed_data_changes,
     )  # fmt: skip
     resilience.wait_for_saves = saves.wait_for_writes
+    mark_startup("prepared")
     return PreparedRun(
-        config=config, run_dir=run_dir, program=program, steps=steps, start=state.start,
+        config=config, run_dir=run_dir, program=program, abstract_state=state.abstract_state,
+        steps=steps, start=state.start,
         data=data.training, events=events, results=results, saves=saves, resilience=resilience,
         progress=progress, started=joined.started,
     )  # fmt: skip
@@ -282,8 +289,10 @@ def build_state(
     )  # fmt: skip
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()
+    mark_startup("state_abstract")
     resilience.beat("restore")
     start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
+    mark_startup("restored")
     allowed_data_changes: list[dict[str, Any]] = []
     if start.restored is not None:  # on the checkpoint's corpus, unless data.allow_changed
         restored = start.restored
@@ -332,7 +341,9 @@ def start_and_compile(
         compile_started = time.perf_counter()
         program = state.program
         lowered = program.train_step.lower(state.abstract_state, program.abstract_batch())
+        mark_startup("train_step_lowered")
         train_step = compile_cached(lowered, compile_cache, "train_step")
+        mark_startup("train_step_compiled")
         message(f"compiled the train step in {time.perf_counter() - compile_started:.1f} s")
         events.compiled(train_step)
     return train_step

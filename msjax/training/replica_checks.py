@@ -44,12 +44,11 @@ class ReplicaChecks:
         self.fingerprints = None
         if self.enabled:
             self.fingerprints = ReplicaFingerprints(mesh, run.program.state_shardings)
-            self.fingerprints.compile(run.program.abstract_state())
+        self.abstract_state = run.abstract_state
         self.compute_every = resilience.compute_check_every
         self.mesh = mesh
         self._compute: ComputeCheck | None = None
-        if self.compute_every > 0:
-            self._compute = ComputeCheck(mesh)  # compiled before the loop: no step waits
+        self._compiling = False  # whether the programs' compiles have started (start_compiling)
         self.log = MismatchLog(
             run.run_dir.path,
             jax.process_index() == 0,
@@ -76,6 +75,18 @@ class ReplicaChecks:
         """Whether every device's known-answer matmul is checked after `step` updates."""
         return self.compute_every > 0 and step % self.compute_every == 0
 
+    def start_compiling(self) -> None:
+        """Both programs compiled on threads of their own from now on (the loop calls it once
+        its first step's results are in): a (re)start's first step shares the host with neither
+        compile, and the first check seldom waits for one."""
+        if self._compiling:
+            return
+        self._compiling = True
+        if self.fingerprints is not None:
+            self.fingerprints.compile(self.abstract_state)
+        if self.compute_every > 0 and self._compute is None:
+            self._compute = ComputeCheck(self.mesh)
+
     def due(self, step: int, decision: Decision) -> bool:
         """Whether the state after `step` updates is checked now (either check)."""
         if self.compute_due(step):
@@ -93,6 +104,7 @@ class ReplicaChecks:
     def check(self, step: int, state: Any) -> Replay | None:
         """The checks due after `step` updates: None to go on, or the replay to start;
         SilentCorruption once a rank is found bad."""
+        self.start_compiling()  # a check before the first step's results (a replay)
         if self.compute_due(step):
             self.check_compute(step)
         if self.fingerprints is None:

@@ -190,6 +190,9 @@ def check_memory_snapshots(out: str, _: Path) -> None:
     ratio = number(r"memory / disk restore seconds \(own snapshot\): {N}", out)
     assert_ratio(ratio, float(own_s), float(disk_s), 3, 3)
     assert number(r"\(3\) steps lost per fault: with snapshots {N}", out) == int(own_lost)
+    # the own-snapshot restart's split, mark by mark, from the spawn to the first step
+    assert positive(number(r"\| spawn \| main \| {N} \|", out))
+    assert number(r"\| first_step_dispatched \| first_step_done \| {N} \|", out) >= 0
     assert "(smoke: tiny model)" in out and "1 process x 2 CPU devices" in out
 
 

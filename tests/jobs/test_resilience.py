@@ -24,7 +24,7 @@ from harness import REPO, Finished, LaunchJob, job_env
 from msjax.launch.incidents import IncidentDir
 from msjax.resilience import exit_codes
 from msjax.resilience.faults import parse_faults, read_firings
-from msjax.resilience.heartbeat import HeartbeatRecord
+from msjax.resilience.heartbeat import STARTUP_MARKS, HeartbeatRecord
 from msjax.resilience.skips import read_skipped_steps, record_skipped_step
 from msjax.run_dir import RunDir
 
@@ -237,6 +237,11 @@ def test_sigkill_of_a_worker_is_a_crash_of_that_rank_resumed_from_the_last_check
     assert record["fault_time_from"] == "exit seen by polling"
     assert 0 <= record["detection_latency_s"] < 2.0
     assert record["restart_s"] > 0 and record["catch_up_s"] >= record["restart_s"]
+    # where the restart's seconds went, in the order the ranks got there, up to the first step
+    split = record["startup_s"]
+    assert list(split) == [mark for mark in STARTUP_MARKS if mark in split]
+    assert {"main", "distributed_joined", "train_step_compiled", "first_step_done"} <= set(split)
+    assert list(split.values()) == sorted(split.values())
 
 
 @pytest.mark.slow

@@ -132,7 +132,7 @@ def test_a_user_error_is_one_line():
 
 def test_a_crash_restarts_with_a_backoff_that_doubles_per_attempt_without_progress():
     resilience = ResilienceConfig(restart_backoff_s=1.5)
-    first = decide(fault(fault_kinds.CRASH), history(), resilience, ONE_NODE)
+    first = decide(fault(fault_kinds.CRASH), history(stalled=1), resilience, ONE_NODE)
     assert (first.stop_code, first.backoff_s, first.restart, first.name) == (
         None,
         1.5,
@@ -141,6 +141,20 @@ def test_a_crash_restarts_with_a_backoff_that_doubles_per_attempt_without_progre
     )
     stalled = decide(fault(fault_kinds.HANG), history(restarts=3, stalled=2), resilience, ONE_NODE)
     assert (stalled.backoff_s, stalled.restart) == (3.0, 4)
+
+
+def test_a_fault_after_progress_restarts_at_once():
+    """An attempt that committed a newer checkpoint before its fault says nothing about the next
+    one failing: no backoff delays its restart (restart latency); one without progress waits."""
+    resilience = ResilienceConfig(restart_backoff_s=1.5)
+    after_progress = decide(fault(fault_kinds.CRASH), history(restarts=4), resilience, ONE_NODE)
+    assert (after_progress.stop_code, after_progress.backoff_s, after_progress.restart) == (
+        None,
+        0.0,
+        5,
+    )
+    stuck = decide(fault(fault_kinds.CRASH), history(restarts=4, stalled=1), resilience, ONE_NODE)
+    assert stuck.backoff_s == 1.5
 
 
 def test_the_backoff_is_capped():
@@ -283,7 +297,8 @@ def incident_of(kind: fault_kinds.FaultKind, **fields) -> Incident:
 def test_an_incident_record_keeps_its_keys_and_takes_the_action_decided():
     restarted = incident_of(fault_kinds.CRASH)
     assert list(restarted.record()) == BASE_KEYS
-    restarted.take(decide(fault(fault_kinds.CRASH), history(), ResilienceConfig(), ONE_NODE))
+    stalled = history(stalled=1)
+    restarted.take(decide(fault(fault_kinds.CRASH), stalled, ResilienceConfig(), ONE_NODE))
     record = restarted.record()
     assert list(record) == [*BASE_KEYS, "backoff_s", "restart"]
     assert (record["cause"], record["action"], record["restart"], record["backoff_s"]) == (
