@@ -79,6 +79,10 @@ class EventFanOut(LoopEvents):
     def __init__(self, listeners: Sequence[LoopEvents]):
         self.listeners = tuple(listeners)
 
+    def listen(self, listener: LoopEvents) -> None:
+        """`listener` hears every hook from now on, after the others."""
+        self.listeners = (*self.listeners, listener)
+
     def __enter__(self) -> EventFanOut:
         return self
 

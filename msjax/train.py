@@ -136,6 +136,7 @@ def train(
     with run.events, StopSignal(grace_s) as stop:
         decide = Decider(run.config, stop, bool(run.steps.validation), run.saves)
         checks = ReplicaChecks(run)
+        run.events.listen(checks)  # its programs compile once the first step's results are in
         mark_startup("replica_checks_ready")
         segment = Segment(run.start.state, run.start.step, run.start.first_sample)
         eval_loss = None
@@ -196,8 +197,6 @@ def train_segment(
                 results.finish(in_flight)
                 in_flight = InFlight(step, device_metrics, data_wait_s)
             ended.state = state
-            if step > segment.step:  # the first step's results are in: the checks compile now
-                checks.start_compiling()
             decision = decide.after_step(step + 1)
             if decision.needs_result or checks.due(step + 1, decision):
                 results.finish(in_flight)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from msjax.loop_events import LoopEvents
 from msjax.parallel.agreement import agree_any, process_vote
 from msjax.resilience.compute_checks import ComputeCheck
 from msjax.resilience.replica_guard import (
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from msjax.training.prepare import PreparedRun
 
 
-class ReplicaChecks:
+class ReplicaChecks(LoopEvents):
     """Every resilience.replica_check_every steps, before every save, a stop and the last step,
     and after every step of a replay: the replicas compared; every
     resilience.compute_check_every steps: every device's known-answer matmul checked (every
@@ -75,9 +76,13 @@ class ReplicaChecks:
         """Whether every device's known-answer matmul is checked after `step` updates."""
         return self.compute_every > 0 and step % self.compute_every == 0
 
+    def step_end(self, record: dict[str, Any]) -> None:
+        """A step's results are in: the checks' programs start compiling (once)."""
+        self.start_compiling()
+
     def start_compiling(self) -> None:
-        """Both programs compiled on threads of their own from now on (the loop calls it once
-        its first step's results are in): a (re)start's first step shares the host with neither
+        """Both programs compiled on threads of their own from now on (from the loop's first
+        step's results, `step_end`): a (re)start's first step shares the host with neither
         compile, and the first check seldom waits for one."""
         if self._compiling:
             return
@@ -104,7 +109,6 @@ class ReplicaChecks:
     def check(self, step: int, state: Any) -> Replay | None:
         """The checks due after `step` updates: None to go on, or the replay to start;
         SilentCorruption once a rank is found bad."""
-        self.start_compiling()  # a check before the first step's results (a replay)
         if self.compute_due(step):
             self.check_compute(step)
         if self.fingerprints is None:
