@@ -158,10 +158,7 @@ def build_run(
     extra_listeners: Sequence[LoopEvents],
 ) -> PreparedRun:
     """The run's parts, each from its builder, in the order they are made."""
-    import jax
-
-    run_dir, mesh = joined.run_dir, joined.mesh
-    message = progress.message
+    mesh, message = joined.mesh, progress.message
     data = build_data(config, joined, message)
     mark_startup("data_built")
     record_run(config, joined, data.facts, mesh, message)
@@ -176,7 +173,7 @@ def build_run(
     )  # fmt: skip
     # what reports each step's metrics, with what tokens/s and MFU are reckoned from
     results = StepResults(
-        events, data.tokens_per_step, data.step_flops, jax.device_count(), data.peak_tflops,
+        events, data.tokens_per_step, data.step_flops, mesh.size, data.peak_tflops,
         resilience.step_hooks.loss,
     )  # fmt: skip
     # the run's saves (disk checkpoints and memory snapshots); the drills wait on them too
@@ -188,10 +185,9 @@ def build_run(
     resilience.wait_for_saves = saves.wait_for_writes
     mark_startup("prepared")
     return PreparedRun(
-        config=config, run_dir=run_dir, program=program, abstract_state=state.abstract_state,
-        steps=steps, start=state.start,
-        data=data.training, events=events, results=results, saves=saves, resilience=resilience,
-        progress=progress, started=joined.started,
+        config=config, run_dir=joined.run_dir, program=program, steps=steps, start=state.start,
+        abstract_state=state.abstract_state, data=data.training, events=events, results=results,
+        saves=saves, resilience=resilience, progress=progress, started=joined.started,
     )  # fmt: skip
 
 
