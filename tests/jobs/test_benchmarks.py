@@ -201,18 +201,24 @@ MOE_MESHES = ("1 device", "data 2 x fsdp 4", "data 2 x expert 4")
 
 def check_moe(out: str, _: Path) -> None:
     for mesh in MOE_MESHES:
-        row = rf"\n{mesh}\s+{{N}}\s+[\d,.]+\s+[\d.]+"
-        moe = number(row, out)
-        dense = number(rf"\n{mesh}\s+[\d,.]+\s+{{N}}\s+[\d.]+", out)
-        assert_ratio(number(rf"\n{mesh}\s+[\d,.]+\s+[\d,.]+\s+{{N}}", out), moe, dense, 3, 1)
+        # MoE (ragged_dot), blocks, blocks / MoE, dense, MoE / dense, blocks / dense
+        row = re.search(rf"\n{mesh} +((?:[\d,.]+ +){{5}}[\d,.]+)", out)
+        assert row, out
+        moe, blocks, blocks_ratio, dense, moe_ratio, blocks_dense = (
+            float(value.replace(",", "")) for value in row[1].split()
+        )
+        assert_ratio(blocks_ratio, blocks, moe, 3, 1)
+        assert_ratio(moe_ratio, moe, dense, 3, 1)
+        assert_ratio(blocks_dense, blocks, dense, 3, 1)
     # the expert mesh's dense figure is the dense model's on data 2 x fsdp 4
-    assert number(r"\ndata 2 x expert 4\s+[\d,.]+\s+{N}", out) == number(
-        r"\ndata 2 x fsdp 4\s+[\d,.]+\s+{N}", out
+    dense_column = r"\s+[\d,.]+\s+[\d,.]+\s+[\d.]+\s+{N}"
+    assert number(r"\ndata 2 x expert 4" + dense_column, out) == number(
+        r"\ndata 2 x fsdp 4" + dense_column, out
     )
     # the smoke model: 1 dense layer of 128 and 1 MoE layer of 2 + 1 experts of 32
     assert "dense: mlp_dim 112 = (1 x 128 + 1 x 3 x 32) / 2" in out
     assert "(goal <= 1.10)" in out
-    for model in ("moe", "dense"):
+    for model in ("moe", "blocks", "dense"):
         columns = [float(value) for value in re.search(rf"\n{model} +(\d.*)", out)[1].split()]
         model_gflop, xla_gflop, xla_ratio, dots_gflop, dots_ratio, planned_cpu, _ = columns
         assert_ratio(xla_ratio, xla_gflop, model_gflop, 3, 4)
