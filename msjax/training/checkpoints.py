@@ -47,15 +47,18 @@ def restore_or_init(
     abstract_state: Any,
     message: Callable[[str], None],
     resume: ResumeSource | None = None,
+    beat: Callable[[str], None] | None = None,
 ) -> StartingPoint:
     """The newest valid checkpoint (of this run, or of `resume` on its first start), else a new
     state: from model.init_from, or initialized; never a new state where checkpoints exist but
     none restores (refuse_silent_restart).
 
     resume: checkpoint.resume_from as msjax.checkpoint.commits.resume_source parsed it, or None
-    where it does not apply.
+    where it does not apply. beat: the worker's heartbeat (msjax.resilience.worker), told the
+    phase `restore` as the restore begins.
     """
-
+    if beat is not None:
+        beat("restore")
     memory, not_used = restore_from_memory(config, checkpointer.directory, abstract_state)
     if memory is None and not_used:
         message(

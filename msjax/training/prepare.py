@@ -286,8 +286,9 @@ def build_state(
     program = build_program(config, mesh)
     abstract_state = program.abstract_state()
     mark_startup("state_abstract")
-    resilience.beat("restore")
-    start = restore_or_init(config, checkpointer, program, abstract_state, message, joined.resume)
+    start = restore_or_init(
+        config, checkpointer, program, abstract_state, message, joined.resume, resilience.beat
+    )
     mark_startup("restored")
     allowed_data_changes: list[dict[str, Any]] = []
     if start.restored is not None:  # on the checkpoint's corpus, unless data.allow_changed
