@@ -32,6 +32,7 @@ from msjax.step import build_program
 from msjax.train import main as train_cli
 from msjax.train import train
 from msjax.training.checkpoints import restore_or_init
+from tests.random_hf import save_random
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -97,15 +98,7 @@ def random_llama(directory: Path, kv_heads: int, tied: bool) -> None:
         tie_word_embeddings=tied,
         max_position_embeddings=64,
     )
-    torch.manual_seed(kv_heads + 10 * tied)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # weights far from the default init, so a wrong layout shows
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
-            else:
-                parameter.normal_(0, 0.2)
-    model.save_pretrained(directory)
+    save_random(transformers.LlamaForCausalLM(config), directory, seed=kv_heads + 10 * tied)
 
 
 def mesh_for(kv_heads: int) -> MeshConfig:

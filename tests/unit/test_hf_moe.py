@@ -29,6 +29,7 @@ from msjax.resolve import resolve_model
 from msjax.state_layout import state_layout
 from msjax.train import main as train_cli
 from msjax.train import train
+from tests.random_hf import save_random
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -60,15 +61,7 @@ def random_mixtral(directory: Path, sliding_window: int | None, **changes: objec
         max_position_embeddings=64,
         **changes,
     )
-    torch.manual_seed(3)
-    model = transformers.MixtralForCausalLM(config)
-    with torch.no_grad():  # weights far from the default init, so a wrong layout shows
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
-            else:
-                parameter.normal_(0, 0.2)
-    model.save_pretrained(directory)
+    save_random(transformers.MixtralForCausalLM(config), directory, seed=3)
 
 
 def hf_mixtral(directory: Path) -> object:

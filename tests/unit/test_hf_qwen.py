@@ -37,6 +37,7 @@ from msjax.resolve import resolve_model
 from msjax.state_layout import state_layout
 from msjax.train import main as train_cli
 from msjax.train import train
+from tests.random_hf import save_random
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -52,18 +53,6 @@ QWEN3_MOE_RUN = [
     "model.moe.first_dense_layers=1",
     "model.moe.normalize_top_k=false",
 ]
-
-
-def save_random(model: object, directory: Path, seed: int) -> None:
-    """Weights far from the default init (norms around 1), so a wrong layout shows; saved."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
-            else:
-                parameter.normal_(0, 0.2)
-    model.save_pretrained(directory)
 
 
 def qwen3_moe_config(**changes: object) -> object:
