@@ -173,6 +173,7 @@ def initialize_distributed(
             heartbeat_timeout_seconds=peer_timeout_s,
         )
     else:
+        deadline = time.monotonic() + INIT_TIMEOUT_S  # the wait and the join share it
         if job.process_id:  # process 0 starts the coordinator inside initialize
             wait_for_coordinator(job.coordinator, INIT_TIMEOUT_S)
         jax.distributed.initialize(
@@ -180,7 +181,7 @@ def initialize_distributed(
             num_processes=job.num_processes,
             process_id=job.process_id,
             local_device_ids=local_ids,
-            initialization_timeout=INIT_TIMEOUT_S,
+            initialization_timeout=max(1, int(deadline - time.monotonic())),
             heartbeat_timeout_seconds=peer_timeout_s,
             coordinator_bind_address=coordinator_bind_address(job.coordinator),
         )
