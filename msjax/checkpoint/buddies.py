@@ -13,7 +13,9 @@ sent, lists them and hands them back. Every message carries HMAC-SHA256 seals un
 secret (MSJAX_JOB_SECRET): its header's seal is checked before its body is read, and the body's
 before anything is written, so a message without a valid seal is refused and written nowhere.
 The server listens on one address only (the interface that reaches the job's coordinator:
-127.0.0.1 for a job on one node), on a port the OS chooses.
+127.0.0.1 for a job on one node), on a port the OS chooses. It answers other kinds of request
+where it is given their answers (the snapshot pieces its node holds:
+msjax.checkpoint.piece_transport).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ LOOPBACK = "127.0.0.1"
 MAX_REFUSALS_KEPT = 100  # the newest refusals a server remembers (a flood keeps no more)
 
 Files = list[tuple[str, bytes]]
+Answer = Callable[[dict[str, Any]], tuple[dict[str, Any], Files]]  # a request's header -> reply
 
 
 class Refused(Exception):
@@ -149,11 +152,19 @@ class BuddyServer:
     """This process's server of the copies it holds for its peers, in `held_store(owner)`:
     `put` keeps a peer's snapshot (double-buffered: a copy being received never replaces the
     last whole one), `list` names the whole copies held for a peer with their manifests, and
-    `get` returns one. Runs in daemon threads until close()."""
+    `get` returns one; a request of another kind goes to its entry in `answers`. Runs in daemon
+    threads until close()."""
 
-    def __init__(self, host: str, secret: bytes, held_store: Callable[[int], SnapshotStore]):
+    def __init__(
+        self,
+        host: str,
+        secret: bytes,
+        held_store: Callable[[int], SnapshotStore],
+        answers: dict[str, Answer] | None = None,
+    ):
         self.secret = secret
         self.held_store = held_store
+        self.answers = dict(answers or {})
         self.refusals: list[str] = []  # why messages were refused, newest last
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         handle = lambda handler: self._handle(handler)  # noqa: E731 (bound as the handler's)
@@ -201,8 +212,10 @@ class BuddyServer:
             send_message(sock, self.secret, {**reply, "kind": "reply"}, reply_files)
 
     def _answer(self, header: dict[str, Any], files: Files) -> tuple[dict[str, Any], Files]:
-        store = self.held_store(int(header["owner"]))
         kind = header["kind"]
+        if kind in self.answers:
+            return self.answers[kind](header)
+        store = self.held_store(int(header["owner"]))
         if kind == "put":
             store.write_files(int(header["step"]), files)
             return {}, []
@@ -227,7 +240,8 @@ def buddy_of(process: int, hosts: list[str]) -> int:
 
 
 class BuddyLink:
-    """This process's server of the copies it holds, and its way to its buddy's."""
+    """This process's server of the copies it holds (and of what `answers` answers), and its
+    way to its buddy's."""
 
     def __init__(
         self,
@@ -238,13 +252,15 @@ class BuddyLink:
         coordinator: str | None,
         rank: int,
         processes: int,
+        answers: dict[str, Answer] | None = None,
     ):
         self.rank, self.processes = rank, processes  # this process's index, the job's count
         self.secret = secret
         self.client = client  # jax.distributed's key-value store
         self.run_dir, self.root = run_dir, root
         self._addresses: list[tuple[str, int]] | None = None  # before the server answers
-        self.server = BuddyServer(interface_address(coordinator), secret, self.held_store)
+        host = interface_address(coordinator)
+        self.server = BuddyServer(host, secret, self.held_store, answers)
         key = f"{ADDRESS_KEY}/{self.rank}"
         host, port = self.server.address
         client.key_value_set(key, seal(key, json.dumps([host, port]), secret))

@@ -1,15 +1,17 @@
 """In-memory snapshots restored onto another layout (a job shrunk onto fewer processes, another
 mesh): the shard files of one step that the snapshots on this node hold (every process's own and
-the copies kept for its peers) are pieces of the global arrays, each naming its slice; a new shard
-is assembled from the pieces that overlap it, each verified by its sha256 before use (a damaged
-one is replaced by another replica of its slice). Whether and when to do so, agreed by every
-process, is the loop's (msjax.training.memory_restore)."""
+the copies kept for its peers), and those other nodes hold, are pieces of the global arrays, each
+naming its slice; a new shard is assembled from the pieces that overlap it, each verified by its
+sha256 before use (a damaged one is replaced by another replica of its slice). How pieces on other
+nodes are listed and fetched is msjax.checkpoint.piece_transport's; whether and when to do so,
+agreed by every process, is the loop's (msjax.training.memory_restore)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,30 +52,49 @@ def relative(inner: Region, outer: Region) -> tuple[slice, ...]:
     return tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(inner, outer, strict=True))
 
 
+Holder = tuple[str, int]  # the (host, port) of the server of the node that holds a piece
+
+
 @dataclass(frozen=True)
 class Piece:
-    """One shard file of a snapshot: the file and its manifest entry."""
+    """One shard file of a snapshot: the file and its manifest entry. On this node (holder
+    None) path is the file; on another node it is the file's place under that node's run
+    snapshot folder, which the holder's server hands out."""
 
     path: Path
     entry: dict[str, Any]
+    holder: Holder | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotAt:
+    """One whole snapshot within reach: its directory (on another node: its place under that
+    node's run snapshot folder), its manifest, and the server holding it (None: this node)."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    holder: Holder | None = None
 
 
 @dataclass
 class StepPieces:
-    """Every piece of one step the snapshots on this node hold, by leaf and slice (each slice's
-    replicas: several devices, or a process's own file and its buddy's copy), and the layout that
-    saved them."""
+    """Every piece of one step within reach (the snapshots on this node, and those other nodes
+    listed), by leaf and slice (each slice's replicas, this node's first: several devices, or a
+    process's own file and its buddy's copy), and the layout that saved them."""
 
     step: int
     process_count: int  # of the job that saved them
     mesh: dict[str, int]
     meta: dict[str, Any]
     owners: set[int] = field(default_factory=set)  # the processes whose snapshots are here
+    holders: set[Holder | None] = field(default_factory=set)  # the nodes holding them
     by_leaf: dict[int, dict[Region, list[Piece]]] = field(default_factory=dict)
 
     def describe(self) -> str:
         owners = ", ".join(map(str, sorted(self.owners)))
-        return f"process(es) {owners} of the {self.process_count}-process layout"
+        nodes = len(self.holders | {None})  # this node's always looked at
+        where = "this node" if nodes == 1 else f"{nodes} nodes"
+        return f"process(es) {owners} of the {self.process_count}-process layout, on {where}"
 
 
 def snapshot_stores(run_snapshots: Path) -> list[SnapshotStore]:
@@ -97,41 +118,59 @@ def listing(directory: Path) -> list[str]:
         return []
 
 
-def pieces_by_step(run_snapshots: Path) -> dict[int, StepPieces | str]:
-    """The pieces of each step whole on this node, or why a step's cannot be used (snapshots of
-    two layouts, or of an msjax that did not record their slices)."""
-    manifests: dict[int, list[tuple[Path, dict[str, Any]]]] = {}
+def snapshots_on_node(run_snapshots: Path) -> dict[int, list[SnapshotAt]]:
+    """The whole snapshots under a run's snapshot folder on this node, by step (every process's
+    own, then the copies held for its peers); one whose manifest cannot be read is left out."""
+    found: dict[int, list[SnapshotAt]] = {}
     for store in snapshot_stores(run_snapshots):
         for step in store.complete_steps():
             try:
-                manifests.setdefault(step, []).append((store.path(step), store.manifest(step)))
+                found.setdefault(step, []).append(
+                    SnapshotAt(store.path(step), store.manifest(step))
+                )
             except SnapshotDamaged:
                 continue  # another replica may hold its pieces
-    return {step: step_pieces(step, found) for step, found in manifests.items()}
+    return found
 
 
-def step_pieces(step: int, manifests: list[tuple[Path, dict[str, Any]]]) -> StepPieces | str:
+def pieces_by_step(
+    run_snapshots: Path | None, elsewhere: dict[int, list[SnapshotAt]] | None = None
+) -> dict[int, StepPieces | str]:
+    """The pieces of each step within reach (the snapshots on this node, then those `elsewhere`
+    on other nodes), or why a step's cannot be used (snapshots of two layouts, or of an msjax
+    that did not record their slices)."""
+    found = snapshots_on_node(run_snapshots) if run_snapshots is not None else {}
+    for step, snapshots in (elsewhere or {}).items():
+        found[step] = [*found.get(step, []), *snapshots]
+    return {step: step_pieces(step, snapshots) for step, snapshots in found.items()}
+
+
+def step_pieces(step: int, snapshots: list[SnapshotAt]) -> StepPieces | str:
     """The pieces the manifests of one step name, or why they cannot be put together."""
     layouts = {
-        (m.get("layout", {}).get("process_count"), str(m.get("layout", {}).get("mesh")))
-        for _, m in manifests
+        (
+            s.manifest.get("layout", {}).get("process_count"),
+            str(s.manifest.get("layout", {}).get("mesh")),
+        )
+        for s in snapshots
     }
     if len(layouts) > 1:
-        return f"the snapshots of step {step} on this node were saved in {len(layouts)} layouts"
-    layout = manifests[0][1].get("layout", {})
+        return f"the snapshots of step {step} within reach were saved in {len(layouts)} layouts"
+    layout = snapshots[0].manifest.get("layout", {})
     try:
         pieces = StepPieces(
             step, int(layout.get("process_count", 0)), dict(layout.get("mesh", {})),
-            dict(manifests[0][1]["meta"]),
+            dict(snapshots[0].manifest["meta"]),
         )  # fmt: skip
-        for path, manifest in manifests:
-            pieces.owners.add(int(manifest.get("layout", {}).get("process_index", -1)))
-            for entry in manifest["files"]:
+        for snapshot in snapshots:
+            pieces.owners.add(int(snapshot.manifest.get("layout", {}).get("process_index", -1)))
+            pieces.holders.add(snapshot.holder)
+            for entry in snapshot.manifest["files"]:
                 if "region" not in entry or "global_shape" not in entry:
                     return f"the snapshots of step {step} do not record their shards' slices"
                 leaf, region = int(entry["leaf"]), checked_region(entry)
-                slices = pieces.by_leaf.setdefault(leaf, {})
-                slices.setdefault(region, []).append(Piece(path / entry["name"], entry))
+                piece = Piece(snapshot.directory / entry["name"], entry, snapshot.holder)
+                pieces.by_leaf.setdefault(leaf, {}).setdefault(region, []).append(piece)
     except (KeyError, TypeError, ValueError) as error:
         return f"a manifest of step {step} does not check out ({error!r})"
     return pieces
@@ -177,16 +216,20 @@ def uncovered(pieces: StepPieces, abstract_state: Any, mesh: dict[str, int]) -> 
             if sum(volume(part) for part in shared if part is not None) != volume(needed):
                 return (
                     f"leaf {number}'s slice {[list(s) for s in needed]} is not whole in the "
-                    f"snapshots on this node (it holds those of {pieces.describe()})"
+                    f"snapshots within reach (those of {pieces.describe()})"
                 )
     return ""
 
 
 class PieceReader:
-    """Reads each slice's bytes once, from the first replica that matches its sha256."""
+    """Reads each slice's bytes once, from the first replica that matches its sha256: a piece on
+    this node from its file, one on another node through `fetch` (its bytes as its holder sent
+    them; OSError naming why where they cannot be had)."""
 
-    def __init__(self):
-        self.bytes_read = 0
+    def __init__(self, fetch: Callable[[Piece], bytes] | None = None):
+        self.fetch = fetch
+        self.bytes_read = 0  # wherever from
+        self.remote_bytes = 0  # of them, received from other nodes
         self._arrays: dict[tuple[int, Region], np.ndarray] = {}
 
     def array(self, leaf: int, region: Region, replicas: list[Piece]) -> np.ndarray:
@@ -199,19 +242,18 @@ class PieceReader:
         problems = []
         for piece in replicas:
             try:
-                data = read_no_follow(piece.path)
+                data = self.piece_bytes(piece)
             except OSError as error:
-                problems.append(f"{piece.path} unreadable ({error.strerror})")
+                problems.append(f"{where(piece)} unreadable ({error.strerror or error})")
                 continue
-            self.bytes_read += len(data)
             if hashlib.sha256(data).hexdigest() != piece.entry["sha256"]:
-                problems.append(f"{piece.path} does not match its sha256")
+                problems.append(f"{where(piece)} does not match its sha256")
                 continue
             try:
                 dtype = jnp.dtype(piece.entry["dtype"])
                 array = np.frombuffer(data, dtype=dtype).reshape(piece.entry["shape"])
             except (TypeError, ValueError) as error:
-                problems.append(f"{piece.path} is not its manifest's array ({error})")
+                problems.append(f"{where(piece)} is not its manifest's array ({error})")
                 continue
             self._arrays[key] = array
             return array
@@ -219,14 +261,35 @@ class PieceReader:
             f"no replica of leaf {leaf}'s slice checks out: {'; '.join(problems)}"
         )
 
+    def piece_bytes(self, piece: Piece) -> bytes:
+        """A piece's bytes as they are (unchecked), counted."""
+        if piece.holder is None:
+            data = read_no_follow(piece.path)
+        elif self.fetch is None:
+            raise OSError(f"held on another node ({piece.holder[0]}:{piece.holder[1]})")
+        else:
+            data = self.fetch(piece)
+            self.remote_bytes += len(data)
+        self.bytes_read += len(data)
+        return data
 
-def assemble_shards(pieces: StepPieces, abstract_state: Any) -> tuple[list[ShardFile], int]:
+
+def where(piece: Piece) -> str:
+    """A piece's file, and the node holding it where that is not this one."""
+    if piece.holder is None:
+        return str(piece.path)
+    return f"{piece.holder[0]}:{piece.holder[1]}: {piece.path}"
+
+
+def assemble_shards(
+    pieces: StepPieces, abstract_state: Any, reader: PieceReader | None = None
+) -> tuple[list[ShardFile], int]:
     """This process's shards of the state in its new shardings, each put together from the
-    pieces that overlap it, and the bytes read; SnapshotDamaged where a slice has no good
-    replica. `uncovered` must have found them whole."""
+    pieces that overlap it (read by `reader`: by default only this node's), and the bytes read;
+    SnapshotDamaged where a slice has no good replica. `uncovered` must have found them whole."""
     import jax
 
-    reader = PieceReader()
+    reader = reader if reader is not None else PieceReader()
     shards = []
     for number, leaf in enumerate(jax.tree.leaves(abstract_state)):
         slices = pieces.by_leaf[number]

@@ -89,12 +89,14 @@ def restore_record(
     memory: MemoryRestored | None, restored: Restored | None, started: float
 ) -> dict[str, Any]:
     """Where the run's state came from, as its heartbeat records it: the source, the bytes read
-    and the seconds taken (and for snapshots of another layout, how many processes saved them).
+    and the seconds taken (and for snapshots of another layout, how many processes saved them
+    and how many of the bytes came from other nodes).
     `restored` is the disk's, read since `started`, where `memory` is None."""
     if memory is not None:
         record: dict[str, Any] = {"source": memory.source, "bytes": memory.snapshot_bytes}
         if memory.source == "resharded":  # the process count of the layout that saved them
             record["from_processes"] = memory.from_processes
+            record["remote_bytes"] = memory.remote_bytes
         return {**record, "seconds": round(memory.seconds, 3)}
     assert restored is not None
     seconds = time.perf_counter() - started
@@ -110,7 +112,10 @@ def start_from_memory(
     if memory.source == "buddy":
         whose = f"the copy its buddy held ({memory.path})"
     if memory.source == "resharded":
-        whose = f"the snapshots on this node, resharded from {memory.from_processes} processes"
+        whose = (
+            f"the snapshots within reach ({memory.remote_bytes} bytes from other nodes), "
+            f"resharded from {memory.from_processes} processes"
+        )
     check_same_model(config, restored)
     message(
         f"restored step {memory.step} from memory: {memory.snapshot_bytes} bytes of {whose} in "

@@ -18,7 +18,9 @@ from typing import Any
 from msjax.checkpoint.buddies import BuddyLink, Refused, coordinator_address
 from msjax.checkpoint.commits import committed_steps
 from msjax.checkpoint.fingerprint import leaf_name
+from msjax.checkpoint.piece_transport import fetching, piece_answers, remote_snapshots
 from msjax.checkpoint.snapshot_reshard import (
+    PieceReader,
     StepPieces,
     assemble_shards,
     pieces_by_step,
@@ -74,6 +76,8 @@ def buddy_link(config: Config, run_dir: Path) -> tuple[BuddyLink | None, str]:
         return None, f"no job secret to seal them with ({JOB_SECRET}; msjax.launch gives one)"
     key = str(Path(run_dir).absolute())
     if key not in _links:
+        root = shared_memory_root()
+        run_snapshots = run_snapshots_dir(Path(run_dir), root) if root is not None else None
         _links[key] = BuddyLink(
             Path(run_dir),
             SHARED_MEMORY,
@@ -82,6 +86,7 @@ def buddy_link(config: Config, run_dir: Path) -> tuple[BuddyLink | None, str]:
             coordinator_address(),
             jax.process_index(),
             jax.process_count(),
+            piece_answers(run_snapshots),  # the pieces of this node's snapshots, for a reshard
         )
     return _links[key], ""
 
@@ -128,8 +133,9 @@ class MemoryRestored:
     snapshot_bytes: int  # read from shared memory (own) or received from the buddy
     seconds: float
     source: str = "own"  # own: this process's snapshot; buddy: the copy its buddy held;
-    # resharded: put together from the snapshots of another layout on this node
+    # resharded: put together from the snapshots of another layout, on this node and others
     from_processes: int = 0  # resharded: the process count of the layout that saved them
+    remote_bytes: int = 0  # resharded: of snapshot_bytes, those received from other nodes
 
 
 def buddy_steps(link: BuddyLink | None, layout: dict[str, Any]) -> tuple[dict[int, Any], str]:
@@ -253,9 +259,9 @@ def restore_from_memory(
 ) -> tuple[MemoryRestored | None, str]:
     """The newest snapshot every process holds whole and verified (its own, else its buddy's
     copy), in the run's layout and newer than the newest committed checkpoint in `checkpoints`;
-    else the newest every process can put together from the snapshots of another layout on its
-    node (`restore_resharded`); else None (the disk's turn, for every process alike), with why
-    where snapshots were there ("" where none were)."""
+    else the newest every process can put together from the snapshots of another layout within
+    its reach, on its node or others (`restore_resharded`); else None (the disk's turn, for
+    every process alike), with why where snapshots were there ("" where none were)."""
     if not config.checkpoint.memory_every_steps:
         return None, ""
     started = time.perf_counter()
@@ -292,17 +298,34 @@ def restore_from_memory(
 
 
 def coverable(
-    run_snapshots: Path | None, abstract_state: Any, corruption: str
+    run_snapshots: Path | None, abstract_state: Any, corruption: str, link: BuddyLink | None = None
 ) -> tuple[dict[int, StepPieces], str]:
-    """The steps whose pieces on this node make every shard this process holds in the run's
-    layout, and why the newest step there does not where it does not."""
+    """The steps whose pieces within reach make every shard this process holds in the run's
+    layout, and why the newest step does not where it does not. The pieces on this node come
+    first; where they do not make the newest step they hold (or there are none), those the
+    other nodes hold are listed too, through `link`'s peers."""
     if run_snapshots is None:
         return {}, "no writable /dev/shm on this node"
     if corruption:
         return {}, corruption
+    local = pieces_by_step(run_snapshots)
+    whole, reason = covered_steps(local, abstract_state)
+    if link is None or (local and max(local) in whole):
+        return whole, reason
+    elsewhere, unanswered = remote_snapshots(link, run_snapshots)
+    whole, reason = covered_steps(pieces_by_step(run_snapshots, elsewhere), abstract_state)
+    if reason and unanswered:
+        reason += f" (not listed: {'; '.join(unanswered)})"
+    return whole, reason
+
+
+def covered_steps(
+    by_step: dict[int, StepPieces | str], abstract_state: Any
+) -> tuple[dict[int, StepPieces], str]:
+    """The steps whose pieces make every shard this process holds, and why the newest does not
+    where it does not."""
     mesh = state_layout(abstract_state)["mesh"]
-    whole, reason = {}, "no snapshots on this node"
-    by_step = pieces_by_step(run_snapshots)
+    whole, reason = {}, "no snapshots within reach"
     for step in sorted(by_step):
         pieces = by_step[step]
         reason = pieces if isinstance(pieces, str) else uncovered(pieces, abstract_state, mesh)
@@ -314,21 +337,24 @@ def coverable(
 def restore_resharded(
     config: Config, abstract_state: Any, disk_step: int, started: float
 ) -> tuple[MemoryRestored | None, str]:
-    """The newest step every process can put together whole from the snapshots on its node (of
-    whatever layout saved them: a job shrunk onto fewer processes reads those of the processes
-    it no longer has), newer than checkpoint `disk_step`; else None with why, every process
-    alike. The snapshots of processes the job no longer has go once every process has
-    restored, from memory or not."""
+    """The newest step every process can put together whole from the snapshots within its reach
+    (of whatever layout saved them: a job shrunk onto fewer processes reads those of the
+    processes it no longer has; the pieces its node lacks come from the nodes that hold them,
+    over the sealed transport of the snapshots' copies), newer than checkpoint `disk_step`;
+    else None with why, every process alike. The snapshots of processes the job no longer has
+    go once every process has restored, from memory or not."""
     import jax
 
     run_dir = Path(config.run.dir or ".")
     root = shared_memory_root()
     run_snapshots = run_snapshots_dir(run_dir, root) if root is not None else None
+    link, _ = buddy_link(config, run_dir)
     vote = process_vote("memory-reshard")
-    whole, reason = coverable(run_snapshots, abstract_state, after_corruption(run_dir))
+    corruption = after_corruption(run_dir)
+    whole, reason = coverable(run_snapshots, abstract_state, corruption, link)
     step = agree_min(vote, max(whole, default=-1))
     pieces = whole.get(step)
-    problem, state, snapshot_bytes = None, None, 0
+    problem, state, reader = None, None, PieceReader(fetching(link))
     if step < 0 or step <= disk_step:
         problem = reason if step < 0 else f"step {step} is not newer than checkpoint {disk_step}"
         problem = problem or "another process cannot put its shards together"
@@ -336,7 +362,7 @@ def restore_resharded(
         problem = f"this process cannot put its shards of step {step} together"
     else:
         try:
-            shards, snapshot_bytes = assemble_shards(pieces, abstract_state)
+            shards, _ = assemble_shards(pieces, abstract_state, reader)
             state = place_shards(shards, abstract_state)
         except SnapshotDamaged as error:
             problem = str(error)
@@ -347,7 +373,7 @@ def restore_resharded(
         return None, problem or "a process could not put its shards together"
     seconds = time.perf_counter() - started
     restored = MemoryRestored(
-        state, step, pieces.meta, run_snapshots, snapshot_bytes, seconds, "resharded",
-        pieces.process_count,
+        state, step, pieces.meta, run_snapshots, reader.bytes_read, seconds, "resharded",
+        pieces.process_count, reader.remote_bytes,
     )  # fmt: skip
     return restored, ""

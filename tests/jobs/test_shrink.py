@@ -362,10 +362,13 @@ def test_shrunk_attempt_restores_from_the_full_meshs_snapshots_in_memory_reshard
     assert sorted(by_rank) == ["0", "1"]
     assert {(r["source"], r["from_processes"]) for r in by_rank.values()} == {("resharded", 4)}
     assert all(r["bytes"] > 0 for r in by_rank.values())
+    # one node: every piece was in its own memory, none came over the network
+    assert [r["remote_bytes"] for r in by_rank.values()] == [0, 0]
     for rank in (0, 1):
         log = RunDir(shrink.run_dir).log(rank).read_text().splitlines()
         (line,) = [line for line in log if "resharded from 4 processes" in line]
         assert f"restored step {restored} from memory" in line
+        assert "(0 bytes from other nodes)" in line
         assert "0 bytes read from the checkpoint directory" in line
 
 

@@ -149,8 +149,8 @@ def test_a_missing_process_makes_the_step_not_coverable_and_says_whose_are_here(
         path.unlink() if path.is_file() else path.rmdir()
     target = abstract(train_like_state(new_layouts()["fsdp2 x tensor2 on 4 devices"]))
     reason = uncovered(pieces_by_step(tmp_path)[STEP], target, {"fsdp": 2, "tensor": 2})
-    assert "is not whole in the snapshots on this node" in reason
-    assert "process(es) 0, 1, 2 of the 4-process layout" in reason
+    assert "is not whole in the snapshots within reach" in reason
+    assert "process(es) 0, 1, 2 of the 4-process layout, on this node" in reason
 
 
 def test_snapshots_that_do_not_record_their_slices_are_refused(tmp_path: Path):
