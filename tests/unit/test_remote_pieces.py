@@ -47,7 +47,8 @@ from msjax.checkpoint.snapshots import (
     held_snapshots_dir,
     run_snapshots_dir,
 )
-from msjax.training.memory_restore import coverable, place_shards, state_layout
+from msjax.training.checkpoints import restore_record
+from msjax.training.memory_restore import MemoryRestored, coverable, place_shards, state_layout
 from msjax.training.memory_snapshots import host_shards
 
 SECRET = b"the job's secret"
@@ -252,3 +253,17 @@ def test_a_server_gives_nothing_to_a_request_without_the_seal_or_for_what_is_not
         assert files == [
             (piece["path"], (own_dir(run_dir, node_b, 2) / f"step-{STEP}" / "0.bin").read_bytes())
         ]
+
+
+def test_the_restore_record_says_how_many_bytes_came_from_other_nodes():
+    memory = MemoryRestored(
+        state=None, step=STEP, meta={}, path=Path("."), snapshot_bytes=STATE_BYTES, seconds=0.25,
+        source="resharded", from_processes=4, remote_bytes=256,
+    )  # fmt: skip
+    assert restore_record(memory, None, 0.0) == {
+        "source": "resharded",
+        "bytes": STATE_BYTES,
+        "from_processes": 4,
+        "remote_bytes": 256,
+        "seconds": 0.25,
+    }
