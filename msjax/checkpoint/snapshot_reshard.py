@@ -148,22 +148,18 @@ def pieces_by_step(
 def step_pieces(step: int, snapshots: list[SnapshotAt]) -> StepPieces | str:
     """The pieces the manifests of one step name, or why they cannot be put together."""
     layouts = {
-        (
-            s.manifest.get("layout", {}).get("process_count"),
-            str(s.manifest.get("layout", {}).get("mesh")),
-        )
-        for s in snapshots
+        (saved_layout(s).get("process_count"), str(saved_layout(s).get("mesh"))) for s in snapshots
     }
     if len(layouts) > 1:
         return f"the snapshots of step {step} within reach were saved in {len(layouts)} layouts"
-    layout = snapshots[0].manifest.get("layout", {})
+    layout = saved_layout(snapshots[0])
     try:
         pieces = StepPieces(
             step, int(layout.get("process_count", 0)), dict(layout.get("mesh", {})),
             dict(snapshots[0].manifest["meta"]),
         )  # fmt: skip
         for snapshot in snapshots:
-            pieces.owners.add(int(snapshot.manifest.get("layout", {}).get("process_index", -1)))
+            pieces.owners.add(int(saved_layout(snapshot).get("process_index", -1)))
             pieces.holders.add(snapshot.holder)
             for entry in snapshot.manifest["files"]:
                 if "region" not in entry or "global_shape" not in entry:
@@ -174,6 +170,12 @@ def step_pieces(step: int, snapshots: list[SnapshotAt]) -> StepPieces | str:
     except (KeyError, TypeError, ValueError) as error:
         return f"a manifest of step {step} does not check out ({error!r})"
     return pieces
+
+
+def saved_layout(snapshot: SnapshotAt) -> dict[str, Any]:
+    """The layout a snapshot's manifest records ({} where it records none)."""
+    layout = snapshot.manifest.get("layout", {})
+    return layout if isinstance(layout, dict) else {}
 
 
 def checked_region(entry: dict[str, Any]) -> Region:
