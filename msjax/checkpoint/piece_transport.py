@@ -87,9 +87,8 @@ def remote_snapshots(
     once, from the first of its processes that answers; this node never), and why a peer's list
     is missing (no answer in time, a refused or broken one)."""
     addresses = link.addresses()
-    replies, problems = listings(
-        link, [rank for rank in range(len(addresses)) if rank != link.rank]
-    )
+    peers = [rank for rank in range(len(addresses)) if rank != link.rank]
+    replies, problems = listings(addresses, link.secret, peers)
     nodes_seen = {node_identity(run_snapshots)}
     found: dict[int, list[SnapshotAt]] = {}
     for rank, reply in sorted(replies.items()):
@@ -117,14 +116,15 @@ def checked_listing(reply: dict[str, Any], holder: Holder) -> list[tuple[int, Sn
     return listed
 
 
-def listings(link: BuddyLink, peers: list[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Each peer's answer to `pieces`, asked at once and waited for LIST_WAIT_S at most, and
-    one line for each peer without an answer."""
-    addresses = link.addresses()
+def listings(
+    addresses: list[Holder], secret: bytes, peers: list[int]
+) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Each of `peers`' answer to `pieces` (at `addresses`, sealed with `secret`), asked at once
+    and waited for LIST_WAIT_S at most, and one line for each peer without an answer."""
     pool = ThreadPoolExecutor(max(min(LISTING_THREADS, len(peers)), 1), "msjax-pieces")
     header = {"kind": PIECES}
     futures = {
-        rank: pool.submit(request, addresses[rank], link.secret, header, (), LIST_TIMEOUT_S)
+        rank: pool.submit(request, addresses[rank], secret, header, (), LIST_TIMEOUT_S)
         for rank in peers
     }
     wait(futures.values(), timeout=LIST_WAIT_S)

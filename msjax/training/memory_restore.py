@@ -354,13 +354,14 @@ def restore_resharded(
     whole, reason = coverable(run_snapshots, abstract_state, corruption, link)
     step = agree_min(vote, max(whole, default=-1))
     pieces = whole.get(step)
-    problem, state, reader = None, None, PieceReader(fetching(link))
+    problem, state, reader = None, None, PieceReader()
     if step < 0 or step <= disk_step:
         problem = reason if step < 0 else f"step {step} is not newer than checkpoint {disk_step}"
         problem = problem or "another process cannot put its shards together"
     elif pieces is None:  # this process could only for a newer step
         problem = f"this process cannot put its shards of step {step} together"
     else:
+        reader = PieceReader(fetching(link))  # the pieces on other nodes come through link
         try:
             shards, _ = assemble_shards(pieces, abstract_state, reader)
             state = place_shards(shards, abstract_state)
