@@ -60,24 +60,49 @@ import jax  # noqa: E402  (after the environment above, which it reads once)
 
 jax.config.update("jax_compilation_cache_dir", None)  # this process: its in-memory cache is enough
 
-# The files that take longest (each a few minutes of one worker, measured on 2 cores) start
-# first: pytest-xdist hands out whole files in collection order (--dist loadfile), and one of
-# them started last would leave the other worker idle while it runs.
+# The files that take longest start first, longest first (each file's wall time in one tier,
+# summed over the tiers it has tests in, measured on 2 cores on 2026-12-05): pytest-xdist hands
+# out whole files in collection order (--dist loadfile, and --no-loadscope-reorder in
+# pyproject.toml, so it keeps this order rather than its own by test count), and a long file
+# started last would leave the other worker idle while it runs.
 LONGEST_FILES_FIRST = (
+    "test_benchmarks.py",  # about 590 s
     "test_pipeline.py",
-    "test_plan.py",
-    "test_moe.py",
-    "test_benchmarks.py",
+    "test_doctor.py",
     "test_shrink.py",
     "test_slurm.py",
-    "test_stragglers.py",
-    "test_launch_hardening.py",
-    "test_agreement.py",
+    "test_grad_accum.py",
+    "test_communication_model.py",
+    "test_expert_parallel.py",
+    "test_plan.py",
+    "test_memory_snapshots_jobs.py",
     "test_resilience.py",
+    "test_stragglers.py",
+    "test_moe.py",
+    "test_save_hardening.py",
+    "test_agreement.py",
+    "test_deadlines.py",
+    "test_restore_hardening.py",
+    "test_bad_slots.py",
+    "test_bad_inputs.py",
+    "test_launch_hardening.py",
+    "test_gpu_suite.py",
+    "test_compiled_flops.py",
+    "test_checkpoint_sigterm.py",
+    "test_run_dir_trust.py",
+    "test_corruption_guard.py",
+    "test_checkpoint.py",
+    "test_hf_qwen.py",
 )
+JOBS = Path(__file__).parent / "jobs"
 
 
 def pytest_collection_modifyitems(items: list) -> None:
-    """Collected tests in file order, except that LONGEST_FILES_FIRST's files come first."""
+    """Collected tests in file order, except that LONGEST_FILES_FIRST's files come first; every
+    test under tests/jobs/ carries the `job` marker (so `-m "slow or job"` selects all that bare
+    `pytest` leaves out)."""
     rank = {name: position for position, name in enumerate(LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if JOBS in item.path.parents:
+            item.add_marker("job")
