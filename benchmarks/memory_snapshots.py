@@ -4,14 +4,16 @@ checkpoint.memory_every_steps: what the snapshots cost the loop and how much fas
 restores from them than from disk.
 
     python benchmarks/memory_snapshots.py [--steps 20] [--global-batch 1] [--seq-len 256]
-        [--out DIR]
+        [--every 1,4] [--stall-only] [--out DIR]
     python benchmarks/memory_snapshots.py --smoke   # the tiny model, a few steps, 1-process jobs
 
 (1) Snapshot stall: `configs/small.yaml` (smaller batch and sequence) trained in this process on
-    one CPU device with a snapshot after every step against none, disk checkpoints off in both;
-    the median step time of each (warm-up steps left out) and their ratio (goal <= 1.02). A
-    snapshot's device copy and its time in the loop count in the next step's time; its write to
-    /dev/shm runs beside the steps, on the same cores here.
+    one CPU device with a snapshot every N steps (each N of --every) against none, disk
+    checkpoints off in all; the mean and median step time of each (warm-up steps left out) and
+    the ratio of the means (goal <= 1.02): the mean counts every step a snapshot slowed, where
+    the median of a run snapshotting every 4th step would miss them. A snapshot's device copy
+    and its time in the loop count in the next step's time; its write to /dev/shm runs beside
+    the steps, on the same cores here. --stall-only stops after this part.
 (2) Restore after a kill, on the same state: supervised `python -m msjax.launch` jobs of the tiny
     model (2 processes x 2 CPU devices, data 2 x fsdp 2) with one crash of rank 1 before the same
     step: (a) a snapshot every step -> each process restores its own; (b) the same with rank 1's
@@ -73,6 +75,7 @@ def snapshot_step_times(overrides: list[str]) -> dict[str, float]:
     measured = [r for r in taken if r["step"] > steps[0]["step"]]
     return {
         "median_step_s": statistics.median(r["step_time_s"] for r in steps),
+        "mean_step_s": statistics.fmean(r["step_time_s"] for r in steps),
         "taken": len(taken),
         "skipped": snapshots[-1]["memory_snapshots_skipped"] if snapshots else 0,
         "bytes": max((r["memory_snapshot_bytes"] for r in taken), default=0),
@@ -83,8 +86,12 @@ def snapshot_step_times(overrides: list[str]) -> dict[str, float]:
     }
 
 
+def cadence(every: int) -> str:
+    return "every step" if every == 1 else f"every {every} steps"
+
+
 def measure_stall(args: argparse.Namespace) -> None:
-    """Part (1): step times with a snapshot every step against none."""
+    """Part (1): step times with a snapshot every N steps (each N of args.every) against none."""
     base = [
         f"train.steps={args.steps}",
         f"train.global_batch={args.global_batch}",
@@ -101,26 +108,34 @@ def measure_stall(args: argparse.Namespace) -> None:
         flush=True,
     )
     without = snapshot_step_times([*base, "checkpoint.memory_every_steps=0"])
-    every = snapshot_step_times([*base, "checkpoint.memory_every_steps=1"])
-    if every["taken"] == 0:
-        raise SystemExit("memory_every_steps=1 took no snapshot")
+    runs = {every: snapshot_step_times([*base, f"checkpoint.memory_every_steps={every}"])
+            for every in args.every}  # fmt: skip
     print()
-    print("| run | median step time | snapshots taken | skipped (the last still writing) |")
-    print("| --- | --- | --- | --- |")
+    print("| run | mean step time | median step time | snapshots taken | skipped (the last "
+          "still writing) | mean / none |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
     print(
-        f"| no snapshots (memory_every_steps=0) | {1e3 * without['median_step_s']:.2f} ms | 0 | 0 |"
+        f"| no snapshots (memory_every_steps=0) | {1e3 * without['mean_step_s']:.2f} ms "
+        f"| {1e3 * without['median_step_s']:.2f} ms | 0 | 0 | 1.000 |"
     )
+    for every, run in runs.items():
+        if run["taken"] == 0:
+            raise SystemExit(f"memory_every_steps={every} took no snapshot")
+        print(
+            f"| a snapshot {cadence(every)} (memory_every_steps={every}) "
+            f"| {1e3 * run['mean_step_s']:.2f} ms | {1e3 * run['median_step_s']:.2f} ms "
+            f"| {run['taken']} | {run['skipped']} "
+            f"| {run['mean_step_s'] / without['mean_step_s']:.3f} |"
+        )
+    for every, run in runs.items():
+        print(
+            f"snapshot {cadence(every)} / none, mean step time: "
+            f"{run['mean_step_s'] / without['mean_step_s']:.3f} (goal <= 1.02)"
+        )
+    first = runs[args.every[0]]
+    stall = "-" if first["stall_s"] is None else f"{1e3 * first['stall_s']:.2f} ms"
     print(
-        f"| a snapshot every step (memory_every_steps=1) | {1e3 * every['median_step_s']:.2f} ms "
-        f"| {every['taken']} | {every['skipped']} |"
-    )
-    print(
-        f"snapshot every step / none, median step time: "
-        f"{every['median_step_s'] / without['median_step_s']:.3f} (goal <= 1.02)"
-    )
-    stall = "-" if every["stall_s"] is None else f"{1e3 * every['stall_s']:.2f} ms"
-    print(
-        f"per-snapshot bytes: {every['bytes']:,} (this process's shards); the loop's own part "
+        f"per-snapshot bytes: {first['bytes']:,} (this process's shards); the loop's own part "
         f"of one (the device copy dispatched), measured steps: {stall}"
     )
     print()
@@ -243,12 +258,20 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--out", type=Path, help="keep the jobs' run dirs here")
+    parser.add_argument(
+        "--every",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=[1],
+        help="the snapshot cadences of part (1), comma-separated (default 1)",
+    )
+    parser.add_argument("--stall-only", action="store_true", help="part (1) alone")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, 1 process")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.seq_len = SMOKE_STEPS, TINY_SEQ_LEN
     measure_stall(args)
-    measure_restores(args)
+    if not args.stall_only:
+        measure_restores(args)
 
 
 if __name__ == "__main__":
