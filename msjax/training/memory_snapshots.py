@@ -12,11 +12,12 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from msjax.checkpoint.buddies import BuddyLink
-from msjax.checkpoint.snapshot_reshard import region_of
+from msjax.checkpoint.snapshot_reshard import Region, region_of
 from msjax.checkpoint.snapshots import (
     ShardFile,
     SnapshotStore,
@@ -34,21 +35,50 @@ from msjax.parallel.agreement import (
 from msjax.training.memory_restore import buddy_link, state_layout
 
 
-def host_shards(copied_leaves: list[Any]) -> list[ShardFile]:
-    """Every addressable shard of the copied leaves, brought to the host (blocks on the copy),
-    with the global slice it holds."""
+@dataclass(frozen=True)
+class ShardCopy:
+    """A copy of one of this process's shards of a state leaf, on the shard's own device."""
+
+    leaf: int  # the leaf's number in the state's leaves
+    data: Any  # a single-device jax.Array
+    device_id: int
+    region: Region  # the global slice it holds
+    global_shape: tuple[int, ...]
+
+
+def copy_shards(leaves: list[Any]) -> list[ShardCopy]:
+    """Every addressable shard of `leaves`, each copied on its own device (dispatched, not waited
+    for): a copy the next step's donation cannot take away, made without any program across
+    processes. Copying a global array whole would run one (JAX copies an array that spans
+    processes with a compiled identity on every process), beside the next step's collectives,
+    which XLA:CPU can deadlock on."""
+    import jax
+
+    shards = [
+        (number, leaf, shard)
+        for number, leaf in enumerate(leaves)
+        for shard in leaf.addressable_shards
+    ]
+    copies = jax.device_put(
+        [shard.data for _, _, shard in shards],
+        [shard.device for _, _, shard in shards],
+        may_alias=False,
+    )
+    return [
+        ShardCopy(
+            number, copy, shard.device.id, region_of(shard.index, leaf.shape), tuple(leaf.shape)
+        )
+        for (number, leaf, shard), copy in zip(shards, copies, strict=True)
+    ]
+
+
+def host_shards(copies: list[ShardCopy]) -> list[ShardFile]:
+    """The copies brought to the host (blocks until each copy is made)."""
     import numpy as np
 
     return [
-        ShardFile(
-            number,
-            shard.device.id,
-            np.asarray(shard.data),
-            region_of(shard.index, leaf.shape),
-            tuple(leaf.shape),
-        )
-        for number, leaf in enumerate(copied_leaves)
-        for shard in leaf.addressable_shards
+        ShardFile(copy.leaf, copy.device_id, np.asarray(copy.data), copy.region, copy.global_shape)
+        for copy in copies
     ]
 
 
@@ -95,9 +125,7 @@ class MemorySnapshots:
         started = time.perf_counter()  # the stall counts a wait for the write before
         if not self._agree_to_take(step, started):
             return
-        leaves = jax.tree.leaves(state)
-        # a copy the next step's donation cannot take away; the host copy follows in the thread
-        copied = jax.device_put(leaves, [leaf.sharding for leaf in leaves], may_alias=False)
+        copied = copy_shards(jax.tree.leaves(state))  # the host copy follows in the thread
         if self._layout is None:
             self._layout = state_layout(state)
         record = {"meta": self.meta_of(step), "layout": self._layout}
@@ -106,7 +134,8 @@ class MemorySnapshots:
         )
         self._writer.start()
         stall_s = time.perf_counter() - started
-        self.events.memory_snapshot(step, stall_s, addressable_bytes(copied), self.skipped)
+        copied_bytes = sum(copy.data.nbytes for copy in copied)
+        self.events.memory_snapshot(step, stall_s, copied_bytes, self.skipped)
 
     def _agree_to_take(self, step: int, started: float) -> bool:
         """Whether every process takes the snapshot due at `step` (the same answer on all): not
@@ -131,7 +160,7 @@ class MemorySnapshots:
             return False
         return True
 
-    def _write(self, step: int, copied: list[Any], record: dict[str, Any]) -> None:
+    def _write(self, step: int, copied: list[ShardCopy], record: dict[str, Any]) -> None:
         try:
             self.store.write(step, host_shards(copied), record)
         except Exception as error:  # shared memory full, say: the run goes on without them

@@ -40,7 +40,7 @@ from msjax.observe.goodput import read_records
 from msjax.run_dir import RunDir
 from msjax.train import train
 from msjax.training.memory_restore import after_corruption, place_shards, state_layout
-from msjax.training.memory_snapshots import MemorySnapshots, host_shards
+from msjax.training.memory_snapshots import MemorySnapshots, copy_shards, host_shards
 
 
 def sharded_state(scale: float = 1.0) -> dict[str, jax.Array]:
@@ -58,13 +58,32 @@ def sharded_state(scale: float = 1.0) -> dict[str, jax.Array]:
 
 def write(store: SnapshotStore, step: int, state: dict[str, jax.Array]) -> int:
     record = {"meta": {"data": {"samples_seen": step * 8}}, "layout": state_layout(state)}
-    return store.write(step, host_shards(jax.tree.leaves(state)), record)
+    return store.write(step, host_shards(copy_shards(jax.tree.leaves(state))), record)
 
 
 def abstract(state: dict[str, jax.Array]) -> dict[str, jax.ShapeDtypeStruct]:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
+
+
+def test_each_shard_is_copied_on_its_own_device_and_outlives_the_states_donation():
+    state = sharded_state()
+    leaves = jax.tree.leaves(state)
+    before = [np.asarray(leaf) for leaf in leaves]
+    copies = copy_shards(leaves)
+    shards = [shard for leaf in leaves for shard in leaf.addressable_shards]
+    assert len(copies) == len(shards) == 8 + 8 + 8
+    for copy, shard in zip(copies, shards, strict=True):
+        # one device's array (never a program over every device or process), a buffer of its own
+        assert copy.data.devices() == {shard.device} and copy.device_id == shard.device.id
+        assert copy.data.unsafe_buffer_pointer() != shard.data.unsafe_buffer_pointer()
+    for leaf in leaves:  # as the next step's donation frees them: the copies keep the values
+        leaf.delete()
+    for shard_file in host_shards(copies):
+        leaf = before[shard_file.leaf]
+        expected = leaf[tuple(slice(start, stop) for start, stop in shard_file.region)]
+        np.testing.assert_array_equal(shard_file.data, expected)
 
 
 def test_a_snapshot_reads_back_bitwise_onto_the_states_shardings(tmp_path: Path):

@@ -49,7 +49,7 @@ from msjax.checkpoint.snapshots import (
 )
 from msjax.training.checkpoints import restore_record
 from msjax.training.memory_restore import MemoryRestored, coverable, place_shards, state_layout
-from msjax.training.memory_snapshots import host_shards
+from msjax.training.memory_snapshots import copy_shards, host_shards
 
 SECRET = b"the job's secret"
 TARGET = "fsdp2 x tensor2 on 4 devices"  # the new job's process 0 holds every slice of it
@@ -89,7 +89,7 @@ def job_of(run_dir: Path, roots: list[Path]) -> Iterator[list[BuddyLink]]:
 def write_old_job(run_dir: Path, state: dict[str, jax.Array], places: dict[int, list[Path]]):
     """The snapshots of STEP as the OLD_PROCESSES processes of the old job (process p held
     devices 2p and 2p+1) left them: process p's written into each directory of places[p]."""
-    shards = host_shards(jax.tree.leaves(state))
+    shards = host_shards(copy_shards(jax.tree.leaves(state)))
     layout = state_layout(state)
     for process, directories in places.items():
         mine = [shard for shard in shards if shard.device_id // 2 == process]

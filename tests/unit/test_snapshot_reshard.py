@@ -33,7 +33,7 @@ from msjax.checkpoint.snapshots import (
 )
 from msjax.config import load_config
 from msjax.training.memory_restore import place_shards, restore_from_memory, state_layout
-from msjax.training.memory_snapshots import host_shards
+from msjax.training.memory_snapshots import copy_shards, host_shards
 
 OLD_PROCESSES, STEP = 4, 7
 
@@ -59,7 +59,7 @@ def old_mesh() -> jax.sharding.Mesh:
 def write_as_processes(run_snapshots: Path, state: dict[str, jax.Array]) -> None:
     """The step's snapshots as a job of OLD_PROCESSES processes wrote them: process p held the
     devices 2p and 2p+1, each in its own directory, with its own layout record."""
-    shards = host_shards(jax.tree.leaves(state))
+    shards = host_shards(copy_shards(jax.tree.leaves(state)))
     layout = state_layout(state)
     for process in range(OLD_PROCESSES):
         mine = [shard for shard in shards if shard.device_id // 2 == process]
