@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import re
 import socket
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -170,6 +169,14 @@ class PieceFetcher:
         return files[0][1]
 
 
-def fetching(link: BuddyLink | None) -> Callable[[Piece], bytes] | None:
-    """How a restore reads the pieces other nodes hold: through link's peers, or not at all."""
-    return PieceFetcher(link) if link is not None else None
+class PeerPieces:
+    """The pieces of the snapshots the other nodes hold, through the servers of `link`'s peers:
+    listed (`snapshots`) and fetched one by one (`read`)."""
+
+    def __init__(self, link: BuddyLink, run_snapshots: Path | None):
+        self.link, self.run_snapshots = link, run_snapshots
+        self.read = PieceFetcher(link)  # a piece's bytes as its holder sent them (unchecked)
+
+    def snapshots(self) -> tuple[dict[int, list[SnapshotAt]], list[str]]:
+        """The whole snapshots the other nodes hold, by step, and why a peer's list is missing."""
+        return remote_snapshots(self.link, self.run_snapshots)

@@ -223,6 +223,20 @@ def uncovered(pieces: StepPieces, abstract_state: Any, mesh: dict[str, int]) -> 
     return ""
 
 
+class NoPeers:
+    """The other nodes' pieces where this process cannot reach them (no servers for the snapshots'
+    copies: checkpoint.memory_buddy off, or no job secret): none listed, none read."""
+
+    def snapshots(self) -> tuple[dict[int, list[SnapshotAt]], list[str]]:
+        """The whole snapshots the other nodes hold, by step, and why a node's are not listed."""
+        return {}, []
+
+    def read(self, piece: Piece) -> bytes:
+        """A piece another node holds: OSError, since none can be reached."""
+        holder = piece.holder or ("this node", 0)
+        raise OSError(f"held on another node ({holder[0]}:{holder[1]})")
+
+
 class PieceReader:
     """Reads each slice's bytes once, from the first replica that matches its sha256: a piece on
     this node from its file, one on another node through `fetch` (its bytes as its holder sent

@@ -18,8 +18,9 @@ from typing import Any
 from msjax.checkpoint.buddies import BuddyLink, Refused, coordinator_address
 from msjax.checkpoint.commits import committed_steps
 from msjax.checkpoint.fingerprint import leaf_name
-from msjax.checkpoint.piece_transport import fetching, piece_answers, remote_snapshots
+from msjax.checkpoint.piece_transport import PeerPieces, piece_answers
 from msjax.checkpoint.snapshot_reshard import (
+    NoPeers,
     PieceReader,
     StepPieces,
     assemble_shards,
@@ -298,21 +299,24 @@ def restore_from_memory(
 
 
 def coverable(
-    run_snapshots: Path | None, abstract_state: Any, corruption: str, link: BuddyLink | None = None
+    run_snapshots: Path | None,
+    abstract_state: Any,
+    corruption: str,
+    peers: PeerPieces | NoPeers | None = None,
 ) -> tuple[dict[int, StepPieces], str]:
     """The steps whose pieces within reach make every shard this process holds in the run's
     layout, and why the newest step does not where it does not. The pieces on this node come
     first; where they do not make the newest step they hold (or there are none), those the
-    other nodes hold are listed too, through `link`'s peers."""
+    other nodes hold are listed too, through `peers` (None: none within reach)."""
     if run_snapshots is None:
         return {}, "no writable /dev/shm on this node"
     if corruption:
         return {}, corruption
     local = pieces_by_step(run_snapshots)
     whole, reason = covered_steps(local, abstract_state)
-    if link is None or (local and max(local) in whole):
+    if peers is None or (local and max(local) in whole):
         return whole, reason
-    elsewhere, unanswered = remote_snapshots(link, run_snapshots)
+    elsewhere, unanswered = peers.snapshots()
     whole, reason = covered_steps(pieces_by_step(run_snapshots, elsewhere), abstract_state)
     if reason and unanswered:
         reason += f" (not listed: {'; '.join(unanswered)})"
@@ -349,9 +353,10 @@ def restore_resharded(
     root = shared_memory_root()
     run_snapshots = run_snapshots_dir(run_dir, root) if root is not None else None
     link, _ = buddy_link(config, run_dir)
+    peers = PeerPieces(link, run_snapshots) if link is not None else NoPeers()
     vote = process_vote("memory-reshard")
     corruption = after_corruption(run_dir)
-    whole, reason = coverable(run_snapshots, abstract_state, corruption, link)
+    whole, reason = coverable(run_snapshots, abstract_state, corruption, peers)
     step = agree_min(vote, max(whole, default=-1))
     pieces = whole.get(step)
     problem, state, reader = None, None, PieceReader()
@@ -361,7 +366,7 @@ def restore_resharded(
     elif pieces is None:  # this process could only for a newer step
         problem = f"this process cannot put its shards of step {step} together"
     else:
-        reader = PieceReader(fetching(link))  # the pieces on other nodes come through link
+        reader = PieceReader(peers.read)  # the pieces on other nodes come through their servers
         try:
             shards, _ = assemble_shards(pieces, abstract_state, reader)
             state = place_shards(shards, abstract_state)

@@ -31,7 +31,7 @@ from msjax.checkpoint.buddies import BuddyLink, Refused, request
 from msjax.checkpoint.piece_transport import (
     PIECE,
     PIECES,
-    fetching,
+    PeerPieces,
     piece_answers,
     remote_snapshots,
 )
@@ -140,12 +140,12 @@ def test_a_reshard_puts_together_pieces_split_across_two_nodes_bitwise(tmp_path:
         assert [(s.directory.as_posix(), s.holder) for s in elsewhere[STEP]] == [
             (f"process-{p}/step-{STEP}", links[1].server.address) for p in (2, 3)
         ]
-        whole, reason = coverable(on_a, target, "", links[0])
+        whole, reason = coverable(on_a, target, "", PeerPieces(links[0], on_a))
         assert (sorted(whole), reason) == ([STEP], "")
         assert (
             whole[STEP].describe() == "process(es) 0, 1, 2, 3 of the 4-process layout, on 2 nodes"
         )
-        reader = PieceReader(fetching(links[0]))
+        reader = PieceReader(PeerPieces(links[0], on_a).read)
         shards, bytes_read = assemble_shards(whole[STEP], target, reader)
     assert_bitwise(place_shards(shards, target), original, target)
     # each slice read once, from this node where it is here: the others came over the network
@@ -188,9 +188,9 @@ def test_a_flipped_byte_in_a_remote_piece_is_refused_for_another_holders_copy(tm
     own_on_b, copy_on_c = (first_matrix_piece(directory) for directory in places[0])
     flip_a_byte(own_on_b)
     with job_of(run_dir, [node_a, node_b, node_c]) as links:
-        whole, reason = coverable(on_a, target, "", links[0])
+        whole, reason = coverable(on_a, target, "", PeerPieces(links[0], on_a))
         assert (sorted(whole), reason) == ([STEP], "")
-        reader = PieceReader(fetching(links[0]))
+        reader = PieceReader(PeerPieces(links[0], on_a).read)
         shards, _ = assemble_shards(whole[STEP], target, reader)
         assert_bitwise(place_shards(shards, target), original, target)
         # everything came over the network, and the flipped piece (an eighth of the matrix) too
@@ -200,7 +200,7 @@ def test_a_flipped_byte_in_a_remote_piece_is_refused_for_another_holders_copy(tm
             assemble_shards(
                 pieces_by_step(on_a, remote_snapshots(links[0], on_a)[0])[STEP],
                 target,
-                PieceReader(fetching(links[0])),
+                PieceReader(PeerPieces(links[0], on_a).read),
             )
     (b_host, b_port), (c_host, c_port) = (link.server.address for link in links[1:])
     why = str(refused.value)
@@ -218,10 +218,10 @@ def test_a_holder_that_does_not_answer_is_skipped_with_why(tmp_path: Path):
     target = abstract(train_like_state(new_layouts()[TARGET]))
     on_a = run_snapshots_dir(run_dir, node_a)
     with job_of(run_dir, [node_a, node_b, node_c]) as links:
-        whole, _ = coverable(on_a, target, "", links[0])
+        whole, _ = coverable(on_a, target, "", PeerPieces(links[0], on_a))
         host, port = links[1].server.address
         links[1].server.close()  # node b goes away once its pieces were listed
-        reader = PieceReader(fetching(links[0]))
+        reader = PieceReader(PeerPieces(links[0], on_a).read)
         shards, _ = assemble_shards(whole[STEP], target, reader)
         assert_bitwise(place_shards(shards, target), original, target)
         assert reader.remote_bytes == STATE_BYTES  # all from node c
