@@ -233,8 +233,8 @@ class NoPeers:
 
     def read(self, piece: Piece) -> bytes:
         """A piece another node holds: OSError, since none can be reached."""
-        holder = piece.holder or ("this node", 0)
-        raise OSError(f"held on another node ({holder[0]}:{holder[1]})")
+        host, port = piece.holder or ("?", 0)
+        raise OSError(f"held on another node ({host}:{port})")
 
 
 class PieceReader:
@@ -243,7 +243,7 @@ class PieceReader:
     them; OSError naming why where they cannot be had)."""
 
     def __init__(self, fetch: Callable[[Piece], bytes] | None = None):
-        self.fetch = fetch
+        self.fetch = fetch if fetch is not None else NoPeers().read
         self.bytes_read = 0  # wherever from
         self.remote_bytes = 0  # of them, received from other nodes
         self._arrays: dict[tuple[int, Region], np.ndarray] = {}
@@ -281,8 +281,6 @@ class PieceReader:
         """A piece's bytes as they are (unchecked), counted."""
         if piece.holder is None:
             data = read_no_follow(piece.path)
-        elif self.fetch is None:
-            raise OSError(f"held on another node ({piece.holder[0]}:{piece.holder[1]})")
         else:
             data = self.fetch(piece)
             self.remote_bytes += len(data)
