@@ -71,6 +71,12 @@ def run_snapshots_dir(run_dir: Path, root: Path) -> Path:
     return root / f"msjax-snapshots-{os.getuid()}" / f"{Path(absolute).name}-{identity}"
 
 
+def run_snapshots_on_node(run_dir: Path) -> Path | None:
+    """The run's snapshot directory in this node's shared memory; None where it has none."""
+    root = shared_memory_root()
+    return run_snapshots_dir(run_dir, root) if root is not None else None
+
+
 def process_snapshots_dir(run_dir: Path, root: Path, process_index: int) -> Path:
     """Where one process of the run keeps its snapshots."""
     return run_snapshots_dir(run_dir, root) / f"process-{process_index}"

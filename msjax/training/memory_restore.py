@@ -34,8 +34,7 @@ from msjax.checkpoint.snapshots import (
     SnapshotDamaged,
     SnapshotStore,
     process_snapshot_store,
-    run_snapshots_dir,
-    shared_memory_root,
+    run_snapshots_on_node,
     usable_in,
     usable_steps,
     verified_shards,
@@ -77,8 +76,7 @@ def buddy_link(config: Config, run_dir: Path) -> tuple[BuddyLink | None, str]:
         return None, f"no job secret to seal them with ({JOB_SECRET}; msjax.launch gives one)"
     key = str(Path(run_dir).absolute())
     if key not in _links:
-        root = shared_memory_root()
-        run_snapshots = run_snapshots_dir(Path(run_dir), root) if root is not None else None
+        run_snapshots = run_snapshots_on_node(Path(run_dir))
         _links[key] = BuddyLink(
             Path(run_dir),
             SHARED_MEMORY,
@@ -350,8 +348,7 @@ def restore_resharded(
     import jax
 
     run_dir = Path(config.run.dir or ".")
-    root = shared_memory_root()
-    run_snapshots = run_snapshots_dir(run_dir, root) if root is not None else None
+    run_snapshots = run_snapshots_on_node(run_dir)
     link, _ = buddy_link(config, run_dir)
     peers = PeerPieces(link, run_snapshots) if link is not None else NoPeers()
     vote = process_vote("memory-reshard")
@@ -359,14 +356,14 @@ def restore_resharded(
     whole, reason = coverable(run_snapshots, abstract_state, corruption, peers)
     step = agree_min(vote, max(whole, default=-1))
     pieces = whole.get(step)
-    problem, state, reader = None, None, PieceReader()
+    problem, state = None, None
+    reader = PieceReader(peers.read)  # the pieces on other nodes come through their servers
     if step < 0 or step <= disk_step:
         problem = reason if step < 0 else f"step {step} is not newer than checkpoint {disk_step}"
         problem = problem or "another process cannot put its shards together"
     elif pieces is None:  # this process could only for a newer step
         problem = f"this process cannot put its shards of step {step} together"
     else:
-        reader = PieceReader(peers.read)  # the pieces on other nodes come through their servers
         try:
             shards, _ = assemble_shards(pieces, abstract_state, reader)
             state = place_shards(shards, abstract_state)
