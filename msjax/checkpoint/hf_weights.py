@@ -20,7 +20,7 @@ import numpy as np
 
 from msjax.config import ModelConfig
 from msjax.errors import MsjaxError
-from msjax.llama_config import INDEX_FILE, SINGLE_FILE, open_weight_files
+from msjax.llama_config import INDEX_FILE, SINGLE_FILE
 
 MAX_SHARD_BYTES = 2 * 1024**3  # a file past this size is split, with an index naming each tensor
 
@@ -169,11 +169,12 @@ def write_safetensors(
 
 
 class SafetensorsReader:
-    """Slices of the tensors of a Hugging Face directory, read without loading whole files; only
-    the weight files msjax.llama_config accepts (plain names inside the directory) are opened."""
+    """Slices of the tensors of a Hugging Face directory, read without loading whole files, from
+    the handles msjax.llama_config's `open_weight_files` gives (it opens only the weight files it
+    accepts: plain names inside the directory)."""
 
-    def __init__(self, directory: Path):
-        self._files = open_weight_files(directory)
+    def __init__(self, directory: Path, files: dict[str, Any]):
+        self._files = files
         self._file_of: dict[str, str] = {}
         for file_name, handle in self._files.items():
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)

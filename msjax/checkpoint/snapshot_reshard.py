@@ -2,9 +2,11 @@
 mesh): the shard files of one step that the snapshots on this node hold (every process's own and
 the copies kept for its peers), and those other nodes hold, are pieces of the global arrays, each
 naming its slice; a new shard is assembled from the pieces that overlap it, each verified by its
-sha256 before use (a damaged one is replaced by another replica of its slice). How pieces on other
-nodes are listed and fetched is msjax.checkpoint.piece_transport's; whether and when to do so,
-agreed by every process, is the loop's (msjax.training.memory_restore)."""
+sha256 before use (a damaged one is replaced by another replica of its slice). Which steps the
+pieces within reach make is found here (`coverable`: this node's first, the other nodes' where
+this node's fall short); how pieces on other nodes are listed and fetched is
+msjax.checkpoint.piece_transport's; which step to restore, agreed by every process, is the
+loop's (msjax.training.memory_restore)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -221,6 +223,68 @@ def uncovered(pieces: StepPieces, abstract_state: Any, mesh: dict[str, int]) -> 
                     f"snapshots within reach (those of {pieces.describe()})"
                 )
     return ""
+
+
+class Peers(Protocol):
+    """The other nodes' pieces within this process's reach: a `PeerPieces`
+    (msjax.checkpoint.piece_transport), or `NoPeers`."""
+
+    def snapshots(self) -> tuple[dict[int, list[SnapshotAt]], list[str]]:
+        """The whole snapshots the other nodes hold, by step, and why a node's are not listed."""
+        ...
+
+    def read(self, piece: Piece) -> bytes:
+        """The bytes of a piece another node holds; OSError where it cannot be read."""
+        ...
+
+
+def mesh_shape(abstract_state: Any) -> dict[str, int]:
+    """The mesh the state's leaves are sharded over, by axis ({} where none is named)."""
+    import jax
+
+    leaves = jax.tree.leaves(abstract_state)
+    mesh = getattr(leaves[0].sharding, "mesh", None) if leaves else None
+    return dict(mesh.shape) if mesh is not None else {}
+
+
+def coverable(
+    run_snapshots: Path | None,
+    abstract_state: Any,
+    corruption: str,
+    peers: Peers | None = None,
+) -> tuple[dict[int, StepPieces], str]:
+    """The steps whose pieces within reach make every shard this process holds in the run's
+    layout, and why the newest step does not where it does not. The pieces on this node come
+    first; where they do not make the newest step they hold (or there are none), those the
+    other nodes hold are listed too, through `peers` (None: none within reach)."""
+    if run_snapshots is None:
+        return {}, "no writable /dev/shm on this node"
+    if corruption:
+        return {}, corruption
+    local = pieces_by_step(run_snapshots)
+    whole, reason = covered_steps(local, abstract_state)
+    if peers is None or (local and max(local) in whole):
+        return whole, reason
+    elsewhere, unanswered = peers.snapshots()
+    whole, reason = covered_steps(pieces_by_step(run_snapshots, elsewhere), abstract_state)
+    if reason and unanswered:
+        reason += f" (not listed: {'; '.join(unanswered)})"
+    return whole, reason
+
+
+def covered_steps(
+    by_step: dict[int, StepPieces | str], abstract_state: Any
+) -> tuple[dict[int, StepPieces], str]:
+    """The steps whose pieces make every shard this process holds, and why the newest does not
+    where it does not."""
+    mesh = mesh_shape(abstract_state)
+    whole, reason = {}, "no snapshots within reach"
+    for step in sorted(by_step):
+        pieces = by_step[step]
+        reason = pieces if isinstance(pieces, str) else uncovered(pieces, abstract_state, mesh)
+        if not reason:
+            whole[step] = pieces
+    return whole, reason
 
 
 class NoPeers:

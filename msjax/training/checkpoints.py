@@ -192,9 +192,11 @@ def restore_start(
 def init_from_hf(config: Config, program: Any, message: Callable[[str], None]) -> Any:
     """A fresh state whose parameters are read, shard by shard, from model.init_from."""
     from msjax.checkpoint.hf_weights import SafetensorsReader, load_params
-    from msjax.llama_config import hf_directory
+    from msjax.llama_config import hf_directory, open_weight_files
 
-    reader = SafetensorsReader(hf_directory(config.model.init_from))
+    directory = hf_directory(config.model.init_from)
+    files = open_weight_files(directory)  # refused here if not readable, as at resolve time
+    reader = SafetensorsReader(directory, files)
     params = load_params(reader, config.model, program.state_shardings.params)
     message(f"initialized from the Hugging Face weights in {reader.directory}")
     return program.state_from_params(params)

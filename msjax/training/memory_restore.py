@@ -22,11 +22,9 @@ from msjax.checkpoint.piece_transport import PeerPieces, piece_answers
 from msjax.checkpoint.snapshot_reshard import (
     NoPeers,
     PieceReader,
-    StepPieces,
     assemble_shards,
-    pieces_by_step,
+    coverable,
     remove_other_layouts,
-    uncovered,
 )
 from msjax.checkpoint.snapshots import (
     SHARED_MEMORY,
@@ -294,46 +292,6 @@ def restore_from_memory(
     seconds = time.perf_counter() - started
     restored = MemoryRestored(state, step, manifest["meta"], path, snapshot_bytes, seconds, source)
     return restored, ""
-
-
-def coverable(
-    run_snapshots: Path | None,
-    abstract_state: Any,
-    corruption: str,
-    peers: PeerPieces | NoPeers | None = None,
-) -> tuple[dict[int, StepPieces], str]:
-    """The steps whose pieces within reach make every shard this process holds in the run's
-    layout, and why the newest step does not where it does not. The pieces on this node come
-    first; where they do not make the newest step they hold (or there are none), those the
-    other nodes hold are listed too, through `peers` (None: none within reach)."""
-    if run_snapshots is None:
-        return {}, "no writable /dev/shm on this node"
-    if corruption:
-        return {}, corruption
-    local = pieces_by_step(run_snapshots)
-    whole, reason = covered_steps(local, abstract_state)
-    if peers is None or (local and max(local) in whole):
-        return whole, reason
-    elsewhere, unanswered = peers.snapshots()
-    whole, reason = covered_steps(pieces_by_step(run_snapshots, elsewhere), abstract_state)
-    if reason and unanswered:
-        reason += f" (not listed: {'; '.join(unanswered)})"
-    return whole, reason
-
-
-def covered_steps(
-    by_step: dict[int, StepPieces | str], abstract_state: Any
-) -> tuple[dict[int, StepPieces], str]:
-    """The steps whose pieces make every shard this process holds, and why the newest does not
-    where it does not."""
-    mesh = state_layout(abstract_state)["mesh"]
-    whole, reason = {}, "no snapshots within reach"
-    for step in sorted(by_step):
-        pieces = by_step[step]
-        reason = pieces if isinstance(pieces, str) else uncovered(pieces, abstract_state, mesh)
-        if not reason:
-            whole[step] = pieces
-    return whole, reason
 
 
 def restore_resharded(

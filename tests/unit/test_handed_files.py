@@ -31,7 +31,7 @@ from msjax.config import Config, MeshConfig, ModelConfig, load_config
 from msjax.errors import ConfigError, MsjaxError
 from msjax.generate import main as generate_cli
 from msjax.hf.__main__ import main as hf_cli
-from msjax.llama_config import CONFIG_FILE, llama_config, model_from_init
+from msjax.llama_config import CONFIG_FILE, llama_config, model_from_init, open_weight_files
 from msjax.models.transformer import Transformer
 from msjax.parallel.mesh import build_mesh
 from msjax.resilience.compile_cache import KEY_FILE, signing_key
@@ -122,7 +122,7 @@ def test_weight_map_names_only_regular_files_inside_the_directory(
     assert expected in message and "\n" not in message, message
     assert "weight_map names" in message
     with pytest.raises(MsjaxError, match=expected):
-        SafetensorsReader(model)  # the worker's own reader holds to the same rule
+        open_weight_files(model)  # the worker opens its weight files by the same rule
 
 
 def test_hub_snapshot_links_to_regular_files_are_read(tmp_path: Path) -> None:
@@ -135,7 +135,9 @@ def test_hub_snapshot_links_to_regular_files_are_read(tmp_path: Path) -> None:
     (model / SINGLE_FILE).symlink_to(blob)
     filled = model_from_init(import_config(model)).model
     assert (filled.num_layers, filled.embed_dim, filled.num_kv_heads) == (1, 8, 1)
-    loaded = load_params(SafetensorsReader(model), TINY, one_device_shardings(params))
+    loaded = load_params(
+        SafetensorsReader(model, open_weight_files(model)), TINY, one_device_shardings(params)
+    )
     np.testing.assert_array_equal(np.asarray(loaded["embedding"]), params["embedding"])
 
 
@@ -180,7 +182,9 @@ def test_non_finite_weights_are_refused(tmp_path: Path, dtype: type, bad: float)
     write_safetensors(tensors, model)
     (model / CONFIG_FILE).write_text(json.dumps(llama_config(TINY, None, 64, "float32")))
     with pytest.raises(MsjaxError) as raised:
-        load_params(SafetensorsReader(model), TINY, one_device_shardings(params))
+        load_params(
+            SafetensorsReader(model, open_weight_files(model)), TINY, one_device_shardings(params)
+        )
     message = str(raised.value)
     assert "model.layers.0.mlp.gate_proj.weight holds non-finite values" in message, message
     assert str(model / SINGLE_FILE) in message
@@ -195,7 +199,7 @@ def test_safetensors_errors_name_the_file(tmp_path: Path) -> None:
     assert f"{model / SINGLE_FILE} is not a readable safetensors file" in str(raised.value)
     (model / SINGLE_FILE).write_bytes(b"<html>rate limited</html>")
     with pytest.raises(MsjaxError, match="is not a readable safetensors file"):
-        SafetensorsReader(model)
+        open_weight_files(model)  # the worker opens them alike
 
 
 @pytest.fixture

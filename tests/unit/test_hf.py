@@ -22,7 +22,7 @@ from msjax.errors import ConfigError
 from msjax.generate import main as generate_cli
 from msjax.hf.__main__ import main as hf_cli
 from msjax.hf.export import export_checkpoint
-from msjax.llama_config import model_from_init
+from msjax.llama_config import model_from_init, open_weight_files
 from msjax.models.transformer import Transformer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, shardings_for
@@ -118,7 +118,7 @@ def test_imported_llama_matches_transformers(tmp_path: Path, kv_heads: int, tied
     layout = state_layout(model, config.optim, 10)
     rules = logical_axis_rules(dataclasses.replace(config, model=model))
     shardings = shardings_for(layout.param_axes, mesh, rules)
-    params = load_params(SafetensorsReader(tmp_path), model, shardings)
+    params = load_params(SafetensorsReader(tmp_path, open_weight_files(tmp_path)), model, shardings)
     query = params["layers"]["attention"]["query"]
     assert query.sharding == shardings["layers"]["attention"]["query"]
     assert len(query.addressable_shards[0].data.shape) == 4
@@ -195,11 +195,19 @@ def test_export_shards_past_the_size_limit_and_bfloat16(trained_run: Path, tmp_p
     checkpointer.close()
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, saved)
-    reread = load_params(SafetensorsReader(tmp_path / "sharded"), config.model, shardings)
+    reread = load_params(
+        SafetensorsReader(tmp_path / "sharded", open_weight_files(tmp_path / "sharded")),
+        config.model,
+        shardings,
+    )
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), reread, saved)
 
     export_checkpoint(str(trained_run), tmp_path / "half", dtype="bfloat16")
-    halved = load_params(SafetensorsReader(tmp_path / "half"), config.model, shardings)
+    halved = load_params(
+        SafetensorsReader(tmp_path / "half", open_weight_files(tmp_path / "half")),
+        config.model,
+        shardings,
+    )
     embedding = np.asarray(halved["embedding"])
     assert not np.array_equal(embedding, saved["embedding"])
     np.testing.assert_allclose(embedding, saved["embedding"], rtol=1e-2, atol=1e-3)

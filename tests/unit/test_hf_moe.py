@@ -21,7 +21,7 @@ from msjax.checkpoint.run_params import checkpoint_source, load_run_params, save
 from msjax.config import Config, ModelConfig, load_config
 from msjax.errors import ConfigError
 from msjax.hf.__main__ import main as hf_cli
-from msjax.llama_config import model_from_init
+from msjax.llama_config import model_from_init, open_weight_files
 from msjax.models.transformer import Transformer
 from msjax.parallel.mesh import build_mesh
 from msjax.parallel.rules import logical_axis_rules, shardings_for
@@ -112,7 +112,7 @@ def test_imported_mixtral_matches_transformers(tmp_path: Path, sliding_window: i
     layout = state_layout(model, config.optim, 10)
     rules = logical_axis_rules(dataclasses.replace(config, model=model))
     shardings = shardings_for(layout.param_axes, mesh, rules)
-    params = load_params(SafetensorsReader(tmp_path), model, shardings)
+    params = load_params(SafetensorsReader(tmp_path, open_weight_files(tmp_path)), model, shardings)
     gate = params["moe_layers"]["mlp"]["gate"]
     assert gate.shape == (2, 4, 32, 24) and gate.sharding == shardings["moe_layers"]["mlp"]["gate"]
 
@@ -165,7 +165,9 @@ def test_trained_moe_run_exports_to_mixtral_and_back(trained_moe_run: Path, tmp_
     assert fields.moe == config.model.moe
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     reread = load_params(
-        SafetensorsReader(out), config.model, jax.tree.map(lambda _: device, saved)
+        SafetensorsReader(out, open_weight_files(out)),
+        config.model,
+        jax.tree.map(lambda _: device, saved),
     )
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), reread, saved)
 
@@ -248,7 +250,7 @@ def test_a_bias_balanced_run_starts_from_a_mixtral_with_a_zero_routing_bias(tmp_
     shardings = jax.tree.map(
         lambda _: device, layout.param_axes, is_leaf=lambda x: isinstance(x, tuple)
     )
-    params = load_params(SafetensorsReader(tmp_path), model, shardings)
+    params = load_params(SafetensorsReader(tmp_path, open_weight_files(tmp_path)), model, shardings)
     assert jax.tree.structure(params) == jax.tree.structure(shardings)  # every parameter
     bias = np.asarray(params["moe_layers"]["mlp"]["router"]["bias"])
     np.testing.assert_array_equal(bias, np.zeros((2, 4), np.float32))

@@ -28,7 +28,7 @@ from msjax.generate import Generator, Sampling, generation_model
 from msjax.generate import main as generate_cli
 from msjax.hf.__main__ import main as hf_cli
 from msjax.hf.export import hf_form
-from msjax.llama_config import model_from_init
+from msjax.llama_config import model_from_init, open_weight_files
 from msjax.models.moe import route
 from msjax.models.transformer import Transformer
 from msjax.parallel.mesh import build_mesh
@@ -107,7 +107,9 @@ def imported(directory: Path, mesh: MeshConfig) -> tuple[ModelConfig, dict]:
     layout = state_layout(model, config.optim, 10)
     rules = logical_axis_rules(dataclasses.replace(config, model=model))
     shardings = shardings_for(layout.param_axes, build_mesh(mesh), rules)
-    params = load_params(SafetensorsReader(directory), model, shardings)
+    params = load_params(
+        SafetensorsReader(directory, open_weight_files(directory)), model, shardings
+    )
     jax.tree.map(
         lambda a, s: (a.sharding == s) or pytest.fail(f"{a.sharding} != {s}"), params, shardings
     )
@@ -278,7 +280,9 @@ def test_trained_qwen3_moe_run_exports_and_imports_back(
     assert fields.moe == config.model.moe and fields.qk_norm
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     reread = load_params(
-        SafetensorsReader(out), config.model, jax.tree.map(lambda _: device, saved)
+        SafetensorsReader(out, open_weight_files(out)),
+        config.model,
+        jax.tree.map(lambda _: device, saved),
     )
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), reread, saved)
 

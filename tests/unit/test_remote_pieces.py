@@ -38,6 +38,7 @@ from msjax.checkpoint.piece_transport import (
 from msjax.checkpoint.snapshot_reshard import (
     PieceReader,
     assemble_shards,
+    coverable,
     pieces_by_step,
 )
 from msjax.checkpoint.snapshots import (
@@ -48,7 +49,7 @@ from msjax.checkpoint.snapshots import (
     run_snapshots_dir,
 )
 from msjax.training.checkpoints import restore_record
-from msjax.training.memory_restore import MemoryRestored, coverable, place_shards, state_layout
+from msjax.training.memory_restore import MemoryRestored, place_shards, state_layout
 from msjax.training.memory_snapshots import copy_shards, host_shards
 
 SECRET = b"the job's secret"
