@@ -1,4 +1,5 @@
-"""Causal grouped-query attention: the XLA reference, the Pallas flash kernel, or cuDNN.
+"""Causal grouped-query attention: plain XLA by query blocks (msjax.ops.causal_blocks), the Pallas
+flash kernel, or cuDNN.
 
 The kernels run per shard: batch over the data axes, heads over `tensor`, whole sequences.
 """
@@ -9,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from msjax.ops.causal_blocks import blocked_attention
 from msjax.ops.dispatch import resolved_impl
 from msjax.ops.sharding import per_shard
 from msjax.parallel.context import interpret_kernels, kernel_mesh
-from pallas_kernels.attention_reference import dot_product_attention
 from pallas_kernels.flash_attention import flash_attention
 
 QUERY = ("batch", None, "heads", None)  # seq and head_dim stay whole inside a kernel
@@ -29,13 +30,14 @@ def attention(
     segment_ids: jax.Array | None = None,
     impl: str = "xla",
 ) -> jax.Array:
-    """Causal attention by `impl` (xla | pallas | cudnn), as `dot_product_attention` computes it.
+    """Causal attention by `impl` (xla | pallas | cudnn), as
+    pallas_kernels.attention_reference.dot_product_attention computes it.
 
     query: [batch, seq, heads, head_dim]; key, value: [batch, seq, kv_heads, head_dim].
     """
     impl = resolved_impl(impl, "attention_impl")
     if impl == "xla":
-        return dot_product_attention(query, key, value, window=window, segment_ids=segment_ids)
+        return blocked_attention(query, key, value, window=window, segment_ids=segment_ids)
     num_heads, num_kv_heads = query.shape[2], key.shape[2]
 
     def local(query, key, value, *segments):

@@ -1,12 +1,12 @@
 """The planner's compute model: the matmul FLOPs one device runs per step on a mesh, as compiled,
 against the model FLOPs of `msjax.observe.flops` (which count no recomputation and no idle work).
 
-What the compiled step runs beyond the model FLOPs: the XLA attention's full [seq, seq] scores
-(the model counts the causal half), what `model.remat` recomputes, a pipeline's bubble iterations
-(stages compute on zeros; 1F1B's branch, so its idle stages do not), and the loss head: GPipe
-and circular split its tokens over pipe (the ceil(M / P) microbatches a stage holds), 1F1B runs
-it on the last stage alone. `tests/unit/test_compiled_flops.py` holds it to the compiled program's
-dots within 5%.
+What the compiled step runs beyond the model FLOPs: the XLA attention's scores of whole query
+blocks (msjax.ops.causal_blocks: each block's key span, where the model counts the causal half),
+what `model.remat` recomputes, a pipeline's bubble iterations (stages compute on zeros; 1F1B's
+branch, so its idle stages do not), and the loss head: GPipe and circular split its tokens over
+pipe (the ceil(M / P) microbatches a stage holds), 1F1B runs it on the last stage alone.
+`tests/unit/test_compiled_flops.py` holds it to the compiled program's dots within 5%.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from msjax.config import Config, ModelConfig
 from msjax.models.moe import expert_capacity
 from msjax.observe.flops import count_params, flops_per_step, mean_causal_context
+from msjax.ops.causal_blocks import blocked_keys_per_query
 from msjax.ops.grouped_matmul_blocks import padded_rows
 from msjax.parallel.experts import buffer_rows
 from msjax.parallel.pipeline import PipelineLayout
@@ -54,8 +55,13 @@ def _layer_forward_flops(
         model.num_layers
     )
     seq = config.data.seq_len
-    # the XLA reference computes every [seq, seq] score and masks; kernels skip masked blocks
-    context = mean_causal_context(seq, model.attention_window) if attention_is_fused(model) else seq
+    # the XLA path computes every score of its query blocks' key spans and masks; kernels skip
+    # masked blocks of keys too
+    context = (
+        mean_causal_context(seq, model.attention_window)
+        if attention_is_fused(model)
+        else blocked_keys_per_query(seq, model.attention_window)
+    )
     attention = 4.0 * model.num_heads * model.resolved_head_dim * context  # scores and values
     last = 2.0 * _down_projection_width(model) * model.embed_dim  # the MLP's down projection
     if model.parallel_block:  # and the attention's output projection, added beside it

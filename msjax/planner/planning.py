@@ -22,6 +22,7 @@ from flax import nnx
 from msjax.batch import BATCH_FIELDS
 from msjax.config import Config, ModelConfig, OptimConfig
 from msjax.models.moe import expert_capacity
+from msjax.ops.causal_blocks import blocked_keys_per_query
 from msjax.parallel.context import LogicalAxes
 from msjax.parallel.experts import buffer_rows
 from msjax.parallel.pipeline import PipelineLayout, gathers_stage_weights_once
@@ -101,6 +102,7 @@ class LocalDims:
     residual_split: int  # `tensor` when the residual stream is sequence-parallel, else 1
     parallel_block: bool
     fused_attention: bool  # a flash-attention kernel: no [seq, seq] scores are kept
+    score_keys: float  # keys per query in the XLA path's scores (its query blocks' key spans)
     fused_loss: bool  # the fused cross-entropy kernel: no [batch, seq, vocab] logits are kept
     fused_gate_up: bool  # gate and up as one matmul (the model does so where tensor splits mlp)
 
@@ -147,6 +149,7 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
         residual_split=tensor if config.mesh.sequence_parallel else 1,
         parallel_block=model.parallel_block,
         fused_attention=attention_is_fused(model),
+        score_keys=blocked_keys_per_query(config.data.seq_len, model.attention_window),
         fused_loss=loss_is_fused(model),
         fused_gate_up=tensor > 1,
     )
@@ -211,7 +214,7 @@ def _saved_per_layer(dims: LocalDims, remat: str) -> float:
     if dims.fused_attention:  # the kernel keeps its output's float32 log-sum-exp per query
         scores = b * dims.heads * s * F32_BYTES
     else:  # float32 scores, their softmax in the compute dtype
-        scores = b * dims.heads * s * s * (F32_BYTES + act)
+        scores = b * dims.heads * s * dims.score_keys * (F32_BYTES + act)
     heads = b * s * 2 * (dims.heads + dims.kv_heads) * dims.head_dim * act
     embed = SAVED_EMBED_PARALLEL_BLOCK if dims.parallel_block else SAVED_EMBED
     saved_mlp = SAVED_MLP_FUSED_GATE_UP if dims.fused_gate_up else SAVED_MLP
@@ -222,7 +225,7 @@ def _working_set(dims: LocalDims, remat: str) -> float:
     """Bytes of the buffers alive while the last layer runs backward, besides saved activations."""
     b, s, act = dims.batch, dims.seq, dims.act_bytes
     scores, mlp, embed = WORKING_MULTIPLES[remat]
-    attention = b * dims.heads * s * s * F32_BYTES
+    attention = b * dims.heads * s * dims.score_keys * F32_BYTES
     if dims.fused_attention:  # blocks of scores stay on chip; dq, dk, dv are written out
         scores = 1
         attention = b * s * (dims.heads + 2 * dims.kv_heads) * dims.head_dim * act
