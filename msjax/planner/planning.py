@@ -103,8 +103,8 @@ class LocalDims:
     parallel_block: bool
     fused_attention: bool  # a flash-attention kernel: no [seq, seq] scores are kept
     score_keys: float  # keys per query in the XLA path's scores (its query blocks' key spans)
+    fused_gate_up: bool  # gate and up as one matmul (msjax.models.transformer.MLP)
     fused_loss: bool  # the fused cross-entropy kernel: no [batch, seq, vocab] logits are kept
-    fused_gate_up: bool  # gate and up as one matmul (the model does so where tensor splits mlp)
 
 
 def attention_is_fused(model: ModelConfig) -> bool:
@@ -150,17 +150,18 @@ def local_dims(config: Config, mesh: MeshShape) -> LocalDims:
         parallel_block=model.parallel_block,
         fused_attention=attention_is_fused(model),
         score_keys=blocked_keys_per_query(config.data.seq_len, model.attention_window),
+        fused_gate_up=tensor > 1 or mesh.fsdp == 1,  # apart where fsdp gathers them alone
         fused_loss=loss_is_fused(model),
-        fused_gate_up=tensor > 1,
     )
 
 
 # What one layer keeps from its forward pass for its backward pass (remat "none"), read off XLA's
 # buffer assignment of the scanned layer: the attention scores and their softmax ([batch, heads,
-# seq, seq]; scores in float32), six [batch, seq, mlp] (gate, up, silu and its pieces), six
-# [batch, seq, embed] (inputs and outputs of the two norms and the two residual adds), q and the
-# attended values, k and v. Under "dots" the matmul outputs without batch dimensions (q, k, v,
-# attention output, gate, up, down) and the layer input; under "full" the layer input only.
+# queries, keys] of each query block; scores in float32), six [batch, seq, mlp] (gate, up, silu
+# and its pieces), six [batch, seq, embed] (inputs and outputs of the two norms and the two
+# residual adds), q and the attended values, k and v. Under "dots" the matmul outputs without
+# batch dimensions (q, k, v, attention output, gate, up, down) and the layer input; under "full"
+# the layer input only.
 SAVED_MLP = 6
 SAVED_MLP_FUSED_GATE_UP = 7  # the gate/up matmul's output is kept beside its two halves
 SAVED_EMBED = 6

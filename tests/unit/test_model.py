@@ -17,7 +17,10 @@ import pytest
 from flax import nnx
 
 from msjax.config import ModelConfig
-from msjax.models.transformer import Transformer
+from msjax.models.transformer import MLP, Transformer
+from msjax.models.transformer import (
+    _saves_all_but_relayouts as STACKED_WEIGHTS_POLICY,  # _matmul_with_stacked_weights's
+)
 from msjax.observe.flops import count_params
 from msjax.parallel.context import constrain
 from msjax.resolve import resolve_model
@@ -273,14 +276,16 @@ def loss_and_grads(config: ModelConfig):
 
 
 def checkpoint_policies(config: ModelConfig) -> list:
-    """The policy of every checkpoint (remat) in the traced forward, nested jaxprs included."""
+    """The policy of every checkpoint (remat) in the traced forward, nested jaxprs included, but
+    the one that stacks the MLP's gate and up weights again in the backward pass."""
     graphdef, params = nnx.split(build(config), nnx.Param)
     trace = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t))
     jaxpr = trace(params, jnp.zeros((1, 8), jnp.int32)).jaxpr
 
     def walk(jaxpr, inside_scan: bool):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name in ("checkpoint", "remat2"):
+            stacking = eqn.params.get("policy") is STACKED_WEIGHTS_POLICY
+            if eqn.primitive.name in ("checkpoint", "remat2") and not stacking:
                 yield eqn.params["policy"], inside_scan
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -310,6 +315,28 @@ def test_remat_setting_checkpoints_the_scanned_layer_with_its_policy():
     [(policy, inside_scan)] = checkpoint_policies(dataclasses.replace(TINY, remat="dots"))
     assert policy is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     assert inside_scan
+
+
+def dot_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The output shape of every dot in a jaxpr, nested jaxprs included, in order."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes.append(tuple(eqn.outvars[0].aval.shape))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes += dot_shapes(inner)
+    return shapes
+
+
+def test_gate_and_up_are_one_matmul_where_the_weights_are_whole():
+    with nnx.use_eager_sharding(False):
+        mlp = MLP(TINY, nnx.Rngs(0))
+    x = jnp.ones((1, 8, TINY.embed_dim))  # [batch, seq, embed]
+    forward = jax.make_jaxpr(lambda x: mlp(x))(x).jaxpr
+    assert dot_shapes(forward) == [(1, 8, 2, TINY.mlp_dim), (1, 8, TINY.embed_dim)]
 
 
 # ---- 5. constrain ------------------------------------------------------------------------------
