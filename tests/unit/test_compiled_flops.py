@@ -219,4 +219,4 @@ def test_planned_flops_of_remats_that_keep_the_matmuls_are_within_5_percent():
         step = compile_step(config, mesh)
         compiled[remat] = step.flops.total / flops_per_step(step.config)
         assert planned.ratio == pytest.approx(compiled[remat], rel=0.05)
-    assert compiled["attention"] < compiled["dots"] - 0.03  # 1.32 against 1.40
+    assert compiled["attention"] < compiled["dots"] - 0.03  # 1.11 against 1.16
