@@ -186,8 +186,9 @@ class MLP(nnx.Module):
             # gate and up as one matmul of twice the width: under tensor parallelism its input's
             # gradient is one all-reduce, not two; with whole weights a CPU step runs about 20%
             # faster. It keeps one more [batch, seq, mlp] per layer (remat none). Weights that
-            # fsdp gathers stay apart: XLA would reduce their stacked gradient in the compute
-            # dtype and keep the gathered weights for the backward pass.
+            # fsdp gathers stay apart: stacked, their gradient was reduced in a narrower compute
+            # dtype, a pipeline's gathers moved other bytes than msjax.plan counts
+            # (tests/unit/test_weight_gather.py), and at fsdp 8 on a CPU it gained 2%.
             projected = _matmul_with_stacked_weights(
                 "bse,ekm->bskm", x, _stack_gate_and_up, gate_weight, up_weight
             )  # [batch, seq, 2, mlp]
