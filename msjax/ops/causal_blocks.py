@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 QUERY_BLOCK = 128  # queries per block; a sequence of one block computes the square as it is
+MAX_BLOCKS = 16  # longer sequences get longer blocks: the unrolled blocks bound the program size
 MASKED = float(np.finfo(np.float32).min)  # a masked score; every query sees its own key
 
 
@@ -23,12 +24,18 @@ def key_span(start: int, stop: int, window: int | None) -> tuple[int, int]:
     return first, stop
 
 
-def query_blocks(seq_len: int, block: int = QUERY_BLOCK) -> list[tuple[int, int]]:
-    """The [start, stop) of each query block."""
+def query_block_size(seq_len: int) -> int:
+    """Queries per block: QUERY_BLOCK, or more where that would make over MAX_BLOCKS blocks."""
+    return max(QUERY_BLOCK, -(-seq_len // MAX_BLOCKS))
+
+
+def query_blocks(seq_len: int, block: int | None = None) -> list[tuple[int, int]]:
+    """The [start, stop) of each query block (of `query_block_size` queries unless given)."""
+    block = block or query_block_size(seq_len)
     return [(start, min(start + block, seq_len)) for start in range(0, seq_len, block)]
 
 
-def blocked_keys_per_query(seq_len: int, window: int | None, block: int = QUERY_BLOCK) -> float:
+def blocked_keys_per_query(seq_len: int, window: int | None, block: int | None = None) -> float:
     """The keys each query's scores span on average in the blocked computation (its block's key
     span): seq_len for one block, 10/16 of it at seq 512 in blocks of 128 (for the planner)."""
     spans = [
@@ -55,13 +62,14 @@ def blocked_attention(
     *,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
-    block: int = QUERY_BLOCK,
+    block: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention as `dot_product_attention` computes it, by query blocks;
     softmax in float32.
 
     query: [batch, seq, heads, head_dim]; key, value: [batch, seq, kv_heads, head_dim];
-    segment_ids: [batch, seq] (packed documents) or None; returns [batch, seq, heads, head_dim].
+    segment_ids: [batch, seq] (packed documents) or None; block: queries per block
+    (`query_block_size` when None); returns [batch, seq, heads, head_dim].
     """
     batch, seq_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]

@@ -77,6 +77,7 @@ def test_the_xla_impl_runs_the_blocks():
         (128, None, 128, 128.0),  # one block: the square
         (512, 100, 128, 202.25),  # keys from each block's first query's window on
         (64, None, 24, (24 * 24 + 24 * 48 + 16 * 64) / 64),
+        (4096, None, None, 256 * 17 / 2),  # 16 blocks of 256: longer sequences, longer blocks
     ],
 )
 def test_keys_per_query_are_the_blocks_spans(seq, window, block, keys):
