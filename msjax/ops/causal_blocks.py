@@ -18,10 +18,10 @@ MAX_BLOCKS = 16  # longer sequences get longer blocks: the unrolled blocks bound
 MASKED = float(np.finfo(np.float32).min)  # a masked score; every query sees its own key
 
 
-def key_span(start: int, stop: int, window: int | None) -> tuple[int, int]:
-    """The keys [first, stop) that queries [start, stop) may see, causal and within the window."""
-    first = 0 if window is None else max(0, start - window + 1)
-    return first, stop
+def first_key(start: int, window: int | None) -> int:
+    """The first key a block starting at query `start` may see: its block's keys are
+    [first_key, the block's end), causal and within the window."""
+    return 0 if window is None else max(0, start - window + 1)
 
 
 def query_block_size(seq_len: int) -> int:
@@ -39,7 +39,7 @@ def blocked_keys_per_query(seq_len: int, window: int | None, block: int | None =
     """The keys each query's scores span on average in the blocked computation (its block's key
     span): seq_len for one block, 10/16 of it at seq 512 in blocks of 128 (for the planner)."""
     spans = [
-        (stop - start) * (stop - key_span(start, stop, window)[0])
+        (stop - start) * (stop - first_key(start, window))
         for start, stop in query_blocks(seq_len, block)
     ]
     return sum(spans) / seq_len
@@ -77,7 +77,7 @@ def blocked_attention(
     query = query.reshape(batch, seq_len, num_kv_heads, group, head_dim)
     outputs = []
     for start, stop in query_blocks(seq_len, block):
-        first, _ = key_span(start, stop, window)
+        first = first_key(start, window)
         keys, values = key[:, first:stop], value[:, first:stop]  # [batch, keys, kv_heads, dim]
         scores = jnp.einsum(
             "bqkgd,bskd->bkgqs", query[:, start:stop], keys, preferred_element_type=jnp.float32
