@@ -7,7 +7,8 @@ faults per step and XLA's temp size. The levers:
 
 - allocator: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (msjax.allocator), off: glibc as it is;
 - remat: `model.remat=attention` against none, full and dots; all off runs full, the policy
-  that keeps the least.
+  that keeps the least;
+- layer loop: `model.layer_loop=unroll` (what `auto` is on CPU) against scan.
 
     python benchmarks/cpu_levers.py [--steps 4] [--rounds 1]
     python benchmarks/cpu_levers.py --smoke   # a tiny model, 2 steps, all on and all off
@@ -46,7 +47,7 @@ SIDE_BY_SIDE = [
     "data.max_corpus_mib=8",
 ]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipe=1"]
-ALL_ON = {"allocator": True, "remat": "attention"}
+ALL_ON = {"allocator": True, "remat": "attention", "layer_loop": "unroll"}
 # name: what differs from ALL_ON
 VARIANTS = {
     "all on": {},
@@ -54,7 +55,8 @@ VARIANTS = {
     "remat none": {"remat": "none"},
     "remat full": {"remat": "full"},
     "remat dots": {"remat": "dots"},
-    "all off": {"allocator": False, "remat": "full"},
+    "layer loop scan": {"layer_loop": "scan"},
+    "all off": {"allocator": False, "remat": "full", "layer_loop": "scan"},
 }
 
 
@@ -69,7 +71,8 @@ def run_variant(levers: dict, overrides: list[str], steps: int) -> dict:
     from msjax.resolve import resolve
     from msjax.step import build_program
 
-    config = load_config(None, [*overrides, f"model.remat={levers['remat']}"])
+    levers_set = [f"model.remat={levers['remat']}", f"model.layer_loop={levers['layer_loop']}"]
+    config = load_config(None, [*overrides, *levers_set])
     config = resolve(config, 1, jax.default_backend())
     program = build_program(config, build_mesh(config.mesh))
     state = program.init_state()

@@ -92,6 +92,21 @@ def resolve_impl(impl: str, key: str, backend: str, cudnn_fits: bool = True) -> 
     return impl
 
 
+def resolve_layer_loop(layer_loop: str, backend: str, pipe: int) -> str:
+    """`auto` -> unroll on CPU without a pipeline (small models, where the loop's slicing and
+    stacking cost a tenth of a step), scan elsewhere: one compiled body however deep the model,
+    and a pipeline stage's layers inside its schedule's loop as the planner counts them."""
+    if layer_loop != "auto":
+        return layer_loop
+    return "unroll" if backend == "cpu" and pipe == 1 else "scan"
+
+
+def with_layer_loop(config: Config, backend: str) -> Config:
+    """The config (its mesh resolved) with `model.layer_loop` resolved."""
+    loop = resolve_layer_loop(config.model.layer_loop, backend, config.mesh.pipe)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, layer_loop=loop))
+
+
 def resolve_model(model: ModelConfig, backend: str) -> ModelConfig:
     """The model section with each `*_impl` resolved to the implementation that will run."""
     fits = cudnn_attention_fits(model)
@@ -170,9 +185,10 @@ def resolve_run_dir(config: Config, now: datetime | None = None) -> Config:
 
 
 def resolve_for_devices(config: Config, device_count: int, backend: str) -> Config:
-    """What resolution needs the devices for: kernels chosen, the mesh filled in and checked."""
+    """What resolution needs the devices for: kernels chosen, the mesh filled in and checked, the
+    layer loop chosen for it."""
     config = dataclasses.replace(config, model=resolve_model(config.model, backend))
-    return check_device_count(config, device_count)
+    return with_layer_loop(check_device_count(config, device_count), backend)
 
 
 def resolve(config: Config, device_count: int, backend: str) -> Config:

@@ -57,11 +57,11 @@ from msjax.parallel.rules import (
 from msjax.state_layout import Batch, Params, TrainState, state_layout
 
 
-def update_is_finite(loss: jax.Array, grad_norm: jax.Array, params: Params) -> jax.Array:
-    """bool scalar: the loss, every gradient (through their norm) and every new parameter are
-    finite. A norm also turns inf when the squares overflow (gradients beyond ~1e19)."""
-    params_finite = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]
-    return jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.stack(params_finite).all()
+def update_is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    """bool scalar: the loss and every gradient (through their norm; it overflows before any
+    square does) are finite, which keeps moments and parameters finite (an AdamW or LAMB update
+    is bounded by the learning rate): the update's one predicate, no pass over the state."""
+    return jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
 
 def skipped_step(state: TrainState) -> TrainState:
@@ -76,16 +76,6 @@ def skipped_step(state: TrainState) -> TrainState:
 def skip_update(state: TrainState) -> TrainState:
     """skipped_step on its own, for a step whose batch is dropped (msjax.resilience.skips)."""
     return skipped_step(state)
-
-
-def keep_unless_finite(
-    update_finite: jax.Array, updated: TrainState, state: TrainState
-) -> TrainState:
-    """`updated` when the update is finite; otherwise the state of a skipped step, so a
-    non-finite update is never applied and never reaches a checkpoint (the same state as a
-    rollback's skip of that step)."""
-    skipped = skipped_step(state)
-    return jax.tree.map(lambda new, old: jnp.where(update_finite, new, old), updated, skipped)
 
 
 def real_token_weights(batch: Batch) -> jax.Array:
@@ -163,16 +153,16 @@ class UpdateStep:
     def train_step(
         self, state: TrainState, batch: Batch
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The state after one update on a global batch (kept as it was where the update is not
-        finite), and the step's metrics."""
+        """The state after one update on a global batch, and the step's metrics. Where the update
+        is not finite the state is a skipped step's: a conditional on the one predicate, so a
+        non-finite update is never applied nor saved, and no select or check passes over the
+        parameters and moments (the state of a rollback's skip of that step)."""
         # every microbatch's loss is divided by the whole batch's real tokens, so the sum over
         # microbatches is the whole batch's mean, however the padding falls among them
         value, grads = self.loss_and_grads(state.params, batch, real_token_count(batch))
         objective, (loss, moe_stats) = value if self.moe else (value, (value, None))
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
-        update_finite = update_is_finite(objective, grad_norm, params)
+        update_finite = update_is_finite(objective, grad_norm)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -180,12 +170,18 @@ class UpdateStep:
             "update_finite": update_finite,
         }
         if self.moe is not None:  # the objective's gradient, the cross-entropy's value reported
-            params = moe_layers.balance_routing_bias(params, moe_stats, self.moe)
             metrics |= moe_layers.moe_metrics(moe_stats) | {"moe_aux_loss": objective - loss}
-        updated = dataclasses.replace(
-            state, step=state.step + 1, params=params, opt_state=opt_state
-        )
-        return keep_unless_finite(update_finite, updated, state), metrics
+
+        def update(state: TrainState) -> TrainState:
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            if self.moe is not None:
+                params = moe_layers.balance_routing_bias(params, moe_stats, self.moe)
+            return dataclasses.replace(
+                state, step=state.step + 1, params=params, opt_state=opt_state
+            )
+
+        return jax.lax.cond(update_finite, update, skipped_step, state), metrics
 
 
 @dataclass
@@ -295,7 +291,7 @@ class TrainProgram:
         under `pipeline.fsdp_gather=once` gathered over fsdp here, before the loop, and cast to
         the compute dtype where the stage uses them, without a gather)."""
         layers_graphdef, layer_params = nnx.split(model.layers)
-        remat = self.config.model.remat
+        remat, loop = self.config.model.remat, self.config.model.layer_loop
         rules = logical_axis_rules(self.config)
         replica_axes, gathered = self._replicas.axes, gathers_stage_weights_once(self.config)
         if gathered:
@@ -309,7 +305,7 @@ class TrainProgram:
                 placement_within_replica(self.mesh, rules, replica_axes),
                 use_weight_gather(None) if gathered else contextlib.nullcontext(),
             ):
-                return apply_layer_stack(layers, x, positions, segment_ids, remat)
+                return apply_layer_stack(layers, x, positions, segment_ids, remat, layer_loop=loop)
 
         return stage, layer_params
 

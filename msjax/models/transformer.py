@@ -369,14 +369,17 @@ class Transformer(nnx.Module):
         """`features`, and the MoE layers' statistics stacked over them (None when dense)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        x, remat = self.embed(tokens), self.config.remat
+        x, remat, loop = self.embed(tokens), self.config.remat, self.config.layer_loop
         if not self.config.moe.enabled:
-            return self.finish(
-                apply_layer_stack(self.layers, x, positions, segment_ids, remat)
-            ), None
+            x = apply_layer_stack(self.layers, x, positions, segment_ids, remat, layer_loop=loop)
+            return self.finish(x), None
         if self.config.moe.first_dense_layers:
-            x = apply_layer_stack(self.dense_layers, x, positions, segment_ids, remat)
-        x, stats = apply_layer_stack(self.moe_layers, x, positions, segment_ids, remat, True)
+            x = apply_layer_stack(
+                self.dense_layers, x, positions, segment_ids, remat, layer_loop=loop
+            )
+        x, stats = apply_layer_stack(
+            self.moe_layers, x, positions, segment_ids, remat, True, layer_loop=loop
+        )
         return self.finish(x), stats
 
     def embed(self, tokens: jax.Array) -> jax.Array:
@@ -412,12 +415,15 @@ def apply_layer_stack(
     segment_ids: jax.Array | None,
     remat: str = "none",
     with_moe_stats: bool = False,
+    layer_loop: str = "scan",
 ) -> Any:
     """Run a stack of blocks (parameters stacked along "layers") over x [batch, seq, embed].
 
     This is the model's layer stack as a function of (layer parameters, activations): the
     whole model runs it over all layers, a pipeline stage over its own slice of them. With
     `with_moe_stats` (a stack of MoE blocks) it returns (x, MoeStats stacked over the layers).
+    layer_loop: scan (one loop body) or unroll (each layer its own code; the same values);
+    `auto`, unresolved, scans.
     """
 
     def layer(block: Block, x: jax.Array) -> Any:
@@ -432,6 +438,7 @@ def apply_layer_stack(
         in_axes=(nnx.Carry, 0),
         out_axes=(nnx.Carry, 0) if with_moe_stats else nnx.Carry,
         transform_metadata={nnx.PARTITION_NAME: "layers"},
+        unroll=layer_loop == "unroll",
     )
     def run_layers(x: jax.Array, block: Block) -> Any:
         return layer(block, checkpoint_name(x, LAYER_INPUT))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from msjax.config import Config
 from msjax.errors import ConfigError, MsjaxError
-from msjax.resolve import check_device_count, resolve_mesh_shape, resolve_model
+from msjax.resolve import check_device_count, resolve_mesh_shape, resolve_model, with_layer_loop
 
 PLANNED_BACKEND = "gpu"  # what plans are for unless a backend is named
 
@@ -117,7 +117,7 @@ def config_for_mesh(config: Config, mesh: MeshShape, backend: str = PLANNED_BACK
     sizes = dataclasses.replace(config.mesh, **mesh.sizes())
     replaced = dataclasses.replace(config, model=model, mesh=sizes)
     try:
-        return check_device_count(replaced, mesh.devices)
+        return with_layer_loop(check_device_count(replaced, mesh.devices), backend)
     except ConfigError as error:
         raise ConfigError(f"mesh {mesh} ({mesh.describe()}): {error}") from None
 
