@@ -6,9 +6,10 @@ malloc tunables at start) on batches already on the device, and prints tokens/s,
 faults per step and XLA's temp size. The levers:
 
 - allocator: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (msjax.allocator), off: glibc as it is;
-- remat: `model.remat=attention` against none, full and dots; all off runs full, the policy
-  that keeps the least;
-- layer loop: `model.layer_loop=unroll` (what `auto` is on CPU) against scan.
+- layer loop: `model.layer_loop=unroll` (what `auto` is on CPU with `remat=none`) against scan;
+- remat: none (the default) against attention, dots and full, each scanned (what `auto` runs
+  under a remat policy: unrolled, recomputing saves no memory on CPU); all off runs full, the
+  policy that keeps the least.
 
     python benchmarks/cpu_levers.py [--steps 4] [--rounds 1]
     python benchmarks/cpu_levers.py --smoke   # a tiny model, 2 steps, all on and all off
@@ -47,15 +48,15 @@ SIDE_BY_SIDE = [
     "data.max_corpus_mib=8",
 ]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipe=1"]
-ALL_ON = {"allocator": True, "remat": "attention", "layer_loop": "unroll"}
+ALL_ON = {"allocator": True, "remat": "none", "layer_loop": "unroll"}
 # name: what differs from ALL_ON
 VARIANTS = {
     "all on": {},
     "allocator off": {"allocator": False},
-    "remat none": {"remat": "none"},
-    "remat full": {"remat": "full"},
-    "remat dots": {"remat": "dots"},
     "layer loop scan": {"layer_loop": "scan"},
+    "remat attention": {"remat": "attention", "layer_loop": "scan"},
+    "remat dots": {"remat": "dots", "layer_loop": "scan"},
+    "remat full": {"remat": "full", "layer_loop": "scan"},
     "all off": {"allocator": False, "remat": "full", "layer_loop": "scan"},
 }
 

@@ -34,7 +34,7 @@ class ModelConfig:
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention."""
 
     vocab_size: int = 264  # 256 bytes + end-of-document, padded to a multiple of 8
-    num_layers: int = 4  # transformer blocks, stacked and scanned
+    num_layers: int = 4  # transformer blocks, stacked (scanned or unrolled: layer_loop)
     embed_dim: int = 128  # the residual stream's width
     num_heads: int = 8  # query heads; divisible by mesh.tensor
     num_kv_heads: int = 4  # key/value heads (grouped-query attention); divides num_heads
@@ -55,8 +55,8 @@ class ModelConfig:
     remat: Literal["none", "full", "dots", "attention"] = "none"
     # how the stacked layers run: scan (one loop body, compiled once: the compile time of a deep
     # model) or unroll (each layer its own code: no per-layer slicing of the stacked weights nor
-    # stacking of saved activations, 10-13% more tokens/s on CPU at benchmarks' shape); `auto`
-    # is unroll on CPU without a pipeline and scan elsewhere (msjax.resolve)
+    # stacking of saved activations, 6-13% more tokens/s on CPU at benchmarks' shape); `auto`
+    # is unroll on CPU without a pipeline or remat, scan elsewhere (msjax.resolve)
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # parameters stay float32 (master copy); fsdp gathers each layer's weights in this dtype,
     # cast on the shard, inside the layer loop

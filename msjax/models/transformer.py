@@ -431,8 +431,9 @@ def apply_layer_stack(
             return block.with_moe_stats(x, positions, segment_ids)
         return block(x, positions, segment_ids)
 
-    if remat != "none":
-        layer = nnx.remat(layer, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    if remat != "none":  # unrolled, XLA would merge the recomputation with the forward (CSE)
+        unrolled = layer_loop == "unroll"
+        layer = nnx.remat(layer, policy=_REMAT_POLICIES[remat], prevent_cse=unrolled)
 
     @nnx.scan(
         in_axes=(nnx.Carry, 0),

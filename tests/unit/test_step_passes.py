@@ -36,13 +36,14 @@ def _trained(layer_loop: str, steps: int = 2):
     return config, losses, jax.device_get(state.params)
 
 
-def test_auto_unrolls_the_layers_on_cpu_without_a_pipeline_and_scans_them_elsewhere():
-    assert resolve_layer_loop("auto", "cpu", pipe=1) == "unroll"
-    assert resolve_layer_loop("auto", "cpu", pipe=2) == "scan"
-    assert resolve_layer_loop("auto", "gpu", pipe=1) == "scan"
-    assert resolve_layer_loop("auto", "tpu", pipe=1) == "scan"
-    assert resolve_layer_loop("scan", "cpu", pipe=1) == "scan"  # a choice made is kept
-    assert resolve_layer_loop("unroll", "gpu", pipe=4) == "unroll"
+def test_auto_unrolls_the_layers_on_cpu_without_a_pipeline_or_remat_and_scans_elsewhere():
+    assert resolve_layer_loop("auto", "cpu", pipe=1, remat="none") == "unroll"
+    assert resolve_layer_loop("auto", "cpu", pipe=2, remat="none") == "scan"
+    assert resolve_layer_loop("auto", "cpu", pipe=1, remat="attention") == "scan"
+    assert resolve_layer_loop("auto", "gpu", pipe=1, remat="none") == "scan"
+    assert resolve_layer_loop("auto", "tpu", pipe=1, remat="none") == "scan"
+    assert resolve_layer_loop("scan", "cpu", pipe=1, remat="none") == "scan"  # a choice is kept
+    assert resolve_layer_loop("unroll", "gpu", pipe=4, remat="full") == "unroll"
     config = load_config(None, [*QUICK_RUN, "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"])
     assert resolve(config, 2, "cpu").model.layer_loop == "unroll"  # the saved config says so
     assert resolve(config, 2, "gpu").model.layer_loop == "scan"
@@ -85,3 +86,17 @@ def test_the_non_finite_guard_makes_no_pass_over_the_parameters():
     ]
     assert checked, "the loss's own check is there"
     assert not param_shapes & set(checked), sorted(param_shapes & set(checked))
+
+
+@pytest.mark.parametrize("remat", ["full", "attention"])
+def test_unrolled_layers_recompute_what_remat_asks_for(remat):
+    """Unrolled, a remat policy's recomputation is kept apart from the forward (XLA would merge
+    the two, and the step would execute the FLOPs of remat=none): the unrolled step runs the
+    scanned step's dot FLOPs."""
+    flops = {}
+    for loop in ("scan", "unroll"):
+        config = load_config(None, [*QUICK_RUN, f"model.remat={remat}", f"model.layer_loop={loop}"])
+        flops[loop] = compile_step(config, parse_mesh("1,1,1")).flops.total
+    none = load_config(None, [*QUICK_RUN, "model.remat=none", "model.layer_loop=unroll"])
+    assert flops["unroll"] == pytest.approx(flops["scan"], rel=1e-3)
+    assert flops["unroll"] > 1.005 * compile_step(none, parse_mesh("1,1,1")).flops.total
