@@ -5,7 +5,8 @@ on one CPU device. Each variant runs the compiled train step in its own process 
 malloc tunables at start) on batches already on the device, and prints tokens/s, minor page
 faults per step and XLA's temp size. The levers:
 
-- allocator: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (msjax.allocator), off: glibc as it is;
+- allocator: msjax's (jemalloc keeping what is freed where it is installed: msjax.allocator),
+  against glibc's huge pages alone (`MSJAX_ALLOCATOR=glibc`) and against glibc as it is;
 - layer loop: `model.layer_loop=unroll` (what `auto` is on CPU with `remat=none`) against scan;
 - remat: none (the default) against attention, dots and full, each scanned (what `auto` runs
   under a remat policy: unrolled, recomputing saves no memory on CPU); all off runs full, the
@@ -33,7 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.smoke import SMOKE_LABEL, TINY_CORPUS, TINY_MODEL, TINY_SEQ_LEN  # noqa: E402
-from msjax.allocator import OPT_OUT_VAR, REEXEC_MARKER_VAR, TUNABLES_VAR, allocator_env  # noqa: E402
+from msjax.allocator import (  # noqa: E402
+    ALLOCATOR_VAR,
+    ALLOCATOR_VARS,
+    REEXEC_MARKER_VAR,
+    allocator_env,
+)
 
 SIDE_BY_SIDE = [
     "model.num_layers=8",
@@ -48,16 +54,17 @@ SIDE_BY_SIDE = [
     "data.max_corpus_mib=8",
 ]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipe=1"]
-ALL_ON = {"allocator": True, "remat": "none", "layer_loop": "unroll"}
+ALL_ON = {"allocator": "auto", "remat": "none", "layer_loop": "unroll"}
 # name: what differs from ALL_ON
 VARIANTS = {
     "all on": {},
-    "allocator off": {"allocator": False},
+    "allocator glibc": {"allocator": "glibc"},
+    "allocator off": {"allocator": "off"},
     "layer loop scan": {"layer_loop": "scan"},
     "remat attention": {"remat": "attention", "layer_loop": "scan"},
     "remat dots": {"remat": "dots", "layer_loop": "scan"},
     "remat full": {"remat": "full", "layer_loop": "scan"},
-    "all off": {"allocator": False, "remat": "full", "layer_loop": "scan"},
+    "all off": {"allocator": "off", "remat": "full", "layer_loop": "scan"},
 }
 
 
@@ -101,13 +108,13 @@ def run_variant(levers: dict, overrides: list[str], steps: int) -> dict:
     }
 
 
-def variant_env(allocator: bool) -> dict[str, str]:
-    """One device; glibc's huge pages on or off, whatever this process was started with."""
+def variant_env(allocator: str) -> dict[str, str]:
+    """One device; MSJAX_ALLOCATOR=`allocator` (auto, glibc or off), whatever this process was
+    started with."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "1", "PYTHONPATH": str(REPO)}
-    for name in (TUNABLES_VAR, OPT_OUT_VAR, REEXEC_MARKER_VAR):
+    for name in (*ALLOCATOR_VARS, REEXEC_MARKER_VAR):
         env.pop(name, None)
-    if not allocator:
-        env[OPT_OUT_VAR] = "0"
+    env[ALLOCATOR_VAR] = allocator
     return allocator_env(env)
 
 

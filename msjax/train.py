@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from msjax.allocator import reexec_with_allocator
-from msjax.cli import ArgumentParser
+from msjax.cli import ArgumentParser, user_error
 from msjax.config import Config, load_config
 from msjax.data.sources import check_sources
+from msjax.errors import MsjaxError
 from msjax.resilience import exit_codes
 from msjax.resilience.crash_records import record_crash
 from msjax.resilience.fault_kinds import kind_of_error
@@ -322,5 +323,8 @@ def end_run(
 
 
 if __name__ == "__main__":
-    reexec_with_allocator()  # glibc reads its tunables at start (msjax.allocator)
+    try:
+        reexec_with_allocator()  # malloc reads its settings at start (msjax.allocator)
+    except MsjaxError as error:
+        raise SystemExit(user_error("msjax.train", error)) from None
     raise SystemExit(main())

@@ -88,7 +88,7 @@ class WorkerProcess:
         self.spawned_unix_s = time.time()
         self.process = subprocess.Popen(
             command,
-            env=allocator_env(env),  # glibc reads it at start (msjax.allocator)
+            env=allocator_env(env),  # malloc reads it at start (msjax.allocator)
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             # a waiting process (rank -1) is handed its rank over this pipe (hand_over)
