@@ -1,8 +1,8 @@
 """msjax's CPU step levers, each switched off against all on, in one run: tokens/s and ratios.
 
 The side-by-side shape (embed 512, 8 layers, 8 heads of 64, mlp 1408, seq 512, batch 8, float32)
-on one CPU device. Each variant runs the compiled train step in its own process (glibc reads its
-malloc tunables at start) on batches already on the device, and prints tokens/s, minor page
+on one CPU device. Each variant runs the compiled train step in its own process (malloc reads
+its settings at start) on batches already on the device, and prints tokens/s, minor page
 faults per step and XLA's temp size. The levers:
 
 - allocator: msjax's (jemalloc keeping what is freed where it is installed: msjax.allocator),
@@ -68,8 +68,11 @@ VARIANTS = {
 }
 
 
+WARMUP_STEPS = 3  # compiling's first run, and a heap that keeps what is freed growing to its peak
+
+
 def run_variant(levers: dict, overrides: list[str], steps: int) -> dict:
-    """In this process: the compiled step `steps` times after one warm-up; what it measured."""
+    """In this process: the compiled step `steps` times after WARMUP_STEPS; what it measured."""
     import jax
 
     from msjax.config import load_config
@@ -87,14 +90,15 @@ def run_variant(levers: dict, overrides: list[str], steps: int) -> dict:
     source = build_training_data(config, lambda line: None).train
     batches = [
         jax.device_put(source.global_batch_at(step), program.batch_sharding)
-        for step in range(steps + 1)
+        for step in range(WARMUP_STEPS + steps)
     ]
     compiled = program.train_step.lower(state, batches[0]).compile()
-    state, metrics = compiled(state, batches[0])
-    jax.block_until_ready(metrics)
+    for batch in batches[:WARMUP_STEPS]:
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.perf_counter()
-    for batch in batches[1:]:
+    for batch in batches[WARMUP_STEPS:]:
         state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     elapsed_s = time.perf_counter() - started
