@@ -35,6 +35,7 @@ TUNABLES_VAR = "GLIBC_TUNABLES"
 HUGETLB_TUNABLE = "glibc.malloc.hugetlb"
 HUGETLB_SETTING = f"{HUGETLB_TUNABLE}=1"  # madvise(MADV_HUGEPAGE) on glibc's mmapped blocks
 PRELOAD_VAR = "LD_PRELOAD"
+JEMALLOC_NAMES = ("libjemalloc.so.2", "libjemalloc.so")  # the files looked for in library_dirs()
 JEMALLOC_CONF_VAR = "MALLOC_CONF"
 # huge pages for the heap and jemalloc's own tables; large blocks in the one arena; never purge
 JEMALLOC_CONF = (
@@ -60,9 +61,6 @@ def allocator_choice(env: Mapping[str, str]) -> str:
             f"{ALLOCATOR_VAR}={choice!r}: expected one of {', '.join(ALLOCATOR_CHOICES)}"
         )
     return choice
-
-
-JEMALLOC_NAMES = ("libjemalloc.so.2", "libjemalloc.so")
 
 
 def library_dirs() -> list[Path]:
