@@ -59,6 +59,11 @@ class RunDir:
         """train.xla_profile's flags, the user's XLA_FLAGS, and what XLA was given."""
         return self.path / "xla_flags.json"
 
+    @property
+    def mfu_basis(self) -> Path:
+        """What each step's MFU is reckoned from: the model FLOPs and the peak, and its source."""
+        return self.path / "mfu.json"
+
     # What the run measured.
     @property
     def metrics(self) -> Path:

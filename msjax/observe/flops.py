@@ -79,6 +79,9 @@ def count_params(model: ModelConfig) -> ParamCounts:
     )
 
 
+CPU_PEAK_SIZE = 2048  # the square float32 matmul a CPU's peak is measured with
+CPU_PEAK_RUNS = 3  # its best of these runs
+
 MFU_CONVENTION = (
     "model FLOPs = 6 x matmul params + 12 x layers x heads x head_dim x mean causal context "
     "per token (no recomputation; a mixture of experts' active params), over dense bf16 peak"
@@ -167,8 +170,23 @@ def peak_tflops_per_device(device: jax.Device, override: float | None = None) ->
     return peak
 
 
+def peak_source(device: jax.Device, override: float | None = None) -> str:
+    """Where `peak_tflops_per_device` took its figure from, in words for the run record."""
+    if override is not None:
+        return "train.peak_tflops"
+    if device.platform == "cpu":
+        import jax  # here, so that counting FLOPs never loads JAX
+
+        return (
+            f"measured: the machine's best of {CPU_PEAK_RUNS} float32 {CPU_PEAK_SIZE} x "
+            f"{CPU_PEAK_SIZE} matmuls as the run started, shared by "
+            f"{jax.local_device_count(backend='cpu')} CPU devices"
+        )
+    return f"datasheet: dense bfloat16 for {device.device_kind}"
+
+
 @functools.cache
-def measure_cpu_peak_tflops(size: int = 2048, runs: int = 3) -> float:
+def measure_cpu_peak_tflops(size: int = CPU_PEAK_SIZE, runs: int = CPU_PEAK_RUNS) -> float:
     """The whole machine's float32 matmul TFLOP/s, best of `runs` on one CPU device (cached)."""
     import jax
     import jax.numpy as jnp

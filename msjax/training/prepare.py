@@ -23,7 +23,7 @@ from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, announce_devices, initialize_distributed
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
-from msjax.observe.flops import flops_per_step, peak_tflops_per_device
+from msjax.observe.flops import MFU_CONVENTION, flops_per_step, peak_source, peak_tflops_per_device
 from msjax.observe.loop_observer import LoopObserver, ProfileCapture
 from msjax.observe.metrics import ProgressLine
 from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
@@ -161,7 +161,7 @@ def build_run(
     mesh, message = joined.mesh, progress.message
     data = build_data(config, joined, message)
     mark_startup("data_built")
-    record_run(config, joined, data.facts, mesh, message)
+    record_run(config, joined, data, mesh, message)
     state = build_state(config, mesh, data, joined, message)
     describe_data(data.training, config.train, state.start, message)
     program, resilience = state.program, state.resilience
@@ -234,7 +234,7 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
 def record_run(
     config: Config,
     joined: JoinedJob,
-    data_facts: dict[str, Any],
+    data: RunData,
     mesh: Any,
     message: Callable[[str], None],
 ) -> None:
@@ -245,10 +245,21 @@ def record_run(
         check_tensorboard_installed()
     if jax.process_index() == 0:
         lock = joined.lock if not joined.job.launched else None
-        write_run_record(joined.plan, config, data_facts, message, lock)
+        write_run_record(joined.plan, config, data.facts, message, lock)
         write_json(
             joined.run_dir.xla_flags,
             {**joined.xla_flags.record(), "allocator": allocator_record()},
+        )
+        write_json(
+            joined.run_dir.mfu_basis,
+            {
+                "model_flops_per_step": data.step_flops,
+                "tokens_per_step": data.tokens_per_step,
+                "devices": mesh.size,
+                "peak_tflops_per_device": data.peak_tflops,
+                "peak_source": peak_source(jax.devices()[0], config.train.peak_tflops),
+                "convention": MFU_CONVENTION,
+            },
         )
     shape = " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items())
     message(

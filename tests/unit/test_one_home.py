@@ -15,6 +15,7 @@ RUN_DIR_NAMES = {
     "job_config.yaml",
     "data.json",
     "xla_flags.json",
+    "mfu.json",
     "metrics.jsonl",
     "ranks.jsonl",
     "goodput.json",

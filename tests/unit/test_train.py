@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -61,6 +63,21 @@ def test_tokens_per_second_and_mfu_follow_from_the_step_time(short_run):
         assert record["tokens_per_s"] == pytest.approx(tokens_per_step / record["step_time_s"])
         expected_mfu = flops_per_step(config) / (record["step_time_s"] * devices * 0.5e12)
         assert record["mfu"] == pytest.approx(expected_mfu)
+
+
+def test_the_run_records_what_its_mfu_is_reckoned_from(short_run):
+    config, _, records = short_run
+    basis = json.loads((Path(config.run.dir) / "mfu.json").read_text())
+    assert basis["model_flops_per_step"] == flops_per_step(config)
+    assert basis["tokens_per_step"] == config.train.global_batch * config.data.seq_len
+    assert basis["devices"] == jax.device_count()
+    assert basis["peak_tflops_per_device"] == 0.5
+    assert basis["peak_source"] == "train.peak_tflops"
+    for record in step_records(records):
+        reckoned = basis["model_flops_per_step"] / (
+            record["step_time_s"] * basis["devices"] * basis["peak_tflops_per_device"] * 1e12
+        )
+        assert record["mfu"] == pytest.approx(reckoned)
 
 
 def test_learning_rate_warms_up_then_decays(short_run):
