@@ -150,15 +150,21 @@ def peak_tflops_for_device_kind(device_kind: str) -> float | None:
     return None
 
 
-def peak_tflops_per_device(device: jax.Device, override: float | None = None) -> float:
-    """Peak TFLOP/s of one device: the override, the GPU table, or a measured CPU share."""
+def device_peak(device: jax.Device, override: float | None = None) -> tuple[float, str]:
+    """Peak TFLOP/s of one device, and where it came from in words (for the run record): the
+    override, the GPU table, or a measured CPU share."""
     if override is not None:
-        return float(override)
+        return float(override), "train.peak_tflops"
     if device.platform == "cpu":
         import jax  # here, so that counting FLOPs never loads JAX
 
         # Simulated CPU devices share the machine's cores.
-        return measure_cpu_peak_tflops() / jax.local_device_count(backend="cpu")
+        devices = jax.local_device_count(backend="cpu")
+        source = (
+            f"measured: the machine's best of {CPU_PEAK_RUNS} float32 {CPU_PEAK_SIZE} x "
+            f"{CPU_PEAK_SIZE} matmuls as the run started, shared by {devices} CPU devices"
+        )
+        return measure_cpu_peak_tflops() / devices, source
     peak = peak_tflops_for_device_kind(device.device_kind)
     if peak is None:
         known = ", ".join(PEAK_TFLOPS)
@@ -167,22 +173,12 @@ def peak_tflops_per_device(device: jax.Device, override: float | None = None) ->
             f"(platform {device.platform}; known: {known}); set train.peak_tflops to its dense "
             "bf16 peak per device"
         )
-    return peak
+    return peak, f"datasheet: dense bfloat16 for {device.device_kind}"
 
 
-def peak_source(device: jax.Device, override: float | None = None) -> str:
-    """Where `peak_tflops_per_device` took its figure from, in words for the run record."""
-    if override is not None:
-        return "train.peak_tflops"
-    if device.platform == "cpu":
-        import jax  # here, so that counting FLOPs never loads JAX
-
-        return (
-            f"measured: the machine's best of {CPU_PEAK_RUNS} float32 {CPU_PEAK_SIZE} x "
-            f"{CPU_PEAK_SIZE} matmuls as the run started, shared by "
-            f"{jax.local_device_count(backend='cpu')} CPU devices"
-        )
-    return f"datasheet: dense bfloat16 for {device.device_kind}"
+def peak_tflops_per_device(device: jax.Device, override: float | None = None) -> float:
+    """Peak TFLOP/s of one device (`device_peak`'s figure)."""
+    return device_peak(device, override)[0]
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from msjax.data.token_store import write_progress
 from msjax.distributed import JobEnv, announce_devices, initialize_distributed
 from msjax.llama_config import model_from_init
 from msjax.loop_events import EventFanOut, LoopEvents
-from msjax.observe.flops import MFU_CONVENTION, flops_per_step, peak_source, peak_tflops_per_device
+from msjax.observe.flops import MFU_CONVENTION, device_peak, flops_per_step
 from msjax.observe.loop_observer import LoopObserver, ProfileCapture
 from msjax.observe.metrics import ProgressLine
 from msjax.observe.tensorboard import TensorBoardLog, check_tensorboard_installed
@@ -203,6 +203,7 @@ class RunData:
     tokens_per_step: int  # global_batch x seq_len: what tokens/s is reckoned from
     step_flops: float  # the model FLOPs of one step on global_batch x seq_len tokens
     peak_tflops: float  # per device: with step_flops, what the MFU is reckoned from
+    peak_source: str  # where peak_tflops came from (msjax.observe.flops.device_peak)
 
 
 def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]) -> RunData:
@@ -224,11 +225,13 @@ def build_data(config: Config, joined: JoinedJob, message: Callable[[str], None]
         watch = write_progress(lambda tokens: heartbeat.beat("data", progress=tokens))
     tokens_per_step = config.train.global_batch * config.data.seq_len
     step_flops = flops_per_step(config)
-    peak_tflops = peak_tflops_per_device(jax.devices()[0], config.train.peak_tflops)
+    peak_tflops, peak_source = device_peak(jax.devices()[0], config.train.peak_tflops)
     with watch:
         data = build_training_data(config, message)
     facts, corpus = corpus_facts(data), corpus_identity(data.tokenizer.name, data.sources)
-    return RunData(data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops)
+    return RunData(
+        data, facts, corpus, heartbeat, tokens_per_step, step_flops, peak_tflops, peak_source
+    )
 
 
 def record_run(
@@ -257,7 +260,7 @@ def record_run(
                 "tokens_per_step": data.tokens_per_step,
                 "devices": mesh.size,
                 "peak_tflops_per_device": data.peak_tflops,
-                "peak_source": peak_source(jax.devices()[0], config.train.peak_tflops),
+                "peak_source": data.peak_source,
                 "convention": MFU_CONVENTION,
             },
         )

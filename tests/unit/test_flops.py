@@ -14,11 +14,11 @@ from msjax.errors import MsjaxError
 from msjax.flops import main
 from msjax.observe.flops import (
     count_params,
+    device_peak,
     flops_per_step,
     flops_per_token,
     measure_cpu_peak_tflops,
     mfu,
-    peak_source,
     peak_tflops_for_device_kind,
     peak_tflops_per_device,
 )
@@ -147,12 +147,12 @@ def test_the_peaks_source_says_which_figure_the_mfu_is_reckoned_from():
     import jax
 
     cpu = jax.devices("cpu")[0]
-    measured = peak_source(cpu)
+    measured = device_peak(cpu)[1]
     assert measured.startswith("measured:"), measured
     assert f"shared by {jax.local_device_count(backend='cpu')} CPU devices" in measured
-    assert peak_source(cpu, override=50.0) == "train.peak_tflops"
+    assert device_peak(cpu, override=50.0)[1] == "train.peak_tflops"
     gpu = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
-    assert peak_source(gpu) == "datasheet: dense bfloat16 for NVIDIA H100 80GB HBM3"
+    assert device_peak(gpu)[1] == "datasheet: dense bfloat16 for NVIDIA H100 80GB HBM3"
 
 
 def test_cpu_peak_is_the_measured_machine_peak_shared_by_the_cpu_devices():
